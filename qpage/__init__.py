@@ -1,0 +1,8 @@
+"""qpage: quantization-first, low-memory LLM inference."""
+
+from qpage.engine.llm import LLM
+from qpage.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from qpage.sampling_params import SamplingParams
+
+__all__ = ["LLM", "CompletionOutput", "Logprob", "RequestOutput", "SamplingParams"]
+__version__ = "0.1.0"

@@ -1,0 +1,144 @@
+"""Validated configuration dataclasses: one per concern, each default written once.
+
+The CLI reads its defaults off these classes (see ``qpage.cli``), so a default changed
+here changes everywhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+BLOCK_SIZE = 16
+"""Tokens per KV-cache block (DESIGN section 4)."""
+
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "ki": 1024, "kib": 1024,
+    "m": 1000**2, "mb": 1000**2, "mi": 1024**2, "mib": 1024**2,
+    "g": 1000**3, "gb": 1000**3, "gi": 1024**3, "gib": 1024**3,
+    "t": 1000**4, "tb": 1000**4, "ti": 1024**4, "tib": 1024**4,
+}
+
+
+def parse_size(value: int | float | str, what: str = "size") -> int:
+    """Parse a byte count given as a number or a string such as ``"2GiB"`` or ``"512MB"``."""
+    if isinstance(value, bool):
+        raise ValueError(f"{what}={value!r} is not a byte count; give e.g. 2147483648 or '2GiB'")
+    if isinstance(value, (int, float)):
+        n = int(value)
+    elif isinstance(value, str):
+        m = _SIZE_RE.match(value)
+        if m is None:
+            raise ValueError(f"{what}={value!r} is not a byte count; give e.g. 2147483648 or '2GiB'")
+        n = int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
+    else:
+        raise ValueError(f"{what}={value!r} is not a byte count; give e.g. 2147483648 or '2GiB'")
+    if n <= 0:
+        raise ValueError(f"{what}={value!r} must be positive")
+    return n
+
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass
+class ModelConfig:
+    """Which model to run and how to load it."""
+
+    model: str | None = None
+    """Local Hugging Face model folder (safetensors); None runs the default model."""
+    dtype: str = "auto"
+    """Compute dtype: auto (float32 on CPU, the checkpoint's dtype on CUDA), float32, bfloat16, float16."""
+    max_model_len: int | None = None
+    """Longest prompt + output in tokens; None takes the model's limit, capped to the KV capacity."""
+    allow_pickle: bool = False
+    """Allow loading pickle ``.bin`` weights (unsafe: pickle runs code). Off by default."""
+    trust_remote_code: bool = False
+    """Never needed for the supported architectures; kept for vLLM compatibility, must stay False."""
+    device: str = "cpu"
+    """torch device to run on."""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype={self.dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len={self.max_model_len} must be at least 2")
+        if self.trust_remote_code:
+            raise ValueError(
+                "trust_remote_code=True is not supported: qpage runs only its own model code "
+                "for the supported architectures; drop the flag"
+            )
+
+
+@dataclass
+class CacheConfig:
+    """The paged KV cache."""
+
+    kv_cache_memory: int | str = "1GiB"
+    """KV cache budget in bytes or as a string ('2GiB'); decides how many tokens fit."""
+    enable_prefix_caching: bool = True
+    """Reuse the KV blocks of earlier requests that share a prompt prefix."""
+    block_size: int = BLOCK_SIZE
+    """Tokens per block."""
+
+    def __post_init__(self) -> None:
+        self.kv_cache_memory = parse_size(self.kv_cache_memory, "kv_cache_memory")
+        if self.block_size != BLOCK_SIZE:
+            raise ValueError(f"block_size={self.block_size} is not supported; qpage uses {BLOCK_SIZE}")
+
+
+@dataclass
+class SchedulerConfig:
+    """Continuous batching."""
+
+    max_num_seqs: int = 64
+    """Most requests running in one step."""
+    max_num_batched_tokens: int = 1024
+    """Token budget of one step: decodes plus prefill chunks."""
+    max_waiting: int | None = None
+    """Bound on the waiting queue (None: unbounded); the server answers 503 past it."""
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs={self.max_num_seqs} must be at least 1")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens={self.max_num_batched_tokens} must be at least 1"
+            )
+
+
+@dataclass
+class EngineConfig:
+    """Everything an engine needs, passed down as one object."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    seed: int = 0
+    """Seed of the sampler for requests that give none."""
+    log_stats: bool = True
+    """Print the KV capacity at start."""
+
+
+def field_default(cls: type, name: str) -> Any:
+    """The declared default of a dataclass field (for CLI defaults, written once)."""
+    for f in dataclasses.fields(cls):
+        if f.name == name:
+            if f.default is not dataclasses.MISSING:
+                return f.default
+            if f.default_factory is not dataclasses.MISSING:
+                return f.default_factory()
+    raise KeyError(f"{cls.__name__} has no field {name!r}")
+
+
+def field_doc(cls: type, name: str) -> str:
+    """The one-line docstring written under a dataclass field (used as CLI help)."""
+    import inspect
+
+    src = inspect.getsource(cls)
+    m = re.search(rf"^\s+{name}:.*\n\s+\"\"\"(.*?)\"\"\"", src, re.MULTILINE)
+    return m.group(1) if m else ""

@@ -1,0 +1,232 @@
+"""The engine: input processing, the step loop (schedule -> run -> sample -> update), outputs."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from qpage.config import BLOCK_SIZE, EngineConfig
+from qpage.engine.detokenizer import IncrementalDetokenizer
+from qpage.engine.kv_cache import KVCacheManager
+from qpage.engine.metrics import EngineMetrics
+from qpage.engine.output_processor import OutputProcessor, ParentState
+from qpage.engine.outputs import CompletionOutput, RequestOutput
+from qpage.engine.request import Request, RequestStatus
+from qpage.engine.scheduler import Scheduler
+from qpage.models.arch import ArchConfig
+from qpage.models.loader import load_model, read_arch_config, resolve_dtype, resolve_model_dir
+from qpage.runner.model_runner import ModelRunner
+from qpage.runner.sampler import Sampler
+from qpage.sampling_params import SamplingParams
+
+PromptType = str | dict[str, Any]
+
+
+def load_tokenizer(model_dir: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=False)
+    except Exception as e:  # noqa: BLE001 - transformers raises many types here
+        raise ValueError(
+            f"{model_dir}: could not load the tokenizer ({e}); the folder needs tokenizer.json "
+            "or tokenizer.model with tokenizer_config.json"
+        ) from e
+
+
+def eos_token_ids(model_dir: Path, tokenizer: Any) -> set[int]:
+    ids: set[int] = set()
+    gen = model_dir / "generation_config.json"
+    if gen.is_file():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return ids
+
+
+def plan_capacity(arch: ArchConfig, dtype: torch.dtype, budget: int) -> tuple[int, int]:
+    """(blocks, bytes per block) that fit in a KV budget of ``budget`` bytes."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    block_bytes = arch.kv_bytes_per_token(elem) * BLOCK_SIZE
+    return budget // block_bytes, block_bytes
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        mc = config.model
+        self.device = torch.device(mc.device)
+        self.model_dir = resolve_model_dir(mc.model)
+        self.arch = read_arch_config(self.model_dir)
+        self.dtype = resolve_dtype(mc.dtype, self.arch, self.device)
+        self.tokenizer = load_tokenizer(self.model_dir)
+        self.eos_token_ids = eos_token_ids(self.model_dir, self.tokenizer)
+        num_blocks, block_bytes = plan_capacity(self.arch, self.dtype, int(config.cache.kv_cache_memory))
+        self.max_model_len = self._decide_max_model_len(num_blocks * BLOCK_SIZE, block_bytes)
+        self.model = load_model(
+            self.model_dir, self.arch, self.dtype, self.device, self.max_model_len, mc.allow_pickle
+        )
+        self.kv = KVCacheManager(num_blocks, config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
+        self.runner = ModelRunner(self.model, self.arch, self.kv, self.dtype, self.device, self.max_model_len)
+        self.sampler = Sampler(config.seed)
+        self.metrics = EngineMetrics()
+        self.outputs = OutputProcessor(self.tokenizer, self.metrics)
+        self._ids = itertools.count()
+        self._requests: dict[str, list[Request]] = {}
+        if config.log_stats:
+            cap = num_blocks * BLOCK_SIZE
+            print(
+                f"qpage: {self.model_dir.name} ({self.arch.architecture}, {self.dtype}) on "
+                f"{self.device}; KV cache {num_blocks} blocks x {BLOCK_SIZE} = {cap} tokens "
+                f"({block_bytes // BLOCK_SIZE} B/token); max_model_len {self.max_model_len}",
+                flush=True,
+            )
+
+    def _decide_max_model_len(self, capacity: int, block_bytes: int) -> int:
+        limit = self.arch.max_position_embeddings
+        if self.arch.sliding_window:
+            limit = min(limit, self.arch.sliding_window)
+        want = self.config.model.max_model_len
+        if want is None:
+            if capacity < 2:
+                raise ValueError(
+                    f"kv_cache_memory={self.config.cache.kv_cache_memory} holds no block of "
+                    f"{block_bytes} bytes; raise kv_cache_memory"
+                )
+            return min(limit, capacity)
+        if want > limit:
+            raise ValueError(
+                f"max_model_len={want} exceeds the model's limit of {limit} tokens; lower it"
+            )
+        if want > capacity:
+            need = -(-want // BLOCK_SIZE) * block_bytes
+            raise ValueError(
+                f"max_model_len={want} does not fit the KV cache, which holds {capacity} tokens; "
+                f"raise kv_cache_memory to at least {need} bytes or lower max_model_len"
+            )
+        return want
+
+    # ------------------------------------------------------------------ input
+    def _prompt_ids(self, prompt: PromptType, add_special_tokens: bool) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+            text: str | None = prompt
+        elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            ids, text = prompt["prompt_token_ids"], prompt.get("prompt")
+            vocab = self.arch.vocab_size
+            if not isinstance(ids, list) or not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
+                raise ValueError(f"prompt_token_ids must be a list of ints in [0, {vocab})")
+        elif isinstance(prompt, dict) and "prompt" in prompt:
+            return self._prompt_ids(prompt["prompt"], add_special_tokens)
+        else:
+            raise ValueError(
+                f"a prompt must be a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}"
+            )
+        if not ids:
+            raise ValueError("the prompt is empty; give at least one token of text")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(ids)} tokens, but max_model_len is {self.max_model_len}: "
+                "shorten the prompt or raise max_model_len (and kv_cache_memory)"
+            )
+        return text, list(ids)
+
+    def add_request(
+        self, prompt: PromptType, params: SamplingParams | None = None,
+        request_id: str | None = None, add_special_tokens: bool = True,
+    ) -> str:
+        """Queue a prompt; raise ValueError for bad input without touching other requests."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        text, ids = self._prompt_ids(prompt, add_special_tokens)
+        rid = request_id if request_id is not None else str(next(self._ids))
+        if rid in self._requests:
+            raise ValueError(f"request_id {rid!r} is already in use")
+        room = self.max_model_len - len(ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        now = time.monotonic()
+        children = [
+            Request(f"{rid}-{i}" if params.n > 1 else rid, ids, params, max_tokens,
+                    self.eos_token_ids, parent_id=rid, index=i, arrival_time=now)
+            for i in range(params.n)
+        ]
+        want_lp = params.logprobs is not None
+        self.outputs.add(ParentState(
+            request_id=rid, prompt=text, prompt_token_ids=ids, params=params, children=children,
+            detoks=[self._detok(ids, params) for _ in children],
+            completions=[CompletionOutput(i, "", [], 0.0 if want_lp else None, [] if want_lp else None)
+                         for i in range(params.n)],
+        ))
+        self._requests[rid] = children
+        for c in children:
+            self.scheduler.add_request(c)
+        self.metrics.inc("prompt_tokens_total", len(ids) * params.n)
+        return rid
+
+    def _detok(self, ids: list[int], p: SamplingParams) -> IncrementalDetokenizer | None:
+        if not p.detokenize:
+            return None
+        return IncrementalDetokenizer(
+            self.tokenizer, ids, p.skip_special_tokens, p.stop_strings, p.include_stop_str_in_output
+        )
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request (all its sequences) and free its blocks at once."""
+        for req in self._requests.pop(request_id, []):
+            self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+        self.outputs.parents.pop(request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ------------------------------------------------------------------ step
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduler step; return the (cumulative) outputs of the requests it touched."""
+        sched = self.scheduler.schedule()
+        self.metrics.inc("num_preemptions_total", len(sched.preempted))
+        if sched.is_empty:
+            self._update_gauges()
+            return []
+        step = self.runner.execute(sched)
+        for rid, (first, logits) in step.prompt_logits.items():
+            req = next(s.request for s in sched.scheduled if s.request.request_id == rid)
+            self.outputs.add_prompt_logprobs(req, first, logits)
+        if step.logits is None:
+            self.scheduler.update(sched, {})
+            self._update_gauges()
+            return []
+        res = self.sampler(step.logits, step.sample_requests)
+        sampled = {r.request_id: t for r, t in zip(step.sample_requests, res.token_ids, strict=True)}
+        self.scheduler.update(sched, sampled)
+        for req in self.outputs.add_tokens(step.sample_requests, res, time.monotonic()):
+            if req.status.finished:  # ended by EOS/length on the same token: the stop string wins
+                req.status = RequestStatus.FINISHED_STOPPED
+            else:
+                self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
+        touched = {r.parent_id for r in step.sample_requests}
+        outs = self.outputs.snapshot(touched)
+        for o in outs:
+            if o.finished:
+                self._requests.pop(o.request_id, None)
+        self._update_gauges()
+        return outs
+
+    def _update_gauges(self) -> None:
+        g = self.metrics.gauges
+        g["num_requests_running"] = len(self.scheduler.running)
+        g["num_requests_waiting"] = len(self.scheduler.waiting)
+        g["kv_cache_usage_perc"] = self.kv.usage()
+        self.metrics.counters["prefix_cache_queries"] = self.kv.prefix_queries
+        self.metrics.counters["prefix_cache_hits"] = self.kv.prefix_hits
+
+    def get_metrics(self) -> dict[str, Any]:
+        self._update_gauges()
+        return self.metrics.snapshot()

@@ -1,0 +1,131 @@
+"""From sampled tokens to RequestOutputs: detokenization, stop strings, logprobs, timings.
+
+A prompt with ``n`` > 1 runs as ``n`` sequences (``Request`` objects); their parent state
+here gathers them into one ``RequestOutput``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from qpage.engine.detokenizer import IncrementalDetokenizer
+from qpage.engine.metrics import EngineMetrics
+from qpage.engine.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
+from qpage.engine.request import Request
+from qpage.runner.sampler import SampleResult, top_logprobs
+from qpage.sampling_params import SamplingParams
+
+
+@dataclass
+class ParentState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    children: list[Request]
+    detoks: list[IncrementalDetokenizer | None]
+    completions: list[CompletionOutput]
+    prompt_logprobs: PromptLogprobs | None = None
+    done: list[bool] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return all(self.done)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Any, metrics: EngineMetrics) -> None:
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+        self.parents: dict[str, ParentState] = {}
+
+    def add(self, parent: ParentState) -> None:
+        parent.done = [False] * len(parent.children)
+        if parent.params.prompt_logprobs is not None:
+            parent.prompt_logprobs = [None] * len(parent.prompt_token_ids)
+        self.parents[parent.request_id] = parent
+
+    def _token_text(self, lp: dict[int, Logprob]) -> dict[int, Logprob]:
+        for t, v in lp.items():
+            v.decoded_token = self.tokenizer.decode([t])
+        return lp
+
+    def add_prompt_logprobs(self, req: Request, first: int, logits: torch.Tensor) -> None:
+        parent = self.parents[req.parent_id]
+        if req.index != 0 or parent.prompt_logprobs is None:
+            return
+        k = parent.params.prompt_logprobs or 0
+        lp = torch.log_softmax(logits, dim=-1)
+        for r in range(lp.shape[0]):
+            pos = first + r + 1  # row r predicts prompt token at pos
+            entry = top_logprobs(lp[r], parent.prompt_token_ids[pos], k)
+            parent.prompt_logprobs[pos] = self._token_text(entry)
+
+    def add_tokens(self, reqs: list[Request], res: SampleResult, now: float) -> list[Request]:
+        """Record each request's new token; return those a stop string has ended."""
+        stopped = []
+        for i, req in enumerate(reqs):
+            parent = self.parents[req.parent_id]
+            comp = parent.completions[req.index]
+            tok = res.token_ids[i]
+            if req.first_token_time is None:
+                req.first_token_time = now
+                self.metrics.observe("time_to_first_token_seconds", now - req.arrival_time)
+            elif req.last_token_time is not None:
+                self.metrics.observe("inter_token_latency_seconds", now - req.last_token_time)
+            req.last_token_time = now
+            self.metrics.inc("generation_tokens_total")
+            if res.logprobs[i] is not None:
+                req.cumulative_logprob += res.logprobs[i]  # type: ignore[operator]
+                comp.cumulative_logprob = req.cumulative_logprob
+                assert comp.logprobs is not None
+                comp.logprobs.append(self._token_text(res.top_logprobs[i]))  # type: ignore[arg-type]
+            detok = parent.detoks[req.index]
+            if detok is not None:
+                stop = detok.add_token(tok)
+                comp.text = detok.text
+                if stop is not None:
+                    req.stop_reason = stop
+                    stopped.append(req)
+        return stopped
+
+    def snapshot(self, parent_ids: set[str]) -> list[RequestOutput]:
+        """RequestOutputs (cumulative) for the given parents; finished ones are dropped."""
+        outs = []
+        for pid in parent_ids:
+            parent = self.parents.get(pid)
+            if parent is None:
+                continue
+            for i, req in enumerate(parent.children):
+                comp = parent.completions[i]
+                comp.token_ids = list(req.output_token_ids)
+                if req.status.finished and not parent.done[i]:
+                    parent.done[i] = True
+                    comp.finish_reason = req.status.value
+                    comp.stop_reason = req.stop_reason
+                    self._finish_metrics(req)
+            outs.append(self._output(parent))
+            if parent.finished:
+                del self.parents[pid]
+        return outs
+
+    def _finish_metrics(self, req: Request) -> None:
+        now = time.monotonic()
+        self.metrics.observe("e2e_request_latency_seconds", now - req.arrival_time)
+        if req.scheduled_time is not None:
+            self.metrics.observe("request_queue_time_seconds", req.scheduled_time - req.arrival_time)
+        self.metrics.inc("request_success_total")
+
+    def _output(self, parent: ParentState) -> RequestOutput:
+        return RequestOutput(
+            request_id=parent.request_id,
+            prompt=parent.prompt,
+            prompt_token_ids=parent.prompt_token_ids,
+            prompt_logprobs=parent.prompt_logprobs,
+            outputs=parent.completions,
+            finished=parent.finished,
+        )

@@ -1,0 +1,74 @@
+"""Rotary position embeddings (rotate-half layout) with the rope_scaling variants we support."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
+    """Inverse frequencies [head_dim/2] in fp32, after the checkpoint's rope_scaling."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":
+        return inv_freq / float(scaling["factor"])  # type: ignore[index]
+    if rope_type == "llama3":
+        return _llama3_inv_freq(inv_freq, scaling)  # type: ignore[arg-type]
+    raise ValueError(
+        f"rope_scaling type {rope_type!r} is not supported; supported: "
+        f"{', '.join(SUPPORTED_ROPE_TYPES)}. ('dynamic' NTK changes the rotation of cached keys "
+        "with the batch's length, which a paged cache cannot honour; use a checkpoint without it "
+        "or set max_model_len within original_max_position_embeddings and drop rope_scaling.)"
+    )
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
+    # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, the band between
+    # them interpolated smoothly.
+    factor = float(s["factor"])
+    low, high = float(s.get("low_freq_factor", 1.0)), float(s.get("high_freq_factor", 4.0))
+    old_len = float(s["original_max_position_embeddings"])
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    mid = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return torch.where(mid, smoothed, scaled)
+
+
+class RotaryEmbedding:
+    """cos/sin tables for positions [0, max_positions), looked up once per forward."""
+
+    def __init__(
+        self,
+        head_dim: int,
+        max_positions: int,
+        theta: float,
+        scaling: dict[str, Any] | None,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        pos = torch.arange(max_positions, dtype=torch.int64).float()
+        freqs = pos[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos = emb.cos().to(dtype=dtype, device=device)
+        self.sin = emb.sin().to(dtype=dtype, device=device)
+
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of shape [T, 1, head_dim] for broadcasting over heads."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, head_dim]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin

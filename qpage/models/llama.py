@@ -1,0 +1,186 @@
+"""The Llama family (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, SmolLM) over a paged KV cache.
+
+q/k/v and gate/up are fused into one linear each (fewer, larger matmuls); the loader
+slices the checkpoint's separate tensors into them. Linears come from one factory
+(``make_linear``) so quantized and sharded variants can be swapped in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from qpage.layers.attention import AttentionBackend, AttentionMetadata
+from qpage.layers.linear import make_linear
+from qpage.layers.norms import RMSNorm
+from qpage.layers.rotary import RotaryEmbedding, apply_rotary
+from qpage.models.arch import ArchConfig
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+class Attention(nn.Module):
+    def __init__(self, c: ArchConfig) -> None:
+        super().__init__()
+        self.c = c
+        self.qkv_proj = make_linear(c.hidden_size, c.q_size + 2 * c.kv_size, c.qkv_bias)
+        self.o_proj = make_linear(c.q_size, c.hidden_size, c.o_bias)
+        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
+        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
+        self.scale = c.head_dim**-0.5
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
+        meta: AttentionMetadata, backend: AttentionBackend,
+    ) -> torch.Tensor:
+        c = self.c
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+        q = q.view(t, c.num_heads, c.head_dim)
+        k = k.view(t, c.num_kv_heads, c.head_dim)
+        v = v.view(t, c.num_kv_heads, c.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        backend.write_cache(k, v, cache[0], cache[1], meta.slot_mapping)
+        out = backend.attend(q, k, v, cache[0], cache[1], meta, self.scale)
+        return self.o_proj(out.reshape(t, c.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, c: ArchConfig) -> None:
+        super().__init__()
+        self.inter = c.intermediate_size
+        self.gate_up_proj = make_linear(c.hidden_size, 2 * c.intermediate_size, c.mlp_bias)
+        self.down_proj = make_linear(c.intermediate_size, c.hidden_size, c.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split([self.inter, self.inter], dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, c: ArchConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = Attention(c)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mlp = MLP(c)
+
+    def forward(
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
+        meta: AttentionMetadata, backend: AttentionBackend,
+    ) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, cache, meta, backend)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, c: ArchConfig, max_positions: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.config = c
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.lm_head = None if c.tie_word_embeddings else make_linear(c.hidden_size, c.vocab_size, False)
+        self.rotary = RotaryEmbedding(c.head_dim, max_positions, c.rope_theta, c.rope_scaling, dtype)
+
+    def to_device(self, device: torch.device) -> None:
+        self.to(device)
+        self.rotary.cos = self.rotary.cos.to(device)
+        self.rotary.sin = self.rotary.sin.to(device)
+
+    @torch.inference_mode()
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[KVCache],
+        meta: AttentionMetadata, backend: AttentionBackend,
+    ) -> torch.Tensor:
+        """Hidden states after the final norm, [num_tokens, hidden]."""
+        h = self.embed_tokens(input_ids)
+        cos, sin = self.rotary.lookup(positions)
+        for layer, cache in zip(self.layers, caches, strict=True):
+            h = layer(h, cos, sin, cache, meta, backend)
+        return self.norm(h)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.lm_head is None:
+            return F.linear(hidden, self.embed_tokens.weight)
+        return self.lm_head(hidden)
+
+    # ------------------------------------------------------------------ weights
+    def weight_targets(self) -> dict[str, tuple[torch.Tensor, int, int]]:
+        """Checkpoint tensor name -> (destination parameter, row offset, rows).
+
+        Fused projections take their parts at row offsets; every other tensor fills its
+        parameter whole (offset 0, all rows).
+        """
+        c = self.config
+        out: dict[str, tuple[torch.Tensor, int, int]] = {}
+
+        def whole(name: str, p: torch.Tensor) -> None:
+            out[name] = (p, 0, p.shape[0])
+
+        whole("model.embed_tokens.weight", self.embed_tokens.weight)
+        whole("model.norm.weight", self.norm.weight)
+        if self.lm_head is not None:
+            whole("lm_head.weight", self.lm_head.weight)
+        for i, layer in enumerate(self.layers):
+            pre = f"model.layers.{i}."
+            attn, mlp = layer.self_attn, layer.mlp
+            parts = (("q_proj", 0, c.q_size), ("k_proj", c.q_size, c.kv_size),
+                     ("v_proj", c.q_size + c.kv_size, c.kv_size))
+            for name, off, rows in parts:
+                out[f"{pre}self_attn.{name}.weight"] = (attn.qkv_proj.weight, off, rows)
+                if c.qkv_bias:
+                    out[f"{pre}self_attn.{name}.bias"] = (attn.qkv_proj.bias, off, rows)
+            whole(f"{pre}self_attn.o_proj.weight", attn.o_proj.weight)
+            if c.o_bias:
+                whole(f"{pre}self_attn.o_proj.bias", attn.o_proj.bias)
+            if attn.q_norm is not None and attn.k_norm is not None:
+                whole(f"{pre}self_attn.q_norm.weight", attn.q_norm.weight)
+                whole(f"{pre}self_attn.k_norm.weight", attn.k_norm.weight)
+            n = c.intermediate_size
+            for name, off in (("gate_proj", 0), ("up_proj", n)):
+                out[f"{pre}mlp.{name}.weight"] = (mlp.gate_up_proj.weight, off, n)
+                if c.mlp_bias:
+                    out[f"{pre}mlp.{name}.bias"] = (mlp.gate_up_proj.bias, off, n)
+            whole(f"{pre}mlp.down_proj.weight", mlp.down_proj.weight)
+            if c.mlp_bias:
+                whole(f"{pre}mlp.down_proj.bias", mlp.down_proj.bias)
+            whole(f"{pre}input_layernorm.weight", layer.input_layernorm.weight)
+            whole(f"{pre}post_attention_layernorm.weight", layer.post_attention_layernorm.weight)
+        return out
+
+    @torch.no_grad()
+    def load_weights(self, tensors: Iterable[tuple[str, str, torch.Tensor]]) -> None:
+        """Copy (file, name, tensor) triples into the model, checking every shape."""
+        targets = self.weight_targets()
+        seen: set[str] = set()
+        for file, name, t in tensors:
+            if name not in targets:
+                if "rotary_emb" in name or (name == "lm_head.weight" and self.lm_head is None):
+                    continue
+                raise ValueError(
+                    f"{file}: tensor {name!r} is not part of a {self.config.architecture}; "
+                    "is the config.json from the same checkpoint?"
+                )
+            dest, off, rows = targets[name]
+            want = (rows, *dest.shape[1:])
+            if tuple(t.shape) != want:
+                raise ValueError(
+                    f"{file}: tensor {name!r} has shape {tuple(t.shape)}, expected {want} "
+                    "from config.json; the checkpoint and its config disagree"
+                )
+            dest[off : off + rows].copy_(t)
+            seen.add(name)
+        missing = sorted(set(targets) - seen)
+        if missing:
+            more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+            raise ValueError(
+                f"checkpoint is missing tensors {missing[:5]}{more}; it is incomplete or not a "
+                f"{self.config.architecture}"
+            )

@@ -1,0 +1,111 @@
+"""Find a model folder, read its config and build the model with its weights.
+
+Weights are read with safetensors only. Pickle ``.bin`` checkpoints can run arbitrary code
+when loaded; they are refused unless the caller passes ``allow_pickle=True``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from qpage.models.arch import ArchConfig, parse_arch_config
+from qpage.models.registry import model_class
+
+DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_model_dir(model: str | None) -> Path:
+    """The folder of ``model``; None means the default model (converted once from its GGUF)."""
+    if model is None:
+        from qpage.formats.gguf import default_model_dir
+
+        return default_model_dir()
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(
+            f"model path {model!r} does not exist; pass a local Hugging Face model folder "
+            "(config.json + *.safetensors), or leave --model out for the default model"
+        )
+    if path.is_file() and path.suffix == ".gguf":
+        from qpage.formats.gguf import cache_root, convert_gguf
+
+        out = cache_root() / "models" / f"{path.stem}-{path.stat().st_size:x}"
+        return out if (out / "model.safetensors").is_file() else convert_gguf(path, out)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"{path} has no config.json; pass a Hugging Face model folder (config.json, "
+            "tokenizer files, *.safetensors)"
+        )
+    return path
+
+
+def read_arch_config(model_dir: Path) -> ArchConfig:
+    cfg_path = model_dir / "config.json"
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{cfg_path} is not valid JSON ({e}); restore the file") from None
+    return parse_arch_config(cfg, str(cfg_path))
+
+
+def resolve_dtype(name: str, arch: ArchConfig, device: torch.device) -> torch.dtype:
+    """'auto' is float32 on CPU (bf16/fp16 matmuls are slower there at small batch and less
+    exact) and the checkpoint's dtype on an accelerator."""
+    if name != "auto":
+        return DTYPE_NAMES[name]
+    if device.type == "cpu":
+        return torch.float32
+    ck = DTYPE_NAMES.get(arch.torch_dtype, torch.float16)
+    return torch.float16 if ck == torch.float32 else ck
+
+
+def weight_files(model_dir: Path, allow_pickle: bool) -> list[Path]:
+    files = sorted(model_dir.glob("*.safetensors"))
+    if files:
+        return files
+    pickles = sorted(model_dir.glob("*.bin")) + sorted(model_dir.glob("*.pt"))
+    if pickles and not allow_pickle:
+        raise ValueError(
+            f"{model_dir} holds only pickle weights ({pickles[0].name}); pickle can run code when "
+            "loaded, so qpage refuses it. Convert the checkpoint to safetensors, or pass "
+            "allow_pickle=True (--allow-pickle) if you trust its source"
+        )
+    if pickles:
+        return pickles
+    raise FileNotFoundError(f"{model_dir} has no *.safetensors weight files")
+
+
+def iter_tensors(files: list[Path]) -> Iterator[tuple[str, str, torch.Tensor]]:
+    from safetensors import SafetensorError, safe_open
+
+    for f in files:
+        if f.suffix != ".safetensors":
+            state = torch.load(f, map_location="cpu", weights_only=True)
+            for name, t in state.items():
+                yield f.name, name, t
+            continue
+        try:
+            with safe_open(str(f), framework="pt") as st:
+                for name in st.keys():  # noqa: SIM118 - safe_open has no __iter__
+                    yield f.name, name, st.get_tensor(name)
+        except SafetensorError as e:
+            raise ValueError(f"{f}: not a readable safetensors file ({e}); re-download it") from None
+
+
+def load_model(
+    model_dir: Path, arch: ArchConfig, dtype: torch.dtype, device: torch.device,
+    max_positions: int, allow_pickle: bool = False,
+) -> torch.nn.Module:
+    files = weight_files(model_dir, allow_pickle)
+    cls = model_class(arch.architecture)
+    with torch.device("cpu"):
+        model = cls(arch, max_positions, dtype)
+    model.to(dtype)
+    model.load_weights(iter_tensors(files))
+    model.to_device(device)
+    model.eval()
+    return model

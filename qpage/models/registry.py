@@ -1,0 +1,19 @@
+"""Architecture name -> model class."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from qpage.models.arch import SUPPORTED_ARCHITECTURES
+from qpage.models.llama import LlamaForCausalLM
+
+_REGISTRY: dict[str, type[nn.Module]] = {name: LlamaForCausalLM for name in SUPPORTED_ARCHITECTURES}
+
+
+def model_class(architecture: str) -> type[nn.Module]:
+    try:
+        return _REGISTRY[architecture]
+    except KeyError:
+        raise ValueError(
+            f"architecture {architecture!r} is not supported; supported: {', '.join(_REGISTRY)}"
+        ) from None

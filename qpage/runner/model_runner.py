@@ -1,0 +1,137 @@
+"""Turns a SchedulerOutput into tensors, runs the model, and returns the logits to sample.
+
+The batch is flattened: single-token requests (decodes) first, then prefill chunks, each
+a contiguous row range. Per step this builds ``input_ids``, ``positions``,
+``slot_mapping`` (block_id * BLOCK_SIZE + offset for each new token) and the attention
+metadata (block tables, masks) once; every layer reuses them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from qpage.config import BLOCK_SIZE
+from qpage.engine.kv_cache import KVCacheManager
+from qpage.engine.request import Request
+from qpage.engine.scheduler import ScheduledRequest, SchedulerOutput
+from qpage.layers.attention import AttentionMetadata, PrefillSeq, make_kv_cache, select_backend
+from qpage.models.arch import ArchConfig
+
+
+@dataclass
+class StepOutput:
+    sample_requests: list[Request] = field(default_factory=list)
+    """Requests that sample a token this step, in the row order of ``logits``."""
+    logits: torch.Tensor | None = None
+    """fp32 [len(sample_requests), vocab]."""
+    prompt_logits: dict[str, tuple[int, torch.Tensor]] = field(default_factory=dict)
+    """request id -> (first prompt position, fp32 logits [rows, vocab]) for prompt_logprobs."""
+
+
+@dataclass
+class _Batch:
+    input_ids: list[int] = field(default_factory=list)
+    positions: list[torch.Tensor] = field(default_factory=list)
+    slots: list[torch.Tensor] = field(default_factory=list)
+
+
+class ModelRunner:
+    def __init__(
+        self, model: torch.nn.Module, arch: ArchConfig, kv: KVCacheManager,
+        dtype: torch.dtype, device: torch.device, max_model_len: int,
+    ) -> None:
+        self.model = model
+        self.arch = arch
+        self.kv = kv
+        self.device = device
+        self.backend = select_backend(device)
+        self.caches = [
+            make_kv_cache(kv.num_blocks, arch.num_kv_heads, arch.head_dim, dtype, device)
+            for _ in range(arch.num_layers)
+        ]
+        # Positions 0.. of a padded block table row: enough for the longest sequence.
+        self._offsets = torch.arange(max_model_len + BLOCK_SIZE, dtype=torch.long)
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> StepOutput:
+        decodes = [s for s in out.scheduled if s.num_tokens == 1]
+        prefills = [s for s in out.scheduled if s.num_tokens > 1]
+        batch = _Batch()
+        meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long))
+        self._prepare_decodes(decodes, batch, meta)
+        self._prepare_prefills(prefills, batch, meta)
+        dev = self.device
+        input_ids = torch.tensor(batch.input_ids, dtype=torch.long, device=dev)
+        positions = torch.cat(batch.positions).to(dev)
+        meta.slot_mapping = torch.cat(batch.slots).to(dev)
+        hidden = self.model(input_ids, positions, self.caches, meta, self.backend)
+        return self._select_logits(decodes + prefills, hidden)
+
+    def _prepare_decodes(
+        self, decodes: list[ScheduledRequest], batch: _Batch, meta: AttentionMetadata
+    ) -> None:
+        if not decodes:
+            return
+        tables = [self.kv.block_ids(s.request.request_id) for s in decodes]
+        width = max(len(t) for t in tables)
+        table = torch.zeros(len(decodes), width, dtype=torch.long)
+        seq_lens = torch.empty(len(decodes), dtype=torch.long)
+        pos = torch.empty(len(decodes), dtype=torch.long)
+        slots = torch.empty(len(decodes), dtype=torch.long)
+        for i, (s, t) in enumerate(zip(decodes, tables, strict=True)):
+            p = s.request.num_computed_tokens
+            batch.input_ids.append(s.request.all_token_ids[p])
+            table[i, : len(t)] = torch.tensor(t)
+            pos[i] = p
+            seq_lens[i] = p + 1
+            slots[i] = t[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
+        batch.positions.append(pos)
+        batch.slots.append(slots)
+        meta.num_decodes = len(decodes)
+        meta.decode_block_table = table.to(self.device)
+        mask = self._offsets[: width * BLOCK_SIZE][None, :] < seq_lens[:, None]
+        meta.decode_mask = mask[:, None, None, :].to(self.device)
+
+    def _prepare_prefills(
+        self, prefills: list[ScheduledRequest], batch: _Batch, meta: AttentionMetadata
+    ) -> None:
+        row = len(batch.input_ids)
+        for s in prefills:
+            req, n = s.request, s.num_tokens
+            start = req.num_computed_tokens
+            ctx = start + n
+            batch.input_ids.extend(req.all_token_ids[start:ctx])
+            pos = torch.arange(start, ctx, dtype=torch.long)
+            blocks = torch.tensor(self.kv.block_ids(req.request_id), dtype=torch.long)
+            batch.positions.append(pos)
+            batch.slots.append(blocks[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE)
+            mask = None
+            if start > 0:
+                # Row i (position start+i) sees context positions j <= start + i.
+                mask = self._offsets[:ctx][None, :] <= pos[:, None]
+                mask = mask.to(self.device)
+            meta.prefills.append(PrefillSeq(row, row + n, ctx, blocks.to(self.device), mask))
+            row += n
+
+    def _select_logits(self, ordered: list[ScheduledRequest], hidden: torch.Tensor) -> StepOutput:
+        step = StepOutput()
+        rows: list[int] = []
+        row = 0
+        for s in ordered:
+            req = s.request
+            if req.needs_prompt_logprobs and req.num_computed_tokens < req.num_prompt_tokens - 1:
+                # Positions p in this chunk with p + 1 a prompt token predict that token.
+                first = req.num_computed_tokens
+                last = min(first + s.num_tokens, req.num_prompt_tokens - 1)
+                h = hidden[row : row + last - first]
+                step.prompt_logits[req.request_id] = (first, self.model.compute_logits(h).float())
+            if s.samples:
+                rows.append(row + s.num_tokens - 1)
+                step.sample_requests.append(req)
+            row += s.num_tokens
+        if rows:
+            idx = torch.tensor(rows, dtype=torch.long, device=hidden.device)
+            step.logits = self.model.compute_logits(hidden[idx]).float()
+        return step

@@ -1,0 +1,124 @@
+"""Token sampling for a batch of requests, each with its own SamplingParams.
+
+Order per row: raw log-probabilities (returned as ``logprobs``, as vLLM does by default)
+-> penalties -> min_tokens masking -> greedy argmax, or temperature, top-k, top-p, min-p
+and a draw. Draws use the exponential race (argmax of p / E with E ~ Exp(1)), with each
+seeded request's noise coming from its own generator, so a seed reproduces its output
+whatever else shares the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from qpage.engine.outputs import Logprob
+from qpage.engine.request import Request
+
+
+@dataclass(slots=True)
+class SampleResult:
+    token_ids: list[int]
+    logprobs: list[float | None]
+    """Log-probability of each sampled token (raw distribution); None when not asked."""
+    top_logprobs: list[dict[int, Logprob] | None]
+    """Per row, the sampled token and the top ``logprobs`` tokens; None when not asked."""
+
+
+class Sampler:
+    def __init__(self, seed: int) -> None:
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> SampleResult:
+        want_lp = [r.params.logprobs is not None for r in reqs]
+        raw_lp = torch.log_softmax(logits, dim=-1) if any(want_lp) else None
+        logits = self._penalize(logits, reqs)
+        tokens = logits.argmax(dim=-1)
+        rand_rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
+        if rand_rows:
+            idx = torch.tensor(rand_rows, dtype=torch.long)
+            tokens[idx] = self._draw(logits[idx], [reqs[i] for i in rand_rows])
+        token_list = tokens.tolist()
+        lps: list[float | None] = [None] * len(reqs)
+        tops: list[dict[int, Logprob] | None] = [None] * len(reqs)
+        if raw_lp is not None:
+            for i, r in enumerate(reqs):
+                if want_lp[i]:
+                    tops[i] = top_logprobs(raw_lp[i], token_list[i], r.params.logprobs or 0)
+                    lps[i] = tops[i][token_list[i]].logprob  # type: ignore[index]
+        return SampleResult(token_list, lps, tops)
+
+    @staticmethod
+    def _penalize(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        rows = [i for i, r in enumerate(reqs) if r.params.needs_penalties or _blocks_stop(r)]
+        if not rows:
+            return logits
+        logits = logits.clone()
+        vocab = logits.shape[-1]
+        for i in rows:
+            r, p, row = reqs[i], reqs[i].params, logits[i]
+            if p.repetition_penalty != 1.0:
+                seen = torch.tensor(r.all_token_ids, dtype=torch.long).unique()
+                seen = seen[seen < vocab]
+                vals = row[seen]
+                row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+            if (p.presence_penalty or p.frequency_penalty) and r.output_token_ids:
+                out = torch.tensor(r.output_token_ids, dtype=torch.long)
+                counts = torch.bincount(out[out < vocab], minlength=vocab).to(row.dtype)
+                row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+            if _blocks_stop(r):
+                eos = () if p.ignore_eos else tuple(r.eos_token_ids)
+                banned = [t for t in (*eos, *(p.stop_token_ids or ())) if t < vocab]
+                if banned:
+                    row[banned] = float("-inf")
+        return logits
+
+    def _draw(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        temps = torch.tensor([r.params.temperature for r in reqs], dtype=logits.dtype)
+        logits = logits / temps[:, None]
+        logits = _top_k_top_p(logits, reqs)
+        probs = torch.softmax(logits, dim=-1)
+        min_ps = torch.tensor([r.params.min_p for r in reqs], dtype=probs.dtype)
+        if bool((min_ps > 0).any()):
+            floor = probs.max(dim=-1, keepdim=True).values * min_ps[:, None]
+            probs = probs.masked_fill(probs < floor, 0.0)
+        noise = torch.empty_like(probs)
+        for i, r in enumerate(reqs):
+            noise[i].exponential_(generator=r.generator or self.generator)
+        return (probs / noise).argmax(dim=-1)
+
+
+def _blocks_stop(r: Request) -> bool:
+    """min_tokens not reached yet: EOS and stop tokens must not be sampled."""
+    return r.num_output_tokens < r.params.min_tokens
+
+
+def _top_k_top_p(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+    ks = [r.params.top_k if r.params.top_k > 0 else logits.shape[-1] for r in reqs]
+    ps = [r.params.top_p for r in reqs]
+    if all(k >= logits.shape[-1] for k in ks) and all(p >= 1.0 for p in ps):
+        return logits
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    rank = torch.arange(logits.shape[-1])[None, :]
+    drop = rank >= torch.tensor(ks)[:, None]
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)
+    # Keep a token if the mass before it is below top_p (the top token is always kept).
+    before = probs.cumsum(dim=-1) - probs
+    drop = before >= torch.tensor(ps, dtype=probs.dtype)[:, None]
+    drop[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def top_logprobs(row: torch.Tensor, token: int, k: int) -> dict[int, Logprob]:
+    """The sampled token's logprob and rank (1 = most likely), plus the top ``k`` tokens."""
+    chosen = float(row[token])
+    out = {token: Logprob(chosen, int((row > row[token]).sum()) + 1)}
+    if k > 0:
+        vals, ids = row.topk(k)
+        for rank, (v, t) in enumerate(zip(vals.tolist(), ids.tolist(), strict=True), start=1):
+            if t not in out:
+                out[t] = Logprob(v, rank)
+    return out

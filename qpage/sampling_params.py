@@ -1,0 +1,123 @@
+"""SamplingParams with vLLM's field names, defaults and meaning."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+_GREEDY_EPS = 1e-5
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one request's completions (vLLM-compatible)."""
+
+    n: int = 1
+    """Number of completions to return for the prompt."""
+    presence_penalty: float = 0.0
+    """Subtracted from the logit of every token already generated (OpenAI semantics)."""
+    frequency_penalty: float = 0.0
+    """Subtracted once per occurrence of a token in the generated text."""
+    repetition_penalty: float = 1.0
+    """>1 discourages tokens seen in prompt or output (divides positive, multiplies negative logits)."""
+    temperature: float = 1.0
+    """0 means greedy."""
+    top_p: float = 1.0
+    """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p."""
+    top_k: int = 0
+    """Keep the k most likely tokens; 0 or -1 keeps all."""
+    min_p: float = 0.0
+    """Drop tokens whose probability is below min_p times the top token's."""
+    seed: int | None = None
+    """Per-request seed: the same seed gives the same output whatever else is batched."""
+    stop: str | list[str] | None = None
+    """Strings that end the completion; excluded from the text unless include_stop_str_in_output."""
+    stop_token_ids: list[int] | None = None
+    """Token ids that end the completion."""
+    ignore_eos: bool = False
+    """Keep generating past the end-of-sequence token."""
+    max_tokens: int | None = 16
+    """Most tokens to generate; None runs to max_model_len."""
+    min_tokens: int = 0
+    """Tokens to generate before EOS or stop_token_ids may end the completion."""
+    logprobs: int | None = None
+    """Return the log-probabilities of this many top tokens (plus the sampled one) per step."""
+    prompt_logprobs: int | None = None
+    """Return the log-probabilities of the prompt tokens (plus this many top tokens)."""
+    include_stop_str_in_output: bool = False
+    """Keep the matched stop string in the text."""
+    skip_special_tokens: bool = True
+    """Leave special tokens out of the text."""
+    detokenize: bool = True
+    """Produce text (False returns token ids only)."""
+    _stop_list: list[str] = field(default_factory=list, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._check_numbers()
+        if self.stop is None:
+            self._stop_list = []
+        elif isinstance(self.stop, str):
+            self._stop_list = [self.stop]
+        elif isinstance(self.stop, (list, tuple)) and all(isinstance(s, str) for s in self.stop):
+            self._stop_list = list(self.stop)
+        else:
+            raise ValueError(f"stop={self.stop!r} must be a string or a list of strings")
+        if any(s == "" for s in self._stop_list):
+            raise ValueError("stop strings must not be empty; remove the empty string")
+        if self.stop_token_ids is not None:
+            if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
+                raise ValueError(
+                    f"stop_token_ids={self.stop_token_ids!r} must be non-negative integers"
+                )
+            self.stop_token_ids = list(self.stop_token_ids)
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise ValueError(f"seed={self.seed!r} must be an integer or None")
+
+    def _check_numbers(self) -> None:
+        def bad(name: str, rule: str) -> ValueError:
+            return ValueError(f"{name}={getattr(self, name)!r} is invalid: {rule}")
+
+        if not isinstance(self.n, int) or self.n < 1:
+            raise bad("n", "it must be an integer >= 1")
+        if self.temperature < 0:
+            raise bad("temperature", "it must be >= 0 (0 means greedy)")
+        if not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", "it must be in (0, 1]; use 1.0 to disable")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise bad("top_k", "it must be an integer >= 1, or 0 / -1 to disable")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", "it must be in [0, 1]; use 0 to disable")
+        if self.repetition_penalty <= 0:
+            raise bad("repetition_penalty", "it must be > 0; use 1.0 to disable")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise bad(name, "it must be in [-2, 2]; use 0 to disable")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            raise bad("max_tokens", "it must be an integer >= 1 (or None for the context limit)")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise bad("min_tokens", "it must be an integer >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise bad("min_tokens", f"it must not exceed max_tokens={self.max_tokens}")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or v < 0):
+                raise bad(name, "it must be an integer >= 0 or None")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS
+
+    @property
+    def stop_strings(self) -> list[str]:
+        return self._stop_list
+
+    @property
+    def top_k_active(self) -> bool:
+        return self.top_k > 0
+
+    @property
+    def needs_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
