@@ -18,6 +18,7 @@ from qpage.engine.output_processor import OutputProcessor, ParentState
 from qpage.engine.outputs import CompletionOutput, RequestOutput
 from qpage.engine.request import Request, RequestStatus
 from qpage.engine.scheduler import Scheduler
+from qpage.kernels import cpu_matmul
 from qpage.models.arch import ArchConfig
 from qpage.models.loader import load_model, read_arch_config, resolve_dtype, resolve_model_dir
 from qpage.runner.model_runner import ModelRunner
@@ -69,6 +70,11 @@ class LLMEngine:
         self.eos_token_ids = eos_token_ids(self.model_dir, self.tokenizer)
         num_blocks, block_bytes = plan_capacity(self.arch, self.dtype, int(config.cache.kv_cache_memory))
         self.max_model_len = self._decide_max_model_len(num_blocks * BLOCK_SIZE, block_bytes)
+        if self.device.type == "cpu" and cpu_matmul.supports(self.dtype, self.device):
+            # NOTE: the fp32 CPU matmuls run on NumPy's BLAS threads. torch's OpenMP threads
+            # spin between ops and steal those cores (measured: 10x slower decode with both
+            # at 2 threads), so torch's own ops (norms, attention) run on one thread here.
+            torch.set_num_threads(1)
         self.model = load_model(
             self.model_dir, self.arch, self.dtype, self.device, self.max_model_len, mc.allow_pickle
         )

@@ -13,7 +13,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
+        # NOTE: F.rms_norm is several times slower than this at decode sizes on CPU (measured).
+        if x.dtype == torch.float32:
+            return x * torch.rsqrt(x.square().mean(-1, keepdim=True).add_(self.eps)) * self.weight
+        # Half precision: normalise in fp32, round, then scale (as the reference models do).
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+        return self.weight * h.to(x.dtype)

@@ -107,5 +107,6 @@ def load_model(
     model.to(dtype)
     model.load_weights(iter_tensors(files))
     model.to_device(device)
+    model.prepare()
     model.eval()
     return model
