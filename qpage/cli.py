@@ -1,0 +1,176 @@
+"""``qpage`` command line. Options and their defaults are read off the config dataclasses and
+SamplingParams, so each default is written once."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+import types
+import typing
+from collections.abc import Sequence
+from typing import Any
+
+from qpage.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, field_doc
+
+ENGINE_FIELDS: dict[type, tuple[str, ...]] = {
+    ModelConfig: ("model", "dtype", "max_model_len", "allow_pickle"),
+    CacheConfig: ("kv_cache_memory", "enable_prefix_caching"),
+    SchedulerConfig: ("max_num_seqs", "max_num_batched_tokens"),
+    EngineConfig: ("seed",),
+}
+SAMPLING_FIELDS = (
+    "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+    "presence_penalty", "frequency_penalty", "stop", "ignore_eos", "n", "logprobs",
+)
+
+
+def _base_type(tp: Any) -> Any:
+    """int for 'int | None', str for 'int | str' (parsed later), list[str] -> str."""
+    if isinstance(tp, str):
+        tp = eval(tp, vars(typing))  # annotations are strings under `from __future__`
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return str if len(args) > 1 else _base_type(args[0])
+    if typing.get_origin(tp) is list:
+        return str
+    return tp
+
+
+def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, names: Sequence[str]) -> None:
+    hints = {f.name: f for f in dataclasses.fields(cls)}
+    for name in names:
+        f = hints[name]
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        flag = "--" + name.replace("_", "-")
+        help_ = f"{field_doc(cls, name)} (default: {default})"
+        tp = _base_type(f.type)
+        if tp is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_)
+        elif name == "stop":
+            parser.add_argument(flag, action="append", default=None, help=help_)
+        else:
+            parser.add_argument(flag, type=tp, default=default, help=help_)
+
+
+def build_llm(args: argparse.Namespace) -> Any:
+    from qpage import LLM
+
+    kwargs = {n: getattr(args, n) for names in ENGINE_FIELDS.values() for n in names}
+    return LLM(**kwargs)
+
+
+def sampling_from_args(args: argparse.Namespace) -> Any:
+    from qpage import SamplingParams
+
+    return SamplingParams(**{n: getattr(args, n) for n in SAMPLING_FIELDS})
+
+
+def _parser() -> argparse.ArgumentParser:
+    from qpage.sampling_params import SamplingParams
+
+    p = argparse.ArgumentParser(prog="qpage", description="Quantization-first, low-memory LLM inference")
+    sub = p.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="complete prompts (offline batch) and print the text")
+    gen.add_argument("prompts", nargs="*", help="prompts; read from stdin, one per line, if none")
+    gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
+    chat = sub.add_parser("chat", help="interactive chat, streaming tokens as they come")
+    chat.add_argument("--system", default=None, help="system prompt")
+    for sp in (gen, chat):
+        for cls, names in ENGINE_FIELDS.items():
+            add_dataclass_args(sp, cls, names)
+        add_dataclass_args(sp, SamplingParams, SAMPLING_FIELDS)
+    return p
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    prompts = args.prompts or [line.rstrip("\n") for line in sys.stdin if line.strip()]
+    if not prompts:
+        print("qpage generate: give at least one prompt", file=sys.stderr)
+        return 2
+    llm = build_llm(args)
+    params = sampling_from_args(args)
+    t0 = time.perf_counter()
+    if args.chat:
+        outs = llm.chat([[{"role": "user", "content": q}] for q in prompts], params, use_tqdm=len(prompts) > 1)
+    else:
+        outs = llm.generate(prompts, params, use_tqdm=len(prompts) > 1)
+    dt = time.perf_counter() - t0
+    n_out = 0
+    for prompt, out in zip(prompts, outs, strict=True):
+        for comp in out.outputs:
+            n_out += len(comp.token_ids)
+            label = f"[{comp.index}] " if len(out.outputs) > 1 else ""
+            print(f"--- {prompt!r}\n{label}{comp.text}  ({comp.finish_reason})")
+    print(f"qpage: {len(prompts)} prompt(s), {n_out} tokens in {dt:.2f}s ({n_out / dt:.1f} tok/s)", file=sys.stderr)
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    llm = build_llm(args)
+    engine = llm.llm_engine
+    params = sampling_from_args(args)
+    messages: list[dict[str, str]] = [{"role": "system", "content": args.system}] if args.system else []
+    print("qpage chat: type a message; /reset clears the history, /exit or Ctrl-D quits.", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except (EOFError, KeyboardInterrupt):
+            print()
+            return 0
+        if line.strip() in ("/exit", "/quit"):
+            return 0
+        if line.strip() == "/reset":
+            messages = messages[:1] if args.system else []
+            continue
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line})
+        prompt = llm.apply_chat_template(messages)
+        try:
+            rid = engine.add_request(prompt, params, add_special_tokens=False)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            messages.pop()
+            continue
+        reply = _stream(engine, rid)
+        messages.append({"role": "assistant", "content": reply})
+
+
+def _stream(engine: Any, rid: str) -> str:
+    printed = 0
+    text = ""
+    try:
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.request_id != rid:
+                    continue
+                detok = engine.outputs.parents.get(rid)
+                text = out.outputs[0].text
+                stable = detok.detoks[0].stable_text(out.finished) if detok and detok.detoks[0] else text
+                sys.stdout.write(stable[printed:])
+                sys.stdout.flush()
+                printed = len(stable)
+                if out.finished:
+                    sys.stdout.write(text[printed:] + "\n")
+                    return text
+    except KeyboardInterrupt:
+        engine.abort_request(rid)
+        print()
+    return text
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "generate":
+            return cmd_generate(args)
+        return cmd_chat(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"qpage: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

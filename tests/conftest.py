@@ -1,0 +1,52 @@
+"""Session fixtures for tests on the real default model (SmolLM2-135M-Instruct)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> Path:
+    from qpage.formats.gguf import default_model_dir
+
+    return default_model_dir()
+
+
+@pytest.fixture(scope="session")
+def hf_model(default_model_dir: Path) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(default_model_dir: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(default_model_dir)
+
+
+@pytest.fixture(scope="session")
+def llm_factory() -> Callable[..., Any]:
+    """LLM instances on the default model, one per distinct set of arguments."""
+    from qpage import LLM
+
+    cache: dict[tuple, Any] = {}
+
+    def make(**kwargs: Any) -> Any:
+        key = tuple(sorted(kwargs.items()))
+        if key not in cache:
+            cache[key] = LLM(**kwargs)
+        return cache[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def llm(llm_factory: Callable[..., Any]) -> Any:
+    return llm_factory()

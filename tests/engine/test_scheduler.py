@@ -1,0 +1,74 @@
+"""Scheduler without a model: token budget, decodes first, chunked prefill, preemption."""
+
+from __future__ import annotations
+
+from qpage.config import SchedulerConfig
+from qpage.engine.kv_cache import KVCacheManager
+from qpage.engine.request import Request, RequestStatus
+from qpage.engine.scheduler import Scheduler
+from qpage.sampling_params import SamplingParams
+
+
+def req(rid: str, n: int, max_tokens: int = 50) -> Request:
+    return Request(rid, list(range(1000 * int(rid[1:]), 1000 * int(rid[1:]) + n)),
+                   SamplingParams(max_tokens=max_tokens), max_tokens, {999999})
+
+
+def run_step(s: Scheduler) -> dict[str, int]:
+    out = s.schedule()
+    s.update(out, {x.request.request_id: 7 for x in out.scheduled if x.samples})
+    return {x.request.request_id: x.num_tokens for x in out.scheduled}
+
+
+def test_chunked_prefill_within_budget_and_decodes_first() -> None:
+    s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32), KVCacheManager(64), 4096)
+    s.add_request(req("r1", 50))
+    assert run_step(s) == {"r1": 32}  # first chunk
+    s.add_request(req("r2", 40))
+    assert run_step(s) == {"r1": 18, "r2": 14}  # r1 finishes its prompt first
+    assert run_step(s) == {"r1": 1, "r2": 26}  # r1 decodes, r2 gets the rest of the budget
+    assert run_step(s) == {"r1": 1, "r2": 1}
+    assert s.running[0].num_output_tokens == 3
+
+
+def test_max_num_seqs_caps_running() -> None:
+    s = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=512), KVCacheManager(64), 4096)
+    for i in range(1, 4):
+        s.add_request(req(f"r{i}", 10))
+    assert set(run_step(s)) == {"r1", "r2"}
+    assert [r.request_id for r in s.waiting] == ["r3"]
+
+
+def test_preemption_by_recompute_newest_first_and_everyone_finishes() -> None:
+    # 6 blocks = 96 tokens; three requests of 30-token prompts growing to 60 cannot all fit.
+    kv = KVCacheManager(6, enable_caching=False)
+    s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256), kv, 4096)
+    reqs = [req(f"r{i}", 30, max_tokens=30) for i in range(1, 4)]
+    for r in reqs:
+        s.add_request(r)
+    finished, steps = [], 0
+    while s.has_unfinished() and steps < 500:
+        out = s.schedule()
+        if out.preempted:
+            # The newest running request is the victim, sent to the front of the queue.
+            assert s.waiting[0].request_id == out.preempted[-1]
+            assert s.waiting[0].num_computed_tokens == 0
+        finished += s.update(out, {x.request.request_id: 7 for x in out.scheduled if x.samples})
+        kv.pool.check_invariants()
+        steps += 1
+    assert s.num_preemptions > 0
+    assert sorted(r.request_id for r in finished) == ["r1", "r2", "r3"]
+    assert all(r.num_output_tokens == 30 and r.status == RequestStatus.FINISHED_LENGTH for r in finished)
+    assert kv.pool.num_free_blocks == 6
+
+
+def test_finish_frees_blocks_of_waiting_and_running() -> None:
+    kv = KVCacheManager(8)
+    s = Scheduler(SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=64), kv, 4096)
+    a, b = req("r1", 20), req("r2", 20)
+    s.add_request(a)
+    s.add_request(b)
+    run_step(s)
+    s.finish(a, RequestStatus.FINISHED_ABORTED)
+    s.finish(b, RequestStatus.FINISHED_ABORTED)
+    assert not s.has_unfinished() and kv.pool.num_free_blocks == 8
