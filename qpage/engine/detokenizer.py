@@ -28,6 +28,7 @@ class IncrementalDetokenizer:
         self.stop = stop
         self.include_stop = include_stop
         self._max_stop = max((len(s) for s in stop), default=0)
+        self.stopped = False
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip)
@@ -59,7 +60,18 @@ class IncrementalDetokenizer:
             return None
         i, s = best
         self.text = self.text[: i + len(s)] if self.include_stop else self.text[:i]
+        self.stopped = True
         return s
+
+    def flush(self) -> None:
+        """At the end, emit a held-back incomplete character as U+FFFD, as a full decode does."""
+        if self.stopped or self.read == len(self.ids):
+            return
+        before = self._decode(self.ids[self.prefix : self.read])
+        after = self._decode(self.ids[self.prefix :])
+        if len(after) > len(before):
+            self.text += after[len(before) :]
+        self.prefix = self.read = len(self.ids)
 
     def stable_text(self, finished: bool) -> str:
         """Text safe to stream: holds back a tail that could still become a stop string."""

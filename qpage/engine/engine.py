@@ -33,7 +33,7 @@ def load_tokenizer(model_dir: Path) -> Any:
 
     try:
         return AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=False)
-    except Exception as e:  # noqa: BLE001 - transformers raises many types here
+    except Exception as e:
         raise ValueError(
             f"{model_dir}: could not load the tokenizer ({e}); the folder needs tokenizer.json "
             "or tokenizer.model with tokenizer_config.json"

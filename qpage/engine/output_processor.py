@@ -105,6 +105,10 @@ class OutputProcessor:
                 comp.token_ids = list(req.output_token_ids)
                 if req.status.finished and not parent.done[i]:
                     parent.done[i] = True
+                    detok = parent.detoks[i]
+                    if detok is not None:
+                        detok.flush()
+                        comp.text = detok.text
                     comp.finish_reason = req.status.value
                     comp.stop_reason = req.stop_reason
                     self._finish_metrics(req)

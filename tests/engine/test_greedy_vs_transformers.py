@@ -80,7 +80,7 @@ def test_greedy_matches_transformers(setup: str, llm_factory: Any, hf_model: Any
         got = out.outputs[0].token_ids
         if got == want:
             continue
-        i = next((k for k, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+        i = next((k for k, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), min(len(got), len(want)))
         gap = near_tie_gap(hf_model, prompt_ids + want[:i])
         assert gap < NEAR_TIE, (
             f"[{setup}] diverged at token {i} where transformers' top-2 gap is {gap:.4g} "

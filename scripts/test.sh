@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Installs everything, checks style, and runs the test suite (what CI runs).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/install.sh
+python -m ruff check qpage tests benchmarks
+python -m pytest -q "$@"

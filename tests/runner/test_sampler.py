@@ -1,0 +1,70 @@
+"""Sampler on synthetic logits: filters and penalties against direct formulas."""
+
+from __future__ import annotations
+
+import torch
+
+from qpage.engine.request import Request
+from qpage.runner.sampler import Sampler
+from qpage.sampling_params import SamplingParams
+
+
+def make(params: SamplingParams, prompt: list[int] = (0,), out: list[int] = ()) -> Request:  # type: ignore[assignment]
+    r = Request("r", list(prompt), params, 100, {9})
+    for t in out:
+        r.append_token(t)
+    return r
+
+
+LOGITS = torch.tensor([[3.0, 2.9, 1.0, 0.5, -1.0, -2.0, 0.0, 0.2, 0.1, 2.0]])
+
+
+def draws(params: SamplingParams, n: int = 300, **kw: list[int]) -> set[int]:
+    s = Sampler(0)
+    return {s(LOGITS.clone(), [make(params, **kw)]).token_ids[0] for _ in range(n)}
+
+
+def test_greedy_is_argmax_and_top_k_1_is_greedy() -> None:
+    assert draws(SamplingParams(temperature=0), 5) == {0}
+    assert draws(SamplingParams(temperature=1.0, top_k=1), 50) == {0}
+
+
+def test_top_k_top_p_min_p_restrict_the_support() -> None:
+    assert draws(SamplingParams(temperature=1.0, top_k=3)) == {0, 1, 9}
+    # softmax mass: p0~.40, p1~.36 -> top_p=0.5 keeps {0, 1}
+    assert draws(SamplingParams(temperature=1.0, top_p=0.5)) == {0, 1}
+    # min_p=0.5: keep tokens with p >= 0.5 * p0 -> logits >= 3 - ln 2 = 2.31
+    assert draws(SamplingParams(temperature=1.0, min_p=0.5)) == {0, 1}
+    assert len(draws(SamplingParams(temperature=1.0))) >= 8
+
+
+def test_penalties_follow_their_formulas() -> None:
+    s = Sampler(0)
+    p = SamplingParams(temperature=0, repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25)
+    r = make(p, prompt=[1], out=[0, 0, 4])
+    got = s._penalize(LOGITS.clone(), [r])[0]
+    want = LOGITS[0].clone()
+    for t in (0, 1, 4):  # prompt and output tokens: repetition penalty
+        want[t] = want[t] / 2 if want[t] > 0 else want[t] * 2
+    want[0] -= 0.25 * 2 + 0.5  # output tokens only: frequency x count + presence
+    want[4] -= 0.25 * 1 + 0.5
+    torch.testing.assert_close(got, want)
+
+
+def test_min_tokens_bans_eos_and_stop_tokens() -> None:
+    s = Sampler(0)
+    logits = torch.zeros(1, 10)
+    logits[0, 9] = 10.0  # eos is by far the most likely
+    logits[0, 8] = 9.0
+    p = SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[8])
+    assert s(logits, [make(p)]).token_ids[0] not in (8, 9)
+    assert s(logits, [make(p, out=[1, 2])]).token_ids[0] == 9
+
+
+def test_seeded_rows_ignore_the_rest_of_the_batch() -> None:
+    p = SamplingParams(temperature=1.0, seed=123)
+    alone = [Sampler(0)(LOGITS.clone(), [make(p)]).token_ids[0] for _ in range(1)]
+    big = LOGITS.repeat(3, 1)
+    mixed = Sampler(99)(big, [make(SamplingParams(temperature=1.0)), make(p),
+                               make(SamplingParams(temperature=0.5, seed=7))]).token_ids[1]
+    assert mixed == alone[0]
