@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from qpage.config import BLOCK_SIZE
+from qpage.kernels import cpu_attention
 
 
 @dataclass(slots=True)
@@ -36,16 +37,32 @@ class PrefillSeq:
     """Bool [chunk, context_len], True = attend; None when the chunk has no earlier context."""
 
 
+@dataclass(slots=True)
+class DecodeGroup:
+    """Single-token queries of similar context length, attended as one padded batch."""
+
+    start: int
+    """First row in the flattened batch."""
+    end: int
+    """One past the last row."""
+    block_table: torch.Tensor
+    """Long [rows, max_blocks], padded with block 0 (masked out)."""
+    mask: torch.Tensor
+    """Bool [rows, 1, 1, max_blocks * BLOCK_SIZE]: True for positions < seq_len."""
+    max_seq_len: int
+    """Context length of the group's longest (first) row, this step's token included."""
+    scratch: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Tensors a backend derives from the above once per step and reuses in every layer."""
+
+
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor
     """Long [num_tokens]: cache slot of each new token's K and V."""
     num_decodes: int = 0
     """Rows [0, num_decodes) are single-token queries, one per request."""
-    decode_block_table: torch.Tensor | None = None
-    """Long [num_decodes, max_blocks], padded with block 0 (masked out)."""
-    decode_mask: torch.Tensor | None = None
-    """Bool [num_decodes, 1, 1, max_blocks * BLOCK_SIZE]: True for positions < seq_len."""
+    decode_groups: list[DecodeGroup] = field(default_factory=list)
+    """The decode rows, split by context length so padding stays small."""
     prefills: list[PrefillSeq] = field(default_factory=list)
 
 
@@ -79,27 +96,22 @@ class TorchPagedAttention:
         v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
     ) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, KVH, D] (this step's, already written). Returns [T, H, D]."""
-        outs = []
-        nd = meta.num_decodes
-        if nd:
-            outs.append(self._decode(q[:nd], k_cache, v_cache, meta, scale))
+        outs = [self._decode(q[d.start : d.end], k_cache, v_cache, d, scale) for d in meta.decode_groups]
         for p in meta.prefills:
             outs.append(self._prefill(q, k, v, k_cache, v_cache, p, scale))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
 
     @staticmethod
     def _decode(
-        q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-        meta: AttentionMetadata, scale: float,
+        q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, d: DecodeGroup, scale: float,
     ) -> torch.Tensor:
-        bt = meta.decode_block_table
-        assert bt is not None and meta.decode_mask is not None
+        bt = d.block_table
         n, kvh, hd = bt.shape[0], k_cache.shape[2], k_cache.shape[3]
         # [n, blocks, BLOCK, kvh, hd] -> [n, kvh, blocks*BLOCK, hd]
-        keys = k_cache[bt].view(n, -1, kvh, hd).transpose(1, 2)
-        values = v_cache[bt].view(n, -1, kvh, hd).transpose(1, 2)
+        keys = gather_blocks(k_cache, bt.flatten()).view(n, -1, kvh, hd).transpose(1, 2)
+        values = gather_blocks(v_cache, bt.flatten()).view(n, -1, kvh, hd).transpose(1, 2)
         out = F.scaled_dot_product_attention(
-            q.unsqueeze(2), keys, values, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
+            q.unsqueeze(2), keys, values, attn_mask=d.mask, scale=scale, enable_gqa=True
         )
         return out.squeeze(2)
 
@@ -118,16 +130,69 @@ class TorchPagedAttention:
             )
         else:
             kvh, hd = k_cache.shape[2], k_cache.shape[3]
-            keys = k_cache[p.block_ids].view(-1, kvh, hd)[: p.context_len].transpose(0, 1)
-            values = v_cache[p.block_ids].view(-1, kvh, hd)[: p.context_len].transpose(0, 1)
+            keys = gather_blocks(k_cache, p.block_ids).view(-1, kvh, hd)[: p.context_len].transpose(0, 1)
+            values = gather_blocks(v_cache, p.block_ids).view(-1, kvh, hd)[: p.context_len].transpose(0, 1)
             out = F.scaled_dot_product_attention(
                 qs, keys, values, attn_mask=p.mask, scale=scale, enable_gqa=True
             )
         return out.transpose(0, 1)
 
 
-def select_backend(device: torch.device) -> AttentionBackend:
-    """The attention implementation for a device. Triton kernels plug in here."""
+def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """Copy whole blocks out of the cache, [len(block_ids), BLOCK, kvh, hd].
+
+    NOTE: index_select over blocks viewed as flat rows is ~4x faster on CPU than advanced
+    indexing (``cache[ids]``), which goes element-wise through TensorIterator (measured).
+    """
+    return cache.view(cache.shape[0], -1).index_select(0, block_ids).view(-1, *cache.shape[1:])
+
+
+class CpuBlasPagedAttention(TorchPagedAttention):
+    """fp32 on CPU: the same gathers, with the matmuls on NumPy's BLAS (``kernels.cpu_attention``)."""
+
+    name = "cpu-blas"
+
+    @staticmethod
+    def _decode(
+        q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, d: DecodeGroup, scale: float,
+    ) -> torch.Tensor:
+        bt = d.block_table
+        n, kvh, hd = bt.shape[0], k_cache.shape[2], k_cache.shape[3]
+        if n == 1:
+            # One sequence, no padding: SDPA with the query heads grouped under their kv head
+            # (no mask, no GQA expansion) beats the BLAS path at this size (measured 1.4-3x).
+            ctx = d.max_seq_len
+            keys = gather_blocks(k_cache, bt[0]).view(1, -1, kvh, hd)[:, :ctx].transpose(1, 2)
+            values = gather_blocks(v_cache, bt[0]).view(1, -1, kvh, hd)[:, :ctx].transpose(1, 2)
+            out = F.scaled_dot_product_attention(q.view(1, kvh, -1, hd), keys, values, scale=scale)
+            return out.view(q.shape)
+        bias = d.scratch.get("bias")
+        if bias is None:
+            mask = d.mask.view(bt.shape[0], -1, 1)
+            bias = torch.zeros(mask.shape, dtype=q.dtype).masked_fill_(~mask, float("-inf"))
+            d.scratch["bias"] = bias
+        keys = gather_blocks(k_cache, bt.flatten()).view(n, -1, kvh, hd)
+        values = gather_blocks(v_cache, bt.flatten()).view(n, -1, kvh, hd)
+        return cpu_attention.decode_attention(q, keys, values, bias, scale)
+
+    @staticmethod
+    def _prefill(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+        v_cache: torch.Tensor, p: PrefillSeq, scale: float,
+    ) -> torch.Tensor:
+        if p.mask is None:
+            keys, values = k[p.start : p.end], v[p.start : p.end]
+        else:
+            kvh, hd = k_cache.shape[2], k_cache.shape[3]
+            keys = gather_blocks(k_cache, p.block_ids).view(-1, kvh, hd)[: p.context_len]
+            values = gather_blocks(v_cache, p.block_ids).view(-1, kvh, hd)[: p.context_len]
+        return cpu_attention.prefill_attention(q[p.start : p.end], keys, values, scale)
+
+
+def select_backend(device: torch.device, dtype: torch.dtype) -> AttentionBackend:
+    """The attention implementation for a device and dtype. Triton kernels plug in here."""
+    if device.type == "cpu" and dtype == torch.float32:
+        return CpuBlasPagedAttention()
     return TorchPagedAttention()
 
 

@@ -16,7 +16,13 @@ from qpage.config import BLOCK_SIZE
 from qpage.engine.kv_cache import KVCacheManager
 from qpage.engine.request import Request
 from qpage.engine.scheduler import ScheduledRequest, SchedulerOutput
-from qpage.layers.attention import AttentionMetadata, PrefillSeq, make_kv_cache, select_backend
+from qpage.layers.attention import (
+    AttentionMetadata,
+    DecodeGroup,
+    PrefillSeq,
+    make_kv_cache,
+    select_backend,
+)
 from qpage.models.arch import ArchConfig
 
 
@@ -46,7 +52,7 @@ class ModelRunner:
         self.arch = arch
         self.kv = kv
         self.device = device
-        self.backend = select_backend(device)
+        self.backend = select_backend(device, dtype)
         self.caches = [
             make_kv_cache(kv.num_blocks, arch.num_kv_heads, arch.head_dim, dtype, device)
             for _ in range(arch.num_layers)
@@ -56,7 +62,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepOutput:
-        decodes = [s for s in out.scheduled if s.num_tokens == 1]
+        decodes = sorted((s for s in out.scheduled if s.num_tokens == 1),
+                         key=lambda s: -s.request.num_computed_tokens)
         prefills = [s for s in out.scheduled if s.num_tokens > 1]
         batch = _Batch()
         meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long))
@@ -72,27 +79,35 @@ class ModelRunner:
     def _prepare_decodes(
         self, decodes: list[ScheduledRequest], batch: _Batch, meta: AttentionMetadata
     ) -> None:
+        """Decodes are ordered longest context first (the caller keeps this order for the
+        logits) and cut into groups whose shortest member needs at least 7/8 of the
+        longest's blocks, so a padded batch wastes little gather and matmul work."""
         if not decodes:
             return
         tables = [self.kv.block_ids(s.request.request_id) for s in decodes]
-        width = max(len(t) for t in tables)
-        table = torch.zeros(len(decodes), width, dtype=torch.long)
-        seq_lens = torch.empty(len(decodes), dtype=torch.long)
-        pos = torch.empty(len(decodes), dtype=torch.long)
-        slots = torch.empty(len(decodes), dtype=torch.long)
+        n = len(decodes)
+        pos = torch.tensor([s.request.num_computed_tokens for s in decodes], dtype=torch.long)
+        slots = torch.empty(n, dtype=torch.long)
         for i, (s, t) in enumerate(zip(decodes, tables, strict=True)):
             p = s.request.num_computed_tokens
             batch.input_ids.append(s.request.all_token_ids[p])
-            table[i, : len(t)] = torch.tensor(t)
-            pos[i] = p
-            seq_lens[i] = p + 1
             slots[i] = t[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
         batch.positions.append(pos)
         batch.slots.append(slots)
-        meta.num_decodes = len(decodes)
-        meta.decode_block_table = table.to(self.device)
-        mask = self._offsets[: width * BLOCK_SIZE][None, :] < seq_lens[:, None]
-        meta.decode_mask = mask[:, None, None, :].to(self.device)
+        meta.num_decodes = n
+        start = 0
+        while start < n:
+            width = len(tables[start])
+            end = start + 1
+            while end < n and 8 * len(tables[end]) >= 7 * width:
+                end += 1
+            table = torch.zeros(end - start, width, dtype=torch.long)
+            for i in range(start, end):
+                table[i - start, : len(tables[i])] = torch.tensor(tables[i])
+            mask = self._offsets[: width * BLOCK_SIZE][None, :] <= pos[start:end, None]
+            meta.decode_groups.append(DecodeGroup(start, end, table.to(self.device),
+                                                  mask[:, None, None, :].to(self.device), int(pos[start]) + 1))
+            start = end
 
     def _prepare_prefills(
         self, prefills: list[ScheduledRequest], batch: _Batch, meta: AttentionMetadata
