@@ -74,7 +74,7 @@ class LLMEngine:
             # NOTE: the fp32 CPU matmuls run on NumPy's BLAS threads. torch's OpenMP threads
             # spin between ops and steal those cores (measured: 10x slower decode with both
             # at 2 threads), so torch's own ops (norms, attention) run on one thread here.
-            torch.set_num_threads(int(__import__("os").environ.get("QPAGE_TT", "1")))
+            torch.set_num_threads(1)
         self.model = load_model(
             self.model_dir, self.arch, self.dtype, self.device, self.max_model_len, mc.allow_pickle
         )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -13,9 +14,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # NOTE: F.rms_norm is several times slower than this at decode sizes on CPU (measured).
         if x.dtype == torch.float32:
-            return x * torch.rsqrt(x.square().mean(-1, keepdim=True).add_(self.eps)) * self.weight
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         # Half precision: normalise in fp32, round, then scale (as the reference models do).
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
