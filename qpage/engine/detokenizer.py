@@ -33,8 +33,9 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip)
 
-    def add_token(self, token_id: int) -> str | None:
-        """Append a token; return the matched stop string if the text now contains one."""
+    def add_token(self, token_id: int, check_stop: bool = True) -> str | None:
+        """Append a token; return the matched stop string if the text now contains one
+        (only when ``check_stop``: stop strings wait for ``min_tokens``, as in vLLM)."""
         self.ids.append(token_id)
         before = self._decode(self.ids[self.prefix : self.read])
         after = self._decode(self.ids[self.prefix :])
@@ -44,7 +45,7 @@ class IncrementalDetokenizer:
         self.prefix, self.read = self.read, len(self.ids)
         old_len = len(self.text)
         self.text += delta
-        return self._check_stop(old_len)
+        return self._check_stop(old_len) if check_stop else None
 
     def _check_stop(self, old_len: int) -> str | None:
         if not self.stop:

@@ -86,7 +86,7 @@ class OutputProcessor:
                 comp.logprobs.append(self._token_text(res.top_logprobs[i]))  # type: ignore[arg-type]
             detok = parent.detoks[req.index]
             if detok is not None:
-                stop = detok.add_token(tok)
+                stop = detok.add_token(tok, req.num_output_tokens >= req.params.min_tokens)
                 comp.text = detok.text
                 if stop is not None:
                     req.stop_reason = stop

@@ -95,3 +95,14 @@ def test_logprobs_match_log_softmax_of_transformers_logits(llm: Any, hf_model: A
         entry = out.prompt_logprobs[j]
         assert abs(entry[ids[j]].logprob - float(ref[j - 1, ids[j]])) < 1e-3
         assert len(entry) >= 3
+
+
+def test_stop_strings_wait_for_min_tokens(llm: Any) -> None:
+    full = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=30), use_tqdm=False)[0].outputs[0]
+    first_word = full.text.split()[0]
+    early = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=30, stop=first_word),
+                         use_tqdm=False)[0].outputs[0]
+    assert early.text == full.text[: full.text.index(first_word)]
+    late = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=30, stop=first_word, min_tokens=10),
+                        use_tqdm=False)[0].outputs[0]
+    assert len(late.token_ids) >= 10 and late.text.startswith(full.text[: full.text.index(first_word) + 1])
