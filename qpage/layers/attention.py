@@ -105,13 +105,10 @@ class TorchPagedAttention:
     def _decode(
         q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, d: DecodeGroup, scale: float,
     ) -> torch.Tensor:
-        bt = d.block_table
-        n, kvh, hd = bt.shape[0], k_cache.shape[2], k_cache.shape[3]
-        # [n, blocks, BLOCK, kvh, hd] -> [n, kvh, blocks*BLOCK, hd]
-        keys = gather_blocks(k_cache, bt.flatten()).view(n, -1, kvh, hd).transpose(1, 2)
-        values = gather_blocks(v_cache, bt.flatten()).view(n, -1, kvh, hd).transpose(1, 2)
+        keys, values = gather_kv(k_cache, v_cache, d.block_table)  # [n, L, kvh, hd]
         out = F.scaled_dot_product_attention(
-            q.unsqueeze(2), keys, values, attn_mask=d.mask, scale=scale, enable_gqa=True
+            q.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=d.mask, scale=scale,
+            enable_gqa=True,
         )
         return out.squeeze(2)
 
@@ -129,11 +126,10 @@ class TorchPagedAttention:
                 qs, keys, values, is_causal=True, scale=scale, enable_gqa=True
             )
         else:
-            kvh, hd = k_cache.shape[2], k_cache.shape[3]
-            keys = gather_blocks(k_cache, p.block_ids).view(-1, kvh, hd)[: p.context_len].transpose(0, 1)
-            values = gather_blocks(v_cache, p.block_ids).view(-1, kvh, hd)[: p.context_len].transpose(0, 1)
+            keys, values = gather_kv(k_cache, v_cache, p.block_ids[None], p.context_len)
             out = F.scaled_dot_product_attention(
-                qs, keys, values, attn_mask=p.mask, scale=scale, enable_gqa=True
+                qs, keys[0].transpose(0, 1), values[0].transpose(0, 1), attn_mask=p.mask, scale=scale,
+                enable_gqa=True,
             )
         return out.transpose(0, 1)
 
@@ -147,6 +143,20 @@ def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
     return cache.view(cache.shape[0], -1).index_select(0, block_ids).view(-1, *cache.shape[1:])
 
 
+def gather_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor, length: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of each row of ``block_table`` [rows, blocks], as [rows, L, kvh, hd] with
+    L = blocks * BLOCK_SIZE, or the first ``length`` positions."""
+    rows, kvh, hd = block_table.shape[0], k_cache.shape[2], k_cache.shape[3]
+    ids = block_table.flatten()
+    keys = gather_blocks(k_cache, ids).view(rows, -1, kvh, hd)
+    values = gather_blocks(v_cache, ids).view(rows, -1, kvh, hd)
+    if length is not None:
+        keys, values = keys[:, :length], values[:, :length]
+    return keys, values
+
+
 class CpuBlasPagedAttention(TorchPagedAttention):
     """fp32 on CPU: the same gathers, with the matmuls on NumPy's BLAS (``kernels.cpu_attention``)."""
 
@@ -157,22 +167,21 @@ class CpuBlasPagedAttention(TorchPagedAttention):
         q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, d: DecodeGroup, scale: float,
     ) -> torch.Tensor:
         bt = d.block_table
-        n, kvh, hd = bt.shape[0], k_cache.shape[2], k_cache.shape[3]
-        if n == 1:
+        if bt.shape[0] == 1:
             # One sequence, no padding: SDPA with the query heads grouped under their kv head
             # (no mask, no GQA expansion) beats the BLAS path at this size (measured 1.4-3x).
-            ctx = d.max_seq_len
-            keys = gather_blocks(k_cache, bt[0]).view(1, -1, kvh, hd)[:, :ctx].transpose(1, 2)
-            values = gather_blocks(v_cache, bt[0]).view(1, -1, kvh, hd)[:, :ctx].transpose(1, 2)
-            out = F.scaled_dot_product_attention(q.view(1, kvh, -1, hd), keys, values, scale=scale)
+            keys, values = gather_kv(k_cache, v_cache, bt, d.max_seq_len)
+            kvh, hd = keys.shape[2], keys.shape[3]
+            out = F.scaled_dot_product_attention(
+                q.view(1, kvh, -1, hd), keys.transpose(1, 2), values.transpose(1, 2), scale=scale
+            )
             return out.view(q.shape)
         bias = d.scratch.get("bias")
         if bias is None:
             mask = d.mask.view(bt.shape[0], -1, 1)
             bias = torch.zeros(mask.shape, dtype=q.dtype).masked_fill_(~mask, float("-inf"))
             d.scratch["bias"] = bias
-        keys = gather_blocks(k_cache, bt.flatten()).view(n, -1, kvh, hd)
-        values = gather_blocks(v_cache, bt.flatten()).view(n, -1, kvh, hd)
+        keys, values = gather_kv(k_cache, v_cache, bt)
         return cpu_attention.decode_attention(q, keys, values, bias, scale)
 
     @staticmethod
@@ -183,9 +192,8 @@ class CpuBlasPagedAttention(TorchPagedAttention):
         if p.mask is None:
             keys, values = k[p.start : p.end], v[p.start : p.end]
         else:
-            kvh, hd = k_cache.shape[2], k_cache.shape[3]
-            keys = gather_blocks(k_cache, p.block_ids).view(-1, kvh, hd)[: p.context_len]
-            values = gather_blocks(v_cache, p.block_ids).view(-1, kvh, hd)[: p.context_len]
+            keys, values = gather_kv(k_cache, v_cache, p.block_ids[None], p.context_len)
+            keys, values = keys[0], values[0]
         return cpu_attention.prefill_attention(q[p.start : p.end], keys, values, scale)
 
 

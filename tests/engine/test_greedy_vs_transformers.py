@@ -39,9 +39,9 @@ PROMPTS = [
 ]
 
 SETUPS = {
-    "prefix-cache-on": dict(enable_prefix_caching=True),
-    "prefix-cache-off": dict(enable_prefix_caching=False),
-    "chunked-prefill": dict(max_num_batched_tokens=48),
+    "prefix-cache-on": dict(enable_prefix_caching=True, kv_cache_memory="512MiB"),
+    "prefix-cache-off": dict(enable_prefix_caching=False, kv_cache_memory="512MiB"),
+    "chunked-prefill": dict(max_num_batched_tokens=48, kv_cache_memory="512MiB"),
     # 40 blocks x 16 = 640 tokens for 16 requests of up to ~330 tokens: preemptions.
     "preemption": dict(kv_cache_memory=40 * 16 * 46080, max_model_len=512),
 }
