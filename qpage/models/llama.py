@@ -40,7 +40,7 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         c = self.c
         t = x.shape[0]
-        qkv = self.qkv_proj(x).view(t, c.num_heads + 2 * c.num_kv_heads, c.head_dim)
+        qkv = self.qkv_proj.forward(x).view(t, c.num_heads + 2 * c.num_kv_heads, c.head_dim)
         nq = c.num_heads
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(qkv[:, :nq]), self.k_norm(qkv[:, nq : nq + c.num_kv_heads])
@@ -52,7 +52,7 @@ class Attention(nn.Module):
         v = qkv[:, nq + c.num_kv_heads :]
         backend.write_cache(k, v, cache[0], cache[1], meta.slot_mapping)
         out = backend.attend(q, k, v, cache[0], cache[1], meta, self.scale)
-        return self.o_proj(out.reshape(t, c.q_size))
+        return self.o_proj.forward(out.reshape(t, c.q_size))
 
 
 class MLP(nn.Module):
@@ -63,8 +63,8 @@ class MLP(nn.Module):
         self.down_proj = make_linear(c.intermediate_size, c.hidden_size, c.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split([self.inter, self.inter], dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate, up = self.gate_up_proj.forward(x).split([self.inter, self.inter], dim=-1)
+        return self.down_proj.forward(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -79,8 +79,10 @@ class DecoderLayer(nn.Module):
         self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
         meta: AttentionMetadata, backend: AttentionBackend,
     ) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, cache, meta, backend)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        # NOTE: submodules are called through .forward: nn.Module.__call__'s hook handling
+        # costs ~1 ms per token at batch 1 over 240 calls, and qpage registers no hooks.
+        h = h + self.self_attn.forward(self.input_layernorm.forward(h), cos, sin, cache, meta, backend)
+        return h + self.mlp.forward(self.post_attention_layernorm.forward(h))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -119,7 +121,7 @@ class LlamaForCausalLM(nn.Module):
         h = self.embed_tokens(input_ids)
         cos, sin = self.rotary.lookup(positions)
         for layer, cache in zip(self.layers, caches, strict=True):
-            h = layer(h, cos, sin, cache, meta, backend)
+            h = layer.forward(h, cos, sin, cache, meta, backend)
         return self.norm(h)
 
     @torch.inference_mode()

@@ -105,8 +105,12 @@ class ModelRunner:
             for i in range(start, end):
                 table[i - start, : len(tables[i])] = torch.tensor(tables[i])
             mask = self._offsets[: width * BLOCK_SIZE][None, :] <= pos[start:end, None]
-            meta.decode_groups.append(DecodeGroup(start, end, table.to(self.device),
-                                                  mask[:, None, None, :].to(self.device), int(pos[start]) + 1))
+            first = tables[start][0]
+            consecutive = end - start == 1 and tables[start] == list(range(first, first + width))
+            meta.decode_groups.append(DecodeGroup(
+                start, end, table.to(self.device), mask[:, None, None, :].to(self.device),
+                int(pos[start]) + 1, first if consecutive else None,
+            ))
             start = end
 
     def _prepare_prefills(

@@ -38,15 +38,17 @@ def dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torc
 def test_paged_attention_matches_dense(backend: TorchPagedAttention) -> None:
     g = torch.Generator().manual_seed(0)
     nblocks = 64
-    k_cache = torch.randn(nblocks, BLOCK_SIZE, KVH, HD, generator=g)
-    v_cache = torch.randn(nblocks, BLOCK_SIZE, KVH, HD, generator=g)
+    k_cache = torch.randn(nblocks + 8, BLOCK_SIZE, KVH, HD, generator=g)
+    v_cache = torch.randn(nblocks + 8, BLOCK_SIZE, KVH, HD, generator=g)
     perm = torch.randperm(nblocks, generator=g).tolist()
     # (context length after this step, new tokens): 3 decodes, 2 prefills (one with context).
     seqs = [(150, 1), (140, 1), (37, 1), (200, 90), (45, 45)]
     tables, q_rows, want = [], [], []
-    for ctx, new in seqs:
+    for i, (ctx, new) in enumerate(seqs):
         nb = -(-ctx // BLOCK_SIZE)
-        tables.append(torch.tensor([perm.pop() for _ in range(nb)]))
+        # Row 2 (a one-row decode group) gets consecutive blocks: the gather-free view path.
+        ids = list(range(nblocks + 2, nblocks + 2 + nb)) if i == 2 else [perm.pop() for _ in range(nb)]
+        tables.append(torch.tensor(ids))
         kd = k_cache[tables[-1]].reshape(-1, KVH, HD)[:ctx]
         vd = v_cache[tables[-1]].reshape(-1, KVH, HD)[:ctx]
         q = torch.randn(new, H, HD, generator=g)
@@ -61,7 +63,8 @@ def test_paged_attention_matches_dense(backend: TorchPagedAttention) -> None:
             bt[i - start, : len(tables[i])] = tables[i]
         lens = torch.tensor([seqs[i][0] for i in range(start, end)])
         mask = (torch.arange(width * BLOCK_SIZE)[None, :] < lens[:, None])[:, None, None, :]
-        groups.append(DecodeGroup(start, end, bt, mask, int(lens[0])))
+        first = int(bt[0, 0]) if start == 2 else None
+        groups.append(DecodeGroup(start, end, bt, mask, int(lens[0]), first))
     prefills, row = [], 3
     fresh_k = torch.zeros(len(q_all), KVH, HD)
     fresh_v = torch.zeros(len(q_all), KVH, HD)
