@@ -2,9 +2,9 @@
 
 Order per row: raw log-probabilities (returned as ``logprobs``, as vLLM does by default)
 -> penalties -> min_tokens masking -> greedy argmax, or temperature, top-k, top-p, min-p
-and a draw. Draws use the exponential race (argmax of p / E with E ~ Exp(1)), with each
-seeded request's noise coming from its own generator, so a seed reproduces its output
-whatever else shares the batch.
+and a draw. A draw inverts the row's CDF at one uniform number taken from the request's
+own generator when it has a seed, so a seed reproduces its output whatever else shares
+the batch.
 """
 
 from __future__ import annotations
@@ -83,10 +83,13 @@ class Sampler:
         if bool((min_ps > 0).any()):
             floor = probs.max(dim=-1, keepdim=True).values * min_ps[:, None]
             probs = probs.masked_fill(probs < floor, 0.0)
-        noise = torch.empty_like(probs)
-        for i, r in enumerate(reqs):
-            noise[i].exponential_(generator=r.generator or self.generator)
-        return (probs / noise).argmax(dim=-1)
+        # Inverse-CDF draw: one uniform per row (from the request's own generator when seeded)
+        # instead of one exponential per vocabulary entry (~1 ms per row at vocab 49k).
+        cdf = probs.cumsum(dim=-1)
+        u = torch.stack([torch.rand((), generator=r.generator or self.generator) for r in reqs])
+        # side="right": the first index whose cdf exceeds u, never a zero-probability token.
+        idx = torch.searchsorted(cdf, (u.to(cdf.dtype) * cdf[:, -1])[:, None], right=True)
+        return idx.squeeze(1).clamp_(max=probs.shape[-1] - 1)
 
 
 def _blocks_stop(r: Request) -> bool:

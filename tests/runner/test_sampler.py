@@ -68,3 +68,16 @@ def test_seeded_rows_ignore_the_rest_of_the_batch() -> None:
     mixed = Sampler(99)(big, [make(SamplingParams(temperature=1.0)), make(p),
                                make(SamplingParams(temperature=0.5, seed=7))]).token_ids[1]
     assert mixed == alone[0]
+
+
+def test_draw_frequencies_follow_the_distribution() -> None:
+    s = Sampler(0)
+    logits = torch.tensor([[0.0, 1.0, 2.0, -30.0]])
+    want = torch.softmax(logits[0], -1)
+    r = make(SamplingParams(temperature=1.0))
+    counts = torch.zeros(4)
+    for _ in range(4000):
+        counts[s(logits.clone(), [r]).token_ids[0]] += 1
+    # 4000 draws: each frequency within 0.03 of its probability (> 4 standard deviations).
+    torch.testing.assert_close(counts / 4000, want, atol=0.03, rtol=0)
+    assert counts[3] == 0
