@@ -58,7 +58,8 @@ def run_qpage(work: list[tuple[list[int], int]], args: argparse.Namespace) -> di
         n_out = sum(len(o.outputs[0].token_ids) for o in outs)
         assert n_out == sum(o for _, o in work)
     b1 = decode_b1(lambda k: llm.generate(prompts[0], SamplingParams(temperature=0, max_tokens=k,
-                                                                    ignore_eos=True), use_tqdm=False))
+                                                                    ignore_eos=True), use_tqdm=False),
+                   args.b1_tokens)
     return {"seconds": dt, "output_tokens": n_out, "tokens_per_s": n_out / dt, "b1_decode_tokens_per_s": b1}
 
 
@@ -87,7 +88,7 @@ def run_hf(work: list[tuple[list[int], int]], args: argparse.Namespace, model_di
             batch_generate(work[i : i + bs])
         dt = time.perf_counter() - t
         n_out = sum(o for _, o in work)
-    b1 = decode_b1(lambda k: batch_generate([(work[0][0], k)]))
+    b1 = decode_b1(lambda k: batch_generate([(work[0][0], k)]), args.b1_tokens)
     return {"seconds": dt, "output_tokens": n_out, "tokens_per_s": n_out / dt, "b1_decode_tokens_per_s": b1}
 
 
@@ -128,6 +129,7 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=1024)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "throughput.json"))
     ap.add_argument("--b1-only", action="store_true", help="measure only batch-1 decode (about a minute)")
+    ap.add_argument("--b1-tokens", type=int, default=128, help="tokens decoded for the batch-1 figure")
     ap.add_argument("--child", choices=["qpage", "hf"], help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
