@@ -111,10 +111,6 @@ class SamplingParams:
         return self._stop_list
 
     @property
-    def top_k_active(self) -> bool:
-        return self.top_k > 0
-
-    @property
     def needs_penalties(self) -> bool:
         return (
             self.repetition_penalty != 1.0

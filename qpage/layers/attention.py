@@ -62,10 +62,9 @@ class DecodeGroup:
 class AttentionMetadata:
     slot_mapping: torch.Tensor
     """Long [num_tokens]: cache slot of each new token's K and V."""
-    num_decodes: int = 0
-    """Rows [0, num_decodes) are single-token queries, one per request."""
     decode_groups: list[DecodeGroup] = field(default_factory=list)
-    """The decode rows, split by context length so padding stays small."""
+    """Single-token queries (one per request), first in the batch, split by context length
+    so padding stays small."""
     prefills: list[PrefillSeq] = field(default_factory=list)
 
 

@@ -94,7 +94,6 @@ class ModelRunner:
             slots[i] = t[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
         batch.positions.append(pos)
         batch.slots.append(slots)
-        meta.num_decodes = n
         start = 0
         while start < n:
             width = len(tables[start])

@@ -79,7 +79,7 @@ def test_paged_attention_matches_dense(backend: TorchPagedAttention) -> None:
             fresh_v[row : row + new] = v_cache[tables[i]].reshape(-1, KVH, HD)[:ctx]
         prefills.append(PrefillSeq(row, row + new, ctx, tables[i], mask))
         row += new
-    meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long), num_decodes=3,
+    meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long),
                              decode_groups=groups, prefills=prefills)
     got = backend.attend(q_all, fresh_k, fresh_v, k_cache, v_cache, meta, HD**-0.5)
     torch.testing.assert_close(got, torch.cat(want), atol=1e-5, rtol=0)
