@@ -1,0 +1,517 @@
+"""Kernel speed on a CUDA GPU: qpage's Triton kernels against torch FP16 (cuBLAS / SDPA).
+
+Shapes are Llama-3-8B's: linears K x N in {4096x4096, 4096x14336, 14336x4096,
+4096x128256} at M in {1, 4, 16, 64, 256}; paged decode attention for 32 sequences x 4096
+tokens (32 query heads, 8 kv heads, head_dim 128); prefill attention over a 4096-token
+context; the cache write; and one end-to-end decode figure for a synthetic 8B-shaped layer
+stack (random weights, kernels only: no sampler, scheduler or tokenizer).
+
+Method: every timed call is captured in a CUDA graph together with calls on other copies of
+its inputs (rotated so the bytes read exceed 4x the L2 cache), and the graph is replayed;
+the figure is the median per call. Achieved GB/s counts the fewest bytes a call must move
+(weights, activations, outputs; K/V and scales for attention) and is printed beside the
+device-to-device copy bandwidth measured at the start (read + write), the practical peak.
+Each kernel is also checked against its ``*_ref`` on the same inputs before it is timed.
+
+    python benchmarks/kernels.py [--out benchmarks/results/kernels.json] [--quick]
+    python benchmarks/kernels.py --interpret     # CPU dry run: tiny shapes, Triton interpreter
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+LLAMA3_8B_LINEARS = [(4096, 4096), (4096, 14336), (14336, 4096), (4096, 128256)]
+M_VALUES = [1, 4, 16, 64, 256]
+DATASHEET_GBS = {"H200": 4800.0, "H100": 3350.0, "4090": 1008.0, "3090": 936.0, "A100": 2039.0}
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "kernels.json"))
+    p.add_argument("--interpret", action="store_true", help="CPU dry run under TRITON_INTERPRET=1, tiny shapes")
+    p.add_argument("--quick", action="store_true", help="fewer M values and no tuning sweep")
+    p.add_argument("--no-e2e", action="store_true", help="skip the end-to-end decode figure")
+    p.add_argument("--sections", default="", help="comma-separated subset: cache_write,attention,linears,tune,e2e")
+    return p.parse_args()
+
+
+class Timer:
+    """Median time per call of a function, replayed from a CUDA graph (or wall clock on CPU)."""
+
+    def __init__(self, device: Any, l2_bytes: int) -> None:
+        self.device = device
+        self.l2_bytes = l2_bytes
+
+    def copies(self, nbytes: int) -> int:
+        """How many input copies make one graph replay read more than 4x the L2 cache."""
+        if self.device.type != "cuda":
+            return 1
+        return max(1, min(64, math.ceil(4 * self.l2_bytes / max(nbytes, 1))))
+
+    def time(self, calls: list[Callable[[], Any]], reps: int = 20) -> float:
+        import torch
+
+        if self.device.type != "cuda":
+            t = time.perf_counter()
+            for fn in calls:
+                fn()
+            return (time.perf_counter() - t) / len(calls)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for fn in calls:  # warm-up: compile and autotune outside the graph
+                fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for fn in calls:
+                fn()
+        graph.replay()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3 / len(calls))
+        del graph
+        return sorted(times)[len(times) // 2]
+
+
+def measure_copy_gbs(device: Any) -> float:
+    import torch
+
+    if device.type != "cuda":
+        return float("nan")
+    n = 1 << 30
+    a = torch.empty(n, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    timer = Timer(device, 0)
+    dt = timer.time([lambda: b.copy_(a)], reps=10)
+    return 2 * n / dt / 1e9
+
+
+def rel_err(out: Any, ref: Any) -> float:
+    return float((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30))
+
+
+# ------------------------------------------------------------------------------ linears
+
+
+def make_int4(k: int, n: int, group: int, device: Any) -> dict[str, Any]:
+    import torch
+
+    g = math.ceil(k / group)
+    return dict(
+        qweight=torch.randint(-(2**31), 2**31 - 1, (k // 8, n), dtype=torch.int32, device=device),
+        scales=(torch.rand(g, n, device=device) * 0.01 + 0.001).half(),
+    )
+
+
+def make_int8(k: int, n: int, device: Any) -> dict[str, Any]:
+    import torch
+
+    return dict(
+        qweight=torch.randint(-(2**31), 2**31 - 1, (k // 4, n), dtype=torch.int32, device=device),
+        scales=(torch.rand(1, n, device=device) * 0.01 + 0.001).half(),
+    )
+
+
+def make_fp8(k: int, n: int, device: Any, block: bool) -> dict[str, Any]:
+    import torch
+
+    w = (torch.randn(n, k, device=device) * 50).clamp(-448, 448).to(torch.float8_e4m3fn)
+    scale = torch.rand(math.ceil(n / 128), math.ceil(k / 128), device=device) if block else torch.rand(n, device=device)
+    return dict(weight=w, scale=scale * 0.001)
+
+
+def bench_linears(args: argparse.Namespace, device: Any, timer: Timer, peak: float) -> list[dict[str, Any]]:
+    import torch
+
+    from qpage.kernels.fp8_matmul import fp8_matmul, fp8_matmul_ref
+    from qpage.kernels.quant_matmul import int_matmul, int_matmul_ref
+
+    dtype = torch.float16 if device.type == "cuda" else torch.float32
+    shapes = LLAMA3_8B_LINEARS if not args.interpret else [(256, 128), (128, 384)]
+    ms = ([1, 16, 256] if args.quick else M_VALUES) if not args.interpret else [1, 16]
+    rows = []
+    for k, n in shapes:
+        w16 = torch.randn(n, k, device=device, dtype=dtype) * 0.02
+        variants: dict[str, tuple[dict[str, Any], Callable[..., Any], Callable[..., Any], int]] = {}
+        i4 = make_int4(k, n, 128, device)
+        variants["int4-g128"] = (i4, lambda x, p: int_matmul(x, p["qweight"], p["scales"], None, None, bits=4,
+                                                              group_size=128),
+                                 lambda x, p: int_matmul_ref(x, p["qweight"], p["scales"], None, None, bits=4,
+                                                             group_size=128), k * n // 2 + i4["scales"].numel() * 2)
+        i8 = make_int8(k, n, device)
+        variants["int8-chan"] = (i8, lambda x, p: int_matmul(x, p["qweight"], p["scales"], None, None, bits=8,
+                                                              group_size=k),
+                                 lambda x, p: int_matmul_ref(x, p["qweight"], p["scales"], None, None, bits=8,
+                                                             group_size=k), k * n + n * 2)
+        for name, block in (("fp8-chan", False), ("fp8-block", True)):
+            f8 = make_fp8(k, n, device, block)
+            variants[name] = (f8, lambda x, p: fp8_matmul(x, p["weight"], p["scale"]),
+                              lambda x, p: fp8_matmul_ref(x, p["weight"], p["scale"]), k * n + f8["scale"].numel() * 4)
+        for m in ms:
+            x = torch.randn(m, k, device=device, dtype=dtype)
+            io_bytes = (m * k + m * n) * x.element_size()
+            fp16_bytes = k * n * w16.element_size() + io_bytes
+            nc = timer.copies(fp16_bytes)
+            ws = [w16] + [torch.randn_like(w16) * 0.02 for _ in range(nc - 1)]
+            t16 = timer.time([lambda w=w: x @ w.T for w in ws])
+            row: dict[str, Any] = dict(K=k, N=n, M=m, fp16_us=t16 * 1e6, fp16_gbs=fp16_bytes / t16 / 1e9)
+            for name, (params, fn, ref, wbytes) in variants.items():
+                err = rel_err(fn(x, params), ref(x, params))
+                nbytes = wbytes + io_bytes
+                nc = timer.copies(nbytes)
+                copies = [params] + [{key: v.clone() for key, v in params.items()} for _ in range(nc - 1)]
+                t = timer.time([lambda p=p: fn(x, p) for p in copies])
+                row[f"{name}_us"] = t * 1e6
+                row[f"{name}_gbs"] = nbytes / t / 1e9
+                row[f"{name}_speedup"] = t16 / t
+                row[f"{name}_relerr"] = err
+            rows.append(row)
+            print(f"  linear K={k:>5} N={n:>6} M={m:>3}  fp16 {t16 * 1e6:8.1f} us  "
+                  + "  ".join(f"{nm} {row[nm + '_us']:7.1f} us ({row[nm + '_speedup']:.2f}x)" for nm in variants),
+                  flush=True)
+        torch.cuda.empty_cache() if device.type == "cuda" else None
+    return rows
+
+
+def tune_int4_m1(device: Any, timer: Timer) -> list[dict[str, Any]]:
+    """A small sweep of INT4 GEMV tile settings at M=1, 4096x14336 (to choose defaults)."""
+    import torch
+
+    from qpage.kernels.quant_matmul import MatmulConfig, int_matmul
+
+    k, n = 4096, 14336
+    p = make_int4(k, n, 128, device)
+    x = torch.randn(1, k, device=device, dtype=torch.float16)
+    copies = [p] + [{key: v.clone() for key, v in p.items()} for _ in range(timer.copies(k * n // 2) - 1)]
+    out = []
+    for bn in (32, 64, 128):
+        for bk in (64, 128):
+            for split in (1, 4, 8, 16):
+                for warps in (4,):
+                    cfg = MatmulConfig(block_m=16, block_n=bn, block_k=bk, split_k=split, num_warps=warps,
+                                       num_stages=3)
+                    try:
+                        t = timer.time([lambda q=q: int_matmul(x, q["qweight"], q["scales"], None, None, bits=4,
+                                                               group_size=128, config=cfg) for q in copies])
+                    except Exception as e:  # a config the compiler rejects (e.g. shared memory)
+                        print(f"  tune {cfg}: {type(e).__name__}", flush=True)
+                        continue
+                    out.append(dict(block_n=bn, block_k=bk, split_k=split, num_warps=warps, us=t * 1e6))
+    out.sort(key=lambda r: r["us"])
+    for r in out[:5]:
+        print(f"  tune int4 M=1 4096x14336: {r}", flush=True)
+    return out
+
+
+# ---------------------------------------------------------------------------- attention
+
+
+def fill_cache(num_seqs: int, ctx: int, kvh: int, dim: int, dtype: Any, fmt: str | None, per_token: bool,
+               device: Any) -> dict[str, Any]:
+    """A paged cache holding ``num_seqs`` random sequences of ``ctx`` tokens in shuffled blocks."""
+    import torch
+
+    from qpage.kernels.cache_write import write_kv_cache
+
+    blocks_per_seq = math.ceil(ctx / 16)
+    nb = num_seqs * blocks_per_seq
+    cdt = torch.uint8 if fmt else dtype
+    kc = torch.empty(nb, 16, kvh, dim, dtype=cdt, device=device)
+    vc = torch.empty_like(kc)
+    if fmt and per_token:
+        ks = torch.empty(nb, 16, kvh, dtype=torch.float16, device=device)
+        vs = torch.empty_like(ks)
+    elif fmt:
+        ks, vs = torch.tensor([0.01], device=device), torch.tensor([0.01], device=device)
+    else:
+        ks = vs = None
+    bt = torch.randperm(nb, device=device).to(torch.int32).view(num_seqs, blocks_per_seq)
+    for s in range(num_seqs):
+        slots = (bt[s].long()[:, None] * 16 + torch.arange(16, device=device)).flatten()[:ctx]
+        k = torch.randn(ctx, kvh, dim, device=device, dtype=dtype)
+        write_kv_cache(k, torch.randn_like(k), kc, vc, slots.to(torch.int32), ks, vs, fmt)
+    return dict(k_cache=kc, v_cache=vc, k_scale=ks, v_scale=vs, fp8_format=fmt, block_tables=bt)
+
+
+def bench_attention(args: argparse.Namespace, device: Any, timer: Timer, peak: float) -> list[dict[str, Any]]:
+    import torch
+    import torch.nn.functional as F
+
+    from qpage.kernels.paged_attention import (
+        paged_attention_decode,
+        paged_attention_decode_ref,
+        paged_attention_prefill,
+        paged_attention_prefill_ref,
+    )
+
+    dtype = torch.float16 if device.type == "cuda" else torch.float32
+    nseq, ctx, heads, kvh, dim = (32, 4096, 32, 8, 128) if not args.interpret else (3, 100, 4, 2, 64)
+    scale = dim**-0.5
+    rows = []
+    q = torch.randn(nseq, heads, dim, device=device, dtype=dtype)
+    lens = torch.full((nseq,), ctx, dtype=torch.int32, device=device)
+    # SDPA over contiguous fp16 K/V (no paging): the FP16 reference point.
+    kd = torch.randn(nseq, kvh, ctx, dim, device=device, dtype=dtype)
+    vd = torch.randn_like(kd)
+    t_sdpa = timer.time([lambda: F.scaled_dot_product_attention(q[:, :, None], kd, vd, scale=scale,
+                                                                 enable_gqa=True)])
+    sdpa_bytes = 2 * kd.numel() * kd.element_size()
+    rows.append(dict(kernel="decode sdpa fp16 (contiguous)", us=t_sdpa * 1e6, gbs=sdpa_bytes / t_sdpa / 1e9))
+    for label, fmt, per_token in (("fp16", None, False), ("fp8 e4m3 per-token", "e4m3", True),
+                                  ("fp8 e4m3 per-tensor", "e4m3", False)):
+        c = fill_cache(nseq, ctx, kvh, dim, dtype, fmt, per_token, device)
+        kw = dict(k_scale=c["k_scale"], v_scale=c["v_scale"], fp8_format=fmt)
+        out = paged_attention_decode(q, c["k_cache"], c["v_cache"], c["block_tables"], lens, scale, **kw)
+        ref_rows = slice(0, 2)
+        ref = paged_attention_decode_ref(q[ref_rows], c["k_cache"], c["v_cache"], c["block_tables"][ref_rows],
+                                         lens[ref_rows], scale, **kw)
+        err = rel_err(out[ref_rows], ref)
+        elem = 1 if fmt else 2
+        kv_bytes = 2 * nseq * ctx * kvh * dim * elem + (2 * nseq * ctx * kvh * 2 if per_token else 0)
+        t = timer.time([lambda: paged_attention_decode(q, c["k_cache"], c["v_cache"], c["block_tables"], lens,
+                                                       scale, max_seq_len=ctx, **kw)])
+        rows.append(dict(kernel=f"decode paged {label}", us=t * 1e6, gbs=kv_bytes / t / 1e9,
+                         pct_peak=100 * kv_bytes / t / 1e9 / peak, relerr=err))
+        print(f"  decode paged {label}: {t * 1e6:.1f} us, {kv_bytes / t / 1e9:.0f} GB/s, relerr {err:.1e}",
+              flush=True)
+        if fmt and per_token and device.type == "cuda" and not args.quick:
+            for part in (256, 512, 1024):
+                for bn in (64, 128):
+                    for warps in (4, 8):
+                        try:
+                            tt = timer.time([lambda: paged_attention_decode(
+                                q, c["k_cache"], c["v_cache"], c["block_tables"], lens, scale, max_seq_len=ctx,
+                                partition=part, block_n=bn, num_warps=warps, **kw)])
+                        except Exception as e:
+                            print(f"  tune attention {part}/{bn}/{warps}: {type(e).__name__}", flush=True)
+                            continue
+                        rows.append(dict(kernel=f"decode paged {label} part={part} bn={bn} warps={warps}",
+                                         us=tt * 1e6, gbs=kv_bytes / tt / 1e9,
+                                         pct_peak=100 * kv_bytes / tt / 1e9 / peak))
+        # Prefill: one sequence's last chunk of 512 (or 2048) tokens over its whole context.
+        qlen = 2048 if device.type == "cuda" else 20
+        qp = torch.randn(qlen, heads, dim, device=device, dtype=dtype)
+        cu = torch.tensor([0, qlen], dtype=torch.int32, device=device)
+        ctx1 = lens[:1]
+        bt1 = c["block_tables"][:1]
+        pout = paged_attention_prefill(qp, c["k_cache"], c["v_cache"], bt1, cu, ctx1, qlen, scale, **kw)
+        nref = min(64, qlen)
+        pref = paged_attention_prefill_ref(qp[:nref], c["k_cache"], c["v_cache"], bt1, cu.clamp_max(nref),
+                                           ctx1 - qlen + nref, scale, **kw)
+        perr = rel_err(pout[:nref], pref)
+        t = timer.time([lambda: paged_attention_prefill(qp, c["k_cache"], c["v_cache"], bt1, cu, ctx1, qlen, scale,
+                                                        **kw)])
+        flops = 4 * heads * dim * qlen * (ctx - qlen / 2)
+        rows.append(dict(kernel=f"prefill paged {label} ({qlen} new / {ctx} ctx)", us=t * 1e6, tflops=flops / t / 1e12,
+                         relerr=perr))
+    # SDPA causal prefill on contiguous fp16 for the same problem.
+    qlen = 2048 if device.type == "cuda" else 20
+    qs = torch.randn(1, heads, qlen, dim, device=device, dtype=dtype)
+    ks = torch.randn(1, kvh, ctx, dim, device=device, dtype=dtype)
+    mask = torch.ones(qlen, ctx, dtype=torch.bool, device=device).tril(ctx - qlen)
+    t = timer.time([lambda: F.scaled_dot_product_attention(qs, ks, ks, attn_mask=mask, scale=scale, enable_gqa=True)])
+    rows.append(dict(kernel=f"prefill sdpa fp16 masked ({qlen} new / {ctx} ctx)", us=t * 1e6,
+                     tflops=4 * heads * dim * qlen * (ctx - qlen / 2) / t / 1e12))
+    return rows
+
+
+def bench_cache_write(args: argparse.Namespace, device: Any, timer: Timer) -> list[dict[str, Any]]:
+    import torch
+
+    from qpage.kernels.cache_write import write_kv_cache, write_kv_cache_ref
+
+    dtype = torch.float16 if device.type == "cuda" else torch.float32
+    tokens, kvh, dim = (4096, 8, 128) if not args.interpret else (40, 2, 64)
+    nb = 2 * tokens // 16
+    rows = []
+    for fmt in ("e4m3", "e5m2"):
+        k = torch.randn(tokens, kvh, dim, device=device, dtype=dtype) * 3
+        v = torch.randn_like(k)
+        slots = torch.randperm(nb * 16, device=device)[:tokens].to(torch.int32)
+        caches = []
+        for fn in (write_kv_cache, write_kv_cache_ref):
+            kc = torch.zeros(nb, 16, kvh, dim, dtype=torch.uint8, device=device)
+            vc = torch.zeros_like(kc)
+            ks = torch.zeros(nb, 16, kvh, dtype=torch.float16, device=device)
+            vs = torch.zeros_like(ks)
+            fn(k, v, kc, vc, slots, ks, vs, fmt)
+            caches.append((kc, vc, ks, vs))
+        exact = all(torch.equal(a, b) for a, b in zip(*caches, strict=False))
+        kc, vc, ks, vs = caches[0]
+        t = timer.time([lambda: write_kv_cache(k, v, kc, vc, slots, ks, vs, fmt)])
+        nbytes = 2 * k.numel() * (k.element_size() + 1) + 2 * tokens * kvh * 2
+        rows.append(dict(kernel=f"cache write fp8 {fmt} per-token ({tokens} tokens)", us=t * 1e6,
+                         gbs=nbytes / t / 1e9, bit_exact=exact))
+        print(f"  cache write {fmt}: {t * 1e6:.1f} us, bit-exact vs torch: {exact}", flush=True)
+    return rows
+
+
+# ------------------------------------------------------------------------ end to end
+
+
+def bench_e2e(args: argparse.Namespace, device: Any, timer: Timer) -> list[dict[str, Any]]:
+    """Decode steps/s of a synthetic Llama-3-8B-shaped stack: FP16 (cuBLAS + paged FP16 KV)
+    vs qpage INT4 g128 + FP8 per-token KV, batch 1 and 32, context 4096, CUDA graphs."""
+    import torch
+
+    from qpage.kernels.cache_write import write_kv_cache
+    from qpage.kernels.paged_attention import paged_attention_decode
+    from qpage.kernels.quant_matmul import int_matmul
+
+    if device.type != "cuda":
+        layers, hidden, inter, heads, kvh, dim, ctx, vocab = 1, 128, 256, 4, 2, 32, 32, 512
+    else:
+        layers, hidden, inter, heads, kvh, dim, ctx, vocab = 32, 4096, 14336, 32, 8, 128, 4096, 128256
+    dtype = torch.float16 if device.type == "cuda" else torch.float32
+    rows = []
+    for batch in (1, 32) if device.type == "cuda" else (1, 2):
+        for mode in ("fp16", "int4+fp8kv"):
+            fmt = "e4m3" if mode != "fp16" else None
+            caches = [fill_cache(batch, ctx, kvh, dim, dtype, fmt, True, device) for _ in range(layers)]
+            shapes = [(hidden, (heads + 2 * kvh) * dim), (heads * dim, hidden), (hidden, 2 * inter), (inter, hidden)]
+            if mode == "fp16":
+                weights = [[torch.randn(n, k, device=device, dtype=dtype) * 0.02 for k, n in shapes]
+                           for _ in range(layers)]
+                head = torch.randn(vocab, hidden, device=device, dtype=dtype) * 0.02
+
+                def linear(x: Any, w: Any) -> Any:
+                    return x @ w.T
+            else:
+                weights = [[make_int4(k, n, 128, device) for k, n in shapes] for _ in range(layers)]
+                head = torch.randn(vocab, hidden, device=device, dtype=dtype) * 0.02  # head stays fp16
+
+                def linear(x: Any, w: Any) -> Any:
+                    return int_matmul(x, w["qweight"], w["scales"], None, None, bits=4, group_size=128)
+            x0 = torch.randn(batch, hidden, device=device, dtype=dtype)
+            slots = torch.zeros(batch, dtype=torch.int32, device=device)  # rewrite one slot each step
+            lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
+
+            def step() -> Any:
+                h = x0
+                for lw, c in zip(weights, caches, strict=True):
+                    a = torch.nn.functional.rms_norm(h, (hidden,))
+                    qkv = linear(a, lw[0])
+                    q, k, v = qkv.split([heads * dim, kvh * dim, kvh * dim], dim=-1)
+                    write_kv_cache(k.view(batch, kvh, dim), v.view(batch, kvh, dim), c["k_cache"], c["v_cache"],
+                                   slots, c["k_scale"], c["v_scale"], fmt)
+                    o = paged_attention_decode(q.reshape(batch, heads, dim), c["k_cache"], c["v_cache"],
+                                               c["block_tables"], lens, dim**-0.5, c["k_scale"], c["v_scale"], fmt,
+                                               max_seq_len=ctx)
+                    h = h + linear(o.reshape(batch, -1), lw[1])
+                    gu = linear(torch.nn.functional.rms_norm(h, (hidden,)), lw[2])
+                    g, u = gu.chunk(2, dim=-1)
+                    h = h + linear(torch.nn.functional.silu(g) * u, lw[3])
+                return torch.nn.functional.rms_norm(h, (hidden,)) @ head.T
+
+            t = timer.time([step], reps=10)
+            rows.append(dict(kernel=f"e2e decode step {mode} batch {batch} ctx {ctx}", us=t * 1e6,
+                             tokens_per_s=batch / t))
+            print(f"  e2e {mode} batch {batch}: {t * 1e3:.2f} ms/step, {batch / t:.0f} tokens/s", flush=True)
+            torch.cuda.empty_cache() if device.type == "cuda" else None
+    return rows
+
+
+def main() -> None:
+    args = parse_args()
+    if args.interpret:
+        os.environ["TRITON_INTERPRET"] = "1"
+    import torch
+
+    sys.path.insert(0, str(ROOT))
+    if args.interpret:
+        device = torch.device("cpu")
+        name, l2 = "cpu (Triton interpreter)", 0
+    elif torch.cuda.is_available():
+        device = torch.device("cuda")
+        props = torch.cuda.get_device_properties(device)
+        name, l2 = props.name, props.L2_cache_size
+    else:
+        sys.exit("benchmarks/kernels.py needs a CUDA GPU; use --interpret for the CPU dry run")
+    torch.manual_seed(0)
+    timer = Timer(device, l2)
+    copy_gbs = measure_copy_gbs(device)
+    datasheet = next((v for k, v in DATASHEET_GBS.items() if k in name), float("nan"))
+    peak = copy_gbs if copy_gbs == copy_gbs else 1.0
+    import triton
+
+    print(f"device {name}; torch {torch.__version__}; triton {triton.__version__}; "
+          f"copy bandwidth {copy_gbs:.0f} GB/s (datasheet {datasheet:.0f})", flush=True)
+    t0 = time.perf_counter()
+    result: dict[str, Any] = dict(device=name, torch=torch.__version__, triton=triton.__version__,
+                                  copy_gbs=copy_gbs, datasheet_gbs=datasheet)
+    sections: list[tuple[str, Callable[[], Any]]] = [
+        ("cache_write", lambda: bench_cache_write(args, device, timer)),
+        ("attention", lambda: bench_attention(args, device, timer, peak)),
+        ("linears", lambda: bench_linears(args, device, timer, peak)),
+    ]
+    if device.type == "cuda" and not args.quick:
+        sections.append(("tune_int4_m1", lambda: tune_int4_m1(device, timer)))
+    if not args.no_e2e:
+        sections.append(("e2e", lambda: bench_e2e(args, device, timer)))
+    wanted = {x.strip() for x in args.sections.split(",") if x.strip()}
+    for key, fn in sections:
+        if wanted and key.split("_")[0] not in wanted and key not in wanted:
+            continue
+        try:
+            result[key] = fn()
+        except Exception as e:  # keep the other sections' figures
+            import traceback
+
+            traceback.print_exc()
+            result[key] = {"error": f"{type(e).__name__}: {e}"}
+        print(f"[{key} done at {time.perf_counter() - t0:.0f} s]", flush=True)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result, indent=1))
+    tmp.replace(out)
+    print_tables(result, peak)
+    print(f"wrote {out}")
+
+
+def print_tables(result: dict[str, Any], peak: float) -> None:
+    print(f"\n{result['device']}: copy bandwidth {result['copy_gbs']:.0f} GB/s "
+          f"(datasheet {result['datasheet_gbs']:.0f})")
+    lin = result.get("linears")
+    if isinstance(lin, list):
+        names = ["int4-g128", "int8-chan", "fp8-chan", "fp8-block"]
+        print(f"{'K':>6} {'N':>7} {'M':>4} {'fp16 us':>8} " + " ".join(f"{n + ' us (x, GB/s)':>28}" for n in names))
+        for r in lin:
+            cells = [f"{r[n + '_us']:8.1f} ({r[n + '_speedup']:4.2f}x {r[n + '_gbs']:5.0f})" for n in names]
+            print(f"{r['K']:>6} {r['N']:>7} {r['M']:>4} {r['fp16_us']:8.1f} " + " ".join(f"{c:>28}" for c in cells))
+        worst = {n: max(r[n + "_relerr"] for r in lin) for n in names}
+        print("max relative error vs *_ref: " + ", ".join(f"{n} {e:.1e}" for n, e in worst.items()))
+    for key in ("attention", "cache_write", "e2e"):
+        rows = result.get(key)
+        if not isinstance(rows, list):
+            continue
+        print()
+        for r in rows:
+            extra = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()
+                             if k not in ("kernel", "us"))
+            print(f"{r['kernel']:<64} {r['us']:10.1f} us  {extra}")
+    tune = result.get("tune_int4_m1")
+    if isinstance(tune, list) and tune:
+        print(f"\nbest int4 M=1 4096x14336 config: {tune[0]}")
+
+
+if __name__ == "__main__":
+    main()

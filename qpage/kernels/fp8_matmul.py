@@ -1,0 +1,113 @@
+"""FP8 (E4M3) weight-only matmul: ``y = x @ (W * scale)^T`` with W stored as uint8 codes.
+
+Layout (HF fp8 / compressed-tensors, DESIGN 7b): ``weight`` [N, K] E4M3 codes (a
+``float8_e4m3fn`` tensor viewed as uint8), row n = output feature; scales fp32 either
+per channel, ``[N]`` (or ``[N, 1]``), or per 128x128 block, ``[ceil(N/128), ceil(K/128)]``
+(HF's ``weight_scale_inv``, which despite its name multiplies). Codes are decoded in
+registers with integer arithmetic (``fp8_codec``), so the kernel runs on GPUs without FP8
+units (sm_80/86) as well as on Hopper. Same tiling and split-K scheme as ``quant_matmul``.
+"""
+
+import torch
+
+from qpage.kernels.fp8_codec import decode_fp8_ref, fp8_to_f32
+from qpage.kernels.quant_matmul import MatmulConfig, default_config
+from qpage.kernels.triton_utils import INTERPRET, tl, triton
+
+SCALE_BLOCK = 128
+
+
+@triton.jit
+def _fp8_matmul_kernel(
+    x_ptr, w_ptr, s_ptr, y_ptr,
+    M, N, K,
+    stride_xm, stride_xk, stride_wn, stride_wk, stride_sn, stride_sk, stride_ym, stride_yn,
+    BLOCK_SCALES: tl.constexpr, SCALE_BLOCK_: tl.constexpr, SPLIT_K: tl.constexpr, DOT_F32: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    per_split = tl.cdiv(k_tiles, SPLIT_K)
+    t_start = pid_k * per_split
+    t_end = t_start + per_split
+    if t_end > k_tiles:
+        t_end = k_tiles
+    for t in range(t_start, t_end):
+        offs_k = t * BLOCK_K + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
+                    mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        codes = tl.load(w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk,
+                        mask=k_mask[:, None] & n_mask[None, :], other=0)
+        w = fp8_to_f32(codes, False)
+        if BLOCK_SCALES:
+            kb = (t * BLOCK_K) // SCALE_BLOCK_
+            s = tl.load(s_ptr + (offs_n // SCALE_BLOCK_) * stride_sn + kb * stride_sk, mask=n_mask, other=0.0)
+            w = w * s.to(tl.float32)[None, :]
+        if DOT_F32:
+            acc += tl.dot(x.to(tl.float32), w, input_precision="ieee")
+        else:
+            acc += tl.dot(x, w.to(x.dtype))
+    if not BLOCK_SCALES:
+        s = tl.load(s_ptr + offs_n * stride_sn, mask=n_mask, other=0.0)
+        acc = acc * s.to(tl.float32)[None, :]
+    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn
+    out_mask = m_mask[:, None] & n_mask[None, :]
+    if SPLIT_K > 1:
+        tl.atomic_add(y_ptrs, acc, mask=out_mask)
+    else:
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+
+
+def _is_block_scale(scale: torch.Tensor, n: int) -> bool:
+    return not (scale.dim() == 1 or (scale.dim() == 2 and scale.shape == (n, 1)))
+
+
+def fp8_matmul(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, config: MatmulConfig | None = None,
+) -> torch.Tensor:
+    """``x [..., K]`` times FP8 ``weight`` [N, K] (uint8 or float8_e4m3fn) with ``scale``."""
+    codes = weight.view(torch.uint8)
+    n, k = codes.shape
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    m = x2.shape[0]
+    cfg = config or default_config(m, n, k, x.device)
+    block = _is_block_scale(scale, n)
+    if block and (SCALE_BLOCK % cfg.block_k or SCALE_BLOCK % cfg.block_n):
+        raise ValueError(f"block scales need block_k and block_n to divide {SCALE_BLOCK}")
+    s2 = scale if block else scale.reshape(n, 1)
+    split = cfg.split_k
+    y = (torch.zeros if split > 1 else torch.empty)((m, n), dtype=torch.float32 if split > 1 else x.dtype,
+                                                    device=x.device)
+    grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), split)
+    _fp8_matmul_kernel[grid](
+        x2, codes, s2, y, m, n, k,
+        x2.stride(0), x2.stride(1), codes.stride(0), codes.stride(1), s2.stride(0), s2.stride(1),
+        y.stride(0), y.stride(1),
+        BLOCK_SCALES=block, SCALE_BLOCK_=SCALE_BLOCK, SPLIT_K=split, DOT_F32=INTERPRET or x.dtype == torch.float32,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return y.to(x.dtype).view(*lead, n)
+
+
+def dequantize_fp8_weight_ref(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """fp32 weight [N, K] from E4M3 codes and per-channel or 128x128 block scales."""
+    w = decode_fp8_ref(weight.view(torch.uint8), "e4m3")
+    n, k = w.shape
+    if not _is_block_scale(scale, n):
+        return w * scale.float().reshape(n, 1)
+    full = scale.float().repeat_interleave(SCALE_BLOCK, 0).repeat_interleave(SCALE_BLOCK, 1)
+    return w * full[:n, :k]
+
+
+def fp8_matmul_ref(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return (x.float() @ dequantize_fp8_weight_ref(weight, scale).T).to(x.dtype)

@@ -1,0 +1,347 @@
+"""Paged attention over the KV cache (fp16/bf16/fp32 or FP8 codes), decode and prefill.
+
+Cache layout and FP8 scale modes: see ``cache_write``. ``block_tables`` int32
+[seqs, max_blocks] maps a sequence's logical block to a physical one.
+
+- **Decode** (``paged_attention_decode``): one query token per sequence, q [B, H, D].
+  A program owns (sequence, kv head, partition of PARTITION tokens) and all H / kv_heads
+  query heads of that kv head (GQA: each K/V byte is read once, padded to 16 query rows for
+  ``tl.dot``). With several partitions (flash-decoding) a second kernel merges the partial
+  softmaxes; long contexts thus fill the GPU even at batch 1.
+- **Prefill** (``paged_attention_prefill``): chunks of new tokens, q [T, H, D] flattened
+  with ``cu_seqlens_q``, whose K/V are already in the cache; the chunk of sequence s ends
+  at context position ``context_lens[s]``, so query i attends causally to cache positions
+  ``<= context_lens[s] - q_len + i``: earlier chunks (chunked prefill, prefix-cache hits)
+  and the new tokens alike.
+
+FP8 codes are decoded in registers (``fp8_codec``) and multiplied by their scale; scores
+and the softmax are fp32 (exp2 with log2(e) folded into the query scale).
+"""
+
+import math
+
+import torch
+
+from qpage.config import BLOCK_SIZE
+from qpage.kernels.fp8_codec import decode_fp8_ref, fp8_to_f32
+from qpage.kernels.triton_utils import INTERPRET, tl, triton
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _load_kv_tile(
+    c_ptr, s_ptr, bt_ptr, offs_n, n_mask, offs_d, d_mask, head,
+    stride_cb, stride_ct, stride_ch,
+    KV_HEADS: tl.constexpr, PAGE: tl.constexpr, FP8: tl.constexpr, IS_E5M2: tl.constexpr,
+    PER_TOKEN: tl.constexpr,
+):
+    """K or V rows of positions ``offs_n`` of one sequence, [BLOCK_N, DIM_PAD] fp32."""
+    blk = tl.load(bt_ptr + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
+    tok = offs_n % PAGE
+    ptrs = c_ptr + (blk * stride_cb + tok * stride_ct + head * stride_ch)[:, None] + offs_d[None, :]
+    mask = n_mask[:, None] & d_mask[None, :]
+    if FP8:
+        x = fp8_to_f32(tl.load(ptrs, mask=mask, other=0), IS_E5M2)
+        if PER_TOKEN:
+            s = tl.load(s_ptr + (blk * PAGE + tok) * KV_HEADS + head, mask=n_mask, other=0.0)
+            x = x * s.to(tl.float32)[:, None]
+        else:
+            x = x * tl.load(s_ptr).to(tl.float32)
+    else:
+        x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, lens_ptr, out_ptr, m_ptr, l_ptr,
+    qk_scale,
+    stride_qb, stride_qh, stride_cb, stride_ct, stride_ch, stride_bt,
+    stride_ob, stride_oh, stride_op,
+    KV_HEADS: tl.constexpr, QPK: tl.constexpr, Q_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+    DIM_PAD: tl.constexpr, PAGE: tl.constexpr, PARTITION: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_N: tl.constexpr, FP8: tl.constexpr, IS_E5M2: tl.constexpr, PER_TOKEN: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    part = tl.program_id(2)
+    seq_len = tl.load(lens_ptr + b)
+    offs_q = tl.arange(0, Q_PAD)
+    offs_d = tl.arange(0, DIM_PAD)
+    q_mask = offs_q < QPK
+    d_mask = offs_d < HEAD_DIM
+    heads = h * QPK + offs_q
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=q_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32) * qk_scale
+    m_i = tl.full((Q_PAD,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((Q_PAD,), dtype=tl.float32)
+    acc = tl.zeros((Q_PAD, DIM_PAD), dtype=tl.float32)
+    start = part * PARTITION
+    end = start + PARTITION
+    if end > seq_len:
+        end = seq_len
+    bt = bt_ptr + b * stride_bt
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < end
+        k = _load_kv_tile(kc_ptr, ks_ptr, bt, offs_n, n_mask, offs_d, d_mask, h, stride_cb, stride_ct, stride_ch,
+                          KV_HEADS, PAGE, FP8, IS_E5M2, PER_TOKEN)
+        v = _load_kv_tile(vc_ptr, vs_ptr, bt, offs_n, n_mask, offs_d, d_mask, h, stride_cb, stride_ct, stride_ch,
+                          KV_HEADS, PAGE, FP8, IS_E5M2, PER_TOKEN)
+        if DOT_F32:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q.to(q_ptr.dtype.element_ty), tl.trans(k.to(q_ptr.dtype.element_ty)))
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if DOT_F32:
+            pv = tl.dot(p, v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(q_ptr.dtype.element_ty), v.to(q_ptr.dtype.element_ty))
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    out_mask = q_mask[:, None] & d_mask[None, :]
+    if SPLIT:
+        base = b * stride_ob + heads * stride_oh + part * stride_op
+        tl.store(out_ptr + (base * DIM_PAD)[:, None] + offs_d[None, :], acc, mask=out_mask)
+        tl.store(m_ptr + base, m_i, mask=q_mask)
+        tl.store(l_ptr + base, l_i, mask=q_mask)
+    else:
+        out = acc / l_i[:, None]
+        tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    acc_ptr, m_ptr, l_ptr, out_ptr, num_parts,
+    stride_ob, stride_oh,
+    HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, PARTS_PAD: tl.constexpr,
+):
+    """Merge the partitions of one (sequence, head): out = sum_p w_p acc_p / sum_p w_p l_p."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    heads = tl.num_programs(1)
+    offs_p = tl.arange(0, PARTS_PAD)
+    offs_d = tl.arange(0, DIM_PAD)
+    p_mask = offs_p < num_parts
+    base = (b * heads + h) * num_parts + offs_p
+    m = tl.load(m_ptr + base, mask=p_mask, other=float("-inf"))
+    l_p = tl.load(l_ptr + base, mask=p_mask, other=0.0)
+    m_max = tl.max(m, axis=0)
+    w = tl.where(p_mask & (m > float("-inf")), tl.exp2(m - m_max), 0.0)
+    acc = tl.load(acc_ptr + (base * DIM_PAD)[:, None] + offs_d[None, :], mask=p_mask[:, None], other=0.0)
+    out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l_p * w, axis=0)
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty),
+             mask=offs_d < HEAD_DIM)
+
+
+def _fp8_args(k_cache: torch.Tensor, k_scale: torch.Tensor | None, fp8_format: str | None) -> dict:
+    fp8 = fp8_format is not None
+    return dict(FP8=fp8, IS_E5M2=fp8_format == "e5m2", PER_TOKEN=fp8 and k_scale is not None and k_scale.dim() == 3)
+
+
+def paged_attention_decode(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    seq_lens: torch.Tensor, scale: float, k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None, fp8_format: str | None = None, partition: int | None = None,
+    max_seq_len: int | None = None, block_n: int | None = None, num_warps: int = 4, num_stages: int = 2,
+) -> torch.Tensor:
+    """q [B, H, D] -> out [B, H, D]. ``partition`` (tokens, a multiple of ``block_n``) enables
+    split-KV; None picks one from ``max_seq_len`` (defaults to the longest of ``seq_lens``)."""
+    bsz, heads, dim = q.shape
+    kvh = k_cache.shape[2]
+    qpk = heads // kvh
+    if max_seq_len is None:
+        max_seq_len = int(seq_lens.max())
+    if partition is None:
+        partition = 512 if (max_seq_len > 1024 and not INTERPRET) else max(BLOCK_SIZE, max_seq_len)
+    parts = triton.cdiv(max_seq_len, partition)
+    dim_pad = triton.next_power_of_2(dim)
+    block_n = 64 if not INTERPRET else 32
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    split = parts > 1
+    if split:
+        acc = torch.empty((bsz, heads, parts, dim_pad), dtype=torch.float32, device=q.device)
+        m = torch.empty((bsz, heads, parts), dtype=torch.float32, device=q.device)
+        lsum = torch.empty_like(m)
+        dst, strides = acc, (heads * parts, parts, 1)
+    else:
+        dst, m, lsum = out, out, out
+        strides = (out.stride(0), out.stride(1), 0)
+    ks = k_scale if k_scale is not None else k_cache
+    vs = v_scale if v_scale is not None else v_cache
+    _decode_kernel[(bsz, kvh, parts)](
+        q, k_cache, v_cache, ks, vs, block_tables, seq_lens, dst, m, lsum,
+        scale * LOG2E,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        *strides,
+        KV_HEADS=kvh, QPK=qpk, Q_PAD=max(16, triton.next_power_of_2(qpk)), HEAD_DIM=dim, DIM_PAD=dim_pad,
+        PAGE=BLOCK_SIZE, PARTITION=partition, SPLIT=split, BLOCK_N=block_n,
+        DOT_F32=INTERPRET or q.dtype == torch.float32, **_fp8_args(k_cache, k_scale, fp8_format),
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    if split:
+        _decode_reduce_kernel[(bsz, heads)](
+            acc, m, lsum, out, parts, out.stride(0), out.stride(1),
+            HEAD_DIM=dim, DIM_PAD=dim_pad, PARTS_PAD=triton.next_power_of_2(parts), num_warps=4,
+        )
+    return out
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, cu_ptr, ctx_ptr, out_ptr,
+    qk_scale,
+    stride_qt, stride_qh, stride_cb, stride_ct, stride_ch, stride_bt, stride_ot, stride_oh,
+    KV_HEADS: tl.constexpr, QPK: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    FP8: tl.constexpr, IS_E5M2: tl.constexpr, PER_TOKEN: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    s_id = tl.program_id(0)
+    head = tl.program_id(1)
+    tile = tl.program_id(2)
+    q_start = tl.load(cu_ptr + s_id)
+    q_len = tl.load(cu_ptr + s_id + 1) - q_start
+    if tile * BLOCK_M < q_len:
+        ctx_len = tl.load(ctx_ptr + s_id)
+        kvh = head // QPK
+        offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, DIM_PAD)
+        m_mask = offs_m < q_len
+        d_mask = offs_d < HEAD_DIM
+        pos = ctx_len - q_len + offs_m  # absolute position of each query row
+        q = tl.load(q_ptr + (q_start + offs_m)[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+                    mask=m_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32) * qk_scale
+        m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_M, DIM_PAD), dtype=tl.float32)
+        end = ctx_len - q_len + tile * BLOCK_M + BLOCK_M
+        if end > ctx_len:
+            end = ctx_len
+        bt = bt_ptr + s_id * stride_bt
+        for n0 in range(0, end, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            n_mask = offs_n < end
+            k = _load_kv_tile(kc_ptr, ks_ptr, bt, offs_n, n_mask, offs_d, d_mask, kvh, stride_cb, stride_ct,
+                              stride_ch, KV_HEADS, PAGE, FP8, IS_E5M2, PER_TOKEN)
+            v = _load_kv_tile(vc_ptr, vs_ptr, bt, offs_n, n_mask, offs_d, d_mask, kvh, stride_cb, stride_ct,
+                              stride_ch, KV_HEADS, PAGE, FP8, IS_E5M2, PER_TOKEN)
+            if DOT_F32:
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                s = tl.dot(q.to(q_ptr.dtype.element_ty), tl.trans(k.to(q_ptr.dtype.element_ty)))
+            allowed = (offs_n[None, :] <= pos[:, None]) & n_mask[None, :]
+            s = tl.where(allowed, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp2(s - m_safe[:, None])
+            alpha = tl.exp2(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            if DOT_F32:
+                pv = tl.dot(p, v, input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(q_ptr.dtype.element_ty), v.to(q_ptr.dtype.element_ty))
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(out_ptr + (q_start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
+
+
+def paged_attention_prefill(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, max_q_len: int, scale: float,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None, fp8_format: str | None = None,
+) -> torch.Tensor:
+    """q [T, H, D] (chunks of ``len(context_lens)`` sequences) -> out [T, H, D]."""
+    heads, dim = q.shape[1], q.shape[2]
+    kvh = k_cache.shape[2]
+    nseq = context_lens.shape[0]
+    block_m = 16 if INTERPRET else (64 if max_q_len > 32 else 16)
+    block_n = 32 if INTERPRET else 64
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    ks = k_scale if k_scale is not None else k_cache
+    vs = v_scale if v_scale is not None else v_cache
+    grid = (nseq, heads, triton.cdiv(max_q_len, block_m))
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, ks, vs, block_tables, cu_seqlens_q, context_lens, out,
+        scale * LOG2E,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        KV_HEADS=kvh, QPK=heads // kvh, HEAD_DIM=dim, DIM_PAD=triton.next_power_of_2(dim), PAGE=BLOCK_SIZE,
+        BLOCK_M=block_m, BLOCK_N=block_n, DOT_F32=INTERPRET or q.dtype == torch.float32,
+        **_fp8_args(k_cache, k_scale, fp8_format), num_warps=4, num_stages=2,
+    )
+    return out
+
+
+# ------------------------------------------------------------------------- references
+
+
+def dequantize_cache_ref(
+    cache: torch.Tensor, scale: torch.Tensor | None, fp8_format: str | None,
+) -> torch.Tensor:
+    """The fp32 values a cache holds, [num_blocks, BLOCK_SIZE, kv_heads, head_dim]."""
+    if fp8_format is None:
+        return cache.float()
+    x = decode_fp8_ref(cache, fp8_format)
+    assert scale is not None
+    return x * (scale.float()[..., None] if scale.dim() == 3 else scale.float())
+
+
+def _attend_ref(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, causal_offset: int
+                ) -> torch.Tensor:
+    """q [n, H, D], keys/values [L, KVH, D] fp32; query i sees keys <= causal_offset + i."""
+    heads, kvh = q.shape[1], keys.shape[1]
+    k = keys.repeat_interleave(heads // kvh, 1).transpose(0, 1)  # [H, L, D]
+    v = values.repeat_interleave(heads // kvh, 1).transpose(0, 1)
+    scores = torch.einsum("nhd,hld->hnl", q.float(), k) * scale
+    idx = torch.arange(keys.shape[0])
+    allowed = idx[None, :] <= (causal_offset + torch.arange(q.shape[0]))[:, None]
+    scores = scores.masked_fill(~allowed[None], float("-inf"))
+    return torch.einsum("hnl,hld->nhd", scores.softmax(-1), v)
+
+
+def _context_ref(kf: torch.Tensor, vf: torch.Tensor, table: torch.Tensor, length: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = table[: math.ceil(length / BLOCK_SIZE)].long().cpu()
+    kvh, dim = kf.shape[2], kf.shape[3]
+    return kf[ids].reshape(-1, kvh, dim)[:length], vf[ids].reshape(-1, kvh, dim)[:length]
+
+
+def paged_attention_decode_ref(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    seq_lens: torch.Tensor, scale: float, k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None, fp8_format: str | None = None,
+) -> torch.Tensor:
+    kf = dequantize_cache_ref(k_cache, k_scale, fp8_format).cpu()
+    vf = dequantize_cache_ref(v_cache, v_scale, fp8_format).cpu()
+    outs = []
+    for b, length in enumerate(seq_lens.tolist()):
+        keys, values = _context_ref(kf, vf, block_tables[b], length)
+        outs.append(_attend_ref(q[b : b + 1].cpu(), keys, values, scale, length - 1))
+    return torch.cat(outs).to(q.dtype).to(q.device)
+
+
+def paged_attention_prefill_ref(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, scale: float,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None, fp8_format: str | None = None,
+) -> torch.Tensor:
+    kf = dequantize_cache_ref(k_cache, k_scale, fp8_format).cpu()
+    vf = dequantize_cache_ref(v_cache, v_scale, fp8_format).cpu()
+    cu = cu_seqlens_q.tolist()
+    outs = []
+    for s, length in enumerate(context_lens.tolist()):
+        qs = q[cu[s] : cu[s + 1]].cpu()
+        keys, values = _context_ref(kf, vf, block_tables[s], length)
+        outs.append(_attend_ref(qs, keys, values, scale, length - qs.shape[0]))
+    return torch.cat(outs).to(q.dtype).to(q.device)
