@@ -92,16 +92,16 @@ class Timer:
 
 
 def measure_copy_gbs(device: Any) -> float:
+    """Device-to-device copy of 2 GiB of fp32, bytes read plus written per second."""
     import torch
 
     if device.type != "cuda":
         return float("nan")
-    n = 1 << 30
-    a = torch.empty(n, dtype=torch.uint8, device=device)
+    a = torch.randn(1 << 29, device=device)
     b = torch.empty_like(a)
     timer = Timer(device, 0)
     dt = timer.time([lambda: b.copy_(a)], reps=10)
-    return 2 * n / dt / 1e9
+    return 2 * a.numel() * 4 / dt / 1e9
 
 
 def rel_err(out: Any, ref: Any) -> float:
@@ -142,7 +142,7 @@ def bench_linears(args: argparse.Namespace, device: Any, timer: Timer, peak: flo
     import torch
 
     from qpage.kernels.fp8_matmul import fp8_matmul, fp8_matmul_ref
-    from qpage.kernels.quant_matmul import int_matmul, int_matmul_ref
+    from qpage.kernels.quant_matmul import default_config, int_matmul, int_matmul_ref
 
     dtype = torch.float16 if device.type == "cuda" else torch.float32
     shapes = LLAMA3_8B_LINEARS if not args.interpret else [(256, 128), (128, 384)]
@@ -161,6 +161,10 @@ def bench_linears(args: argparse.Namespace, device: Any, timer: Timer, peak: flo
                                                               group_size=k),
                                  lambda x, p: int_matmul_ref(x, p["qweight"], p["scales"], None, None, bits=8,
                                                              group_size=k), k * n + n * 2)
+        variants["int4-gemv"] = (i4, lambda x, p: int_matmul(
+            x, p["qweight"], p["scales"], None, None, bits=4, group_size=128,
+            config=default_config(1, n, k, x.device, gemv=True, group_size=128)),
+            variants["int4-g128"][2], variants["int4-g128"][3])
         for name, block in (("fp8-chan", False), ("fp8-block", True)):
             f8 = make_fp8(k, n, device, block)
             variants[name] = (f8, lambda x, p: fp8_matmul(x, p["weight"], p["scale"]),
@@ -174,6 +178,8 @@ def bench_linears(args: argparse.Namespace, device: Any, timer: Timer, peak: flo
             t16 = timer.time([lambda w=w: x @ w.T for w in ws])
             row: dict[str, Any] = dict(K=k, N=n, M=m, fp16_us=t16 * 1e6, fp16_gbs=fp16_bytes / t16 / 1e9)
             for name, (params, fn, ref, wbytes) in variants.items():
+                if name == "int4-gemv" and m != 1:
+                    continue
                 err = rel_err(fn(x, params), ref(x, params))
                 nbytes = wbytes + io_bytes
                 nc = timer.copies(nbytes)
@@ -185,7 +191,8 @@ def bench_linears(args: argparse.Namespace, device: Any, timer: Timer, peak: flo
                 row[f"{name}_relerr"] = err
             rows.append(row)
             print(f"  linear K={k:>5} N={n:>6} M={m:>3}  fp16 {t16 * 1e6:8.1f} us  "
-                  + "  ".join(f"{nm} {row[nm + '_us']:7.1f} us ({row[nm + '_speedup']:.2f}x)" for nm in variants),
+                  + "  ".join(f"{nm} {row[nm + '_us']:7.1f} us ({row[nm + '_speedup']:.2f}x)" for nm in variants
+                              if nm + "_us" in row),
                   flush=True)
         torch.cuda.empty_cache() if device.type == "cuda" else None
     return rows
@@ -202,19 +209,17 @@ def tune_int4_m1(device: Any, timer: Timer) -> list[dict[str, Any]]:
     x = torch.randn(1, k, device=device, dtype=torch.float16)
     copies = [p] + [{key: v.clone() for key, v in p.items()} for _ in range(timer.copies(k * n // 2) - 1)]
     out = []
-    for bn in (32, 64, 128):
-        for bk in (64, 128):
-            for split in (1, 4, 8, 16):
-                for warps in (4,):
-                    cfg = MatmulConfig(block_m=16, block_n=bn, block_k=bk, split_k=split, num_warps=warps,
-                                       num_stages=3)
-                    try:
-                        t = timer.time([lambda q=q: int_matmul(x, q["qweight"], q["scales"], None, None, bits=4,
-                                                               group_size=128, config=cfg) for q in copies])
-                    except Exception as e:  # a config the compiler rejects (e.g. shared memory)
-                        print(f"  tune {cfg}: {type(e).__name__}", flush=True)
-                        continue
-                    out.append(dict(block_n=bn, block_k=bk, split_k=split, num_warps=warps, us=t * 1e6))
+    grid = [(gemv, bn, bk, split) for gemv in (True, False) for bn in (32, 64, 128) for bk in (64, 128)
+            for split in ((1, 2) if gemv else (1, 2, 4))]
+    for gemv, bn, bk, split in grid:
+        cfg = MatmulConfig(block_m=16, block_n=bn, block_k=bk, split_k=split, num_warps=4, num_stages=3, gemv=gemv)
+        try:
+            t = timer.time([lambda q=q: int_matmul(x, q["qweight"], q["scales"], None, None, bits=4,
+                                                   group_size=128, config=cfg) for q in copies])
+        except Exception as e:  # a config the compiler rejects (e.g. shared memory)
+            print(f"  tune {cfg}: {type(e).__name__}", flush=True)
+            continue
+        out.append(dict(gemv=gemv, block_n=bn, block_k=bk, split_k=split, us=t * 1e6))
     out.sort(key=lambda r: r["us"])
     for r in out[:5]:
         print(f"  tune int4 M=1 4096x14336: {r}", flush=True)
@@ -293,9 +298,9 @@ def bench_attention(args: argparse.Namespace, device: Any, timer: Timer, peak: f
         print(f"  decode paged {label}: {t * 1e6:.1f} us, {kv_bytes / t / 1e9:.0f} GB/s, relerr {err:.1e}",
               flush=True)
         if fmt and per_token and device.type == "cuda" and not args.quick:
-            for part in (256, 512, 1024):
-                for bn in (64, 128):
-                    for warps in (4, 8):
+            for part in (512, 1024):
+                for bn in (32, 64, 128):
+                    for warps in (4,):
                         try:
                             tt = timer.time([lambda: paged_attention_decode(
                                 q, c["k_cache"], c["v_cache"], c["block_tables"], lens, scale, max_seq_len=ctx,
@@ -492,12 +497,13 @@ def print_tables(result: dict[str, Any], peak: float) -> None:
           f"(datasheet {result['datasheet_gbs']:.0f})")
     lin = result.get("linears")
     if isinstance(lin, list):
-        names = ["int4-g128", "int8-chan", "fp8-chan", "fp8-block"]
+        names = ["int4-g128", "int4-gemv", "int8-chan", "fp8-chan", "fp8-block"]
         print(f"{'K':>6} {'N':>7} {'M':>4} {'fp16 us':>8} " + " ".join(f"{n + ' us (x, GB/s)':>28}" for n in names))
         for r in lin:
-            cells = [f"{r[n + '_us']:8.1f} ({r[n + '_speedup']:4.2f}x {r[n + '_gbs']:5.0f})" for n in names]
+            cells = [f"{r[n + '_us']:8.1f} ({r[n + '_speedup']:4.2f}x {r[n + '_gbs']:5.0f})" if n + "_us" in r else "-"
+                     for n in names]
             print(f"{r['K']:>6} {r['N']:>7} {r['M']:>4} {r['fp16_us']:8.1f} " + " ".join(f"{c:>28}" for c in cells))
-        worst = {n: max(r[n + "_relerr"] for r in lin) for n in names}
+        worst = {n: max(r[n + "_relerr"] for r in lin if n + "_relerr" in r) for n in names}
         print("max relative error vs *_ref: " + ", ".join(f"{n} {e:.1e}" for n, e in worst.items()))
     for key in ("attention", "cache_write", "e2e"):
         rows = result.get(key)

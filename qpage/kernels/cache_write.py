@@ -43,17 +43,17 @@ def _cache_write_kernel(
             v = v.to(tl.float32)
             if PER_TOKEN:
                 h_mask = offs_h < KV_HEADS
-                ks = tl.maximum(tl.max(tl.abs(k), axis=1) / FMAX, 2.0**-24).to(tl.float16)
-                vs = tl.maximum(tl.max(tl.abs(v), axis=1) / FMAX, 2.0**-24).to(tl.float16)
+                ks = tl.maximum(tl.math.div_rn(tl.max(tl.abs(k), axis=1), FMAX), 2.0**-24).to(tl.float16)
+                vs = tl.maximum(tl.math.div_rn(tl.max(tl.abs(v), axis=1), FMAX), 2.0**-24).to(tl.float16)
                 tl.store(ks_ptr + slot * KV_HEADS + offs_h, ks, mask=h_mask)
                 tl.store(vs_ptr + slot * KV_HEADS + offs_h, vs, mask=h_mask)
-                k_div = ks.to(tl.float32)[:, None]
-                v_div = vs.to(tl.float32)[:, None]
+                k_div = ks.to(tl.float32)[:, None] + tl.zeros((HEADS_PAD, DIM_PAD), dtype=tl.float32)
+                v_div = vs.to(tl.float32)[:, None] + tl.zeros((HEADS_PAD, DIM_PAD), dtype=tl.float32)
             else:
-                k_div = tl.load(ks_ptr).to(tl.float32)
-                v_div = tl.load(vs_ptr).to(tl.float32)
-            tl.store(kc_ptr + dst, f32_to_fp8(k / k_div, IS_E5M2), mask=mask)
-            tl.store(vc_ptr + dst, f32_to_fp8(v / v_div, IS_E5M2), mask=mask)
+                k_div = tl.load(ks_ptr).to(tl.float32) + tl.zeros((HEADS_PAD, DIM_PAD), dtype=tl.float32)
+                v_div = tl.load(vs_ptr).to(tl.float32) + tl.zeros((HEADS_PAD, DIM_PAD), dtype=tl.float32)
+            tl.store(kc_ptr + dst, f32_to_fp8(tl.math.div_rn(k, k_div), IS_E5M2), mask=mask)
+            tl.store(vc_ptr + dst, f32_to_fp8(tl.math.div_rn(v, v_div), IS_E5M2), mask=mask)
         else:
             tl.store(kc_ptr + dst, k.to(kc_ptr.dtype.element_ty), mask=mask)
             tl.store(vc_ptr + dst, v.to(vc_ptr.dtype.element_ty), mask=mask)

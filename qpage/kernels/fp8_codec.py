@@ -17,7 +17,7 @@ for subnormals, which map onto fp16 subnormals exactly (no fp32 flush-to-zero in
 
 import torch
 
-from qpage.kernels.triton_utils import tl, triton
+from qpage.kernels.triton_utils import INTERPRET, tl, triton
 
 FP8_FORMATS: dict[str, tuple[torch.dtype, float]] = {
     "e4m3": (torch.float8_e4m3fn, 448.0),
@@ -50,6 +50,29 @@ def fp8_to_f32(code, IS_E5M2: tl.constexpr):
     else:
         h = (((c & 0x7F) << 7) | ((c & 0x80) << 8)).to(tl.int16).to(tl.float16, bitcast=True)
         return h.to(tl.float32) * 256.0
+
+
+def hardware_fp8(device: torch.device) -> bool:
+    """Whether Triton can convert e4m3 in hardware here (sm_89+); else the bit trick."""
+    return (not INTERPRET and device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9))
+
+
+def fp8_unit(fmt: str, hardware: bool) -> float:
+    """What ``fp8_to_f16`` leaves out: its result times this is the code's value."""
+    return 256.0 if fmt == "e4m3" and not hardware else 1.0
+
+
+@triton.jit
+def fp8_to_f16(code, IS_E5M2: tl.constexpr, HW: tl.constexpr):
+    """uint8 codes -> fp16 equal to value / unit (``fp8_unit``): the bit trick alone for
+    e4m3 (value * 2**-8, exact), the hardware conversion when HW (sm_89+)."""
+    if IS_E5M2:
+        return (code.to(tl.int16) << 8).to(tl.float16, bitcast=True)
+    elif HW:
+        return code.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+    else:
+        c = code.to(tl.int16)
+        return (((c & 0x7F) << 7) | ((c & 0x80) << 8)).to(tl.float16, bitcast=True)
 
 
 @triton.jit

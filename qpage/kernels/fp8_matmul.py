@@ -10,7 +10,7 @@ units (sm_80/86) as well as on Hopper. Same tiling and split-K scheme as ``quant
 
 import torch
 
-from qpage.kernels.fp8_codec import decode_fp8_ref, fp8_to_f32
+from qpage.kernels.fp8_codec import decode_fp8_ref, fp8_to_f16, fp8_unit, hardware_fp8
 from qpage.kernels.quant_matmul import MatmulConfig, default_config
 from qpage.kernels.triton_utils import INTERPRET, tl, triton
 
@@ -22,8 +22,9 @@ def _fp8_matmul_kernel(
     x_ptr, w_ptr, s_ptr, y_ptr,
     M, N, K,
     stride_xm, stride_xk, stride_wn, stride_wk, stride_sn, stride_sk, stride_ym, stride_yn,
+    unit,
     BLOCK_SCALES: tl.constexpr, SCALE_BLOCK_: tl.constexpr, SPLIT_K: tl.constexpr, DOT_F32: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    HW_FP8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -46,18 +47,22 @@ def _fp8_matmul_kernel(
                     mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         codes = tl.load(w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk,
                         mask=k_mask[:, None] & n_mask[None, :], other=0)
-        w = fp8_to_f32(codes, False)
-        if BLOCK_SCALES:
+        w = fp8_to_f16(codes, False, HW_FP8)  # value / unit
+        if DOT_F32:
+            part = tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+        else:
+            part = tl.dot(x, w.to(x.dtype))
+        if BLOCK_SCALES:  # the tile lies in one 128x128 scale block along K: scale per column
             kb = (t * BLOCK_K) // SCALE_BLOCK_
             s = tl.load(s_ptr + (offs_n // SCALE_BLOCK_) * stride_sn + kb * stride_sk, mask=n_mask, other=0.0)
-            w = w * s.to(tl.float32)[None, :]
-        if DOT_F32:
-            acc += tl.dot(x.to(tl.float32), w, input_precision="ieee")
+            acc += part * s.to(tl.float32)[None, :]
         else:
-            acc += tl.dot(x, w.to(x.dtype))
-    if not BLOCK_SCALES:
+            acc += part
+    if BLOCK_SCALES:
+        acc = acc * unit
+    else:
         s = tl.load(s_ptr + offs_n * stride_sn, mask=n_mask, other=0.0)
-        acc = acc * s.to(tl.float32)[None, :]
+        acc = acc * (s.to(tl.float32) * unit)[None, :]
     y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn
     out_mask = m_mask[:, None] & n_mask[None, :]
     if SPLIT_K > 1:
@@ -85,14 +90,16 @@ def fp8_matmul(
         raise ValueError(f"block scales need block_k and block_n to divide {SCALE_BLOCK}")
     s2 = scale if block else scale.reshape(n, 1)
     split = cfg.split_k
+    hw = hardware_fp8(x.device)
     y = (torch.zeros if split > 1 else torch.empty)((m, n), dtype=torch.float32 if split > 1 else x.dtype,
                                                     device=x.device)
     grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), split)
     _fp8_matmul_kernel[grid](
         x2, codes, s2, y, m, n, k,
         x2.stride(0), x2.stride(1), codes.stride(0), codes.stride(1), s2.stride(0), s2.stride(1),
-        y.stride(0), y.stride(1),
+        y.stride(0), y.stride(1), fp8_unit("e4m3", hw),
         BLOCK_SCALES=block, SCALE_BLOCK_=SCALE_BLOCK, SPLIT_K=split, DOT_F32=INTERPRET or x.dtype == torch.float32,
+        HW_FP8=hw,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

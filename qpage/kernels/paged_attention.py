@@ -23,7 +23,7 @@ import math
 import torch
 
 from qpage.config import BLOCK_SIZE
-from qpage.kernels.fp8_codec import decode_fp8_ref, fp8_to_f32
+from qpage.kernels.fp8_codec import decode_fp8_ref, fp8_to_f16, fp8_unit, hardware_fp8
 from qpage.kernels.triton_utils import INTERPRET, tl, triton
 
 LOG2E = 1.4426950408889634
@@ -31,38 +31,45 @@ LOG2E = 1.4426950408889634
 
 @triton.jit
 def _load_kv_tile(
-    c_ptr, s_ptr, bt_ptr, offs_n, n_mask, offs_d, d_mask, head,
-    stride_cb, stride_ct, stride_ch,
-    KV_HEADS: tl.constexpr, PAGE: tl.constexpr, FP8: tl.constexpr, IS_E5M2: tl.constexpr,
-    PER_TOKEN: tl.constexpr,
+    c_ptr, bt_ptr, offs_n, n_mask, offs_d, d_mask, head, stride_cb, stride_ct, stride_ch,
+    PAGE: tl.constexpr, FP8: tl.constexpr, IS_E5M2: tl.constexpr, HW_FP8: tl.constexpr, DOT_DTYPE: tl.constexpr,
 ):
-    """K or V rows of positions ``offs_n`` of one sequence, [BLOCK_N, DIM_PAD] fp32."""
+    """K or V rows of positions ``offs_n`` of one sequence, [BLOCK_N, DIM_PAD] in DOT_DTYPE.
+    FP8 codes come back as value / (scale * unit): the caller applies the scale per token
+    to the scores (K) or the probabilities (V), never per element."""
     blk = tl.load(bt_ptr + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
     tok = offs_n % PAGE
     ptrs = c_ptr + (blk * stride_cb + tok * stride_ct + head * stride_ch)[:, None] + offs_d[None, :]
     mask = n_mask[:, None] & d_mask[None, :]
     if FP8:
-        x = fp8_to_f32(tl.load(ptrs, mask=mask, other=0), IS_E5M2)
-        if PER_TOKEN:
-            s = tl.load(s_ptr + (blk * PAGE + tok) * KV_HEADS + head, mask=n_mask, other=0.0)
-            x = x * s.to(tl.float32)[:, None]
-        else:
-            x = x * tl.load(s_ptr).to(tl.float32)
+        x = fp8_to_f16(tl.load(ptrs, mask=mask, other=0), IS_E5M2, HW_FP8)
     else:
-        x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-    return x
+        x = tl.load(ptrs, mask=mask, other=0.0)
+    return x.to(DOT_DTYPE)
+
+
+@triton.jit
+def _token_scale(s_ptr, bt_ptr, offs_n, n_mask, head, unit,
+                 KV_HEADS: tl.constexpr, PAGE: tl.constexpr, PER_TOKEN: tl.constexpr):
+    """[BLOCK_N] fp32 multiplier of each position's decoded row (1 where there is none)."""
+    if PER_TOKEN:
+        blk = tl.load(bt_ptr + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
+        s = tl.load(s_ptr + (blk * PAGE + offs_n % PAGE) * KV_HEADS + head, mask=n_mask, other=0.0)
+        return s.to(tl.float32) * unit
+    else:
+        return tl.full(offs_n.shape, 1.0, dtype=tl.float32)
 
 
 @triton.jit
 def _decode_kernel(
     q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, lens_ptr, out_ptr, m_ptr, l_ptr,
-    qk_scale,
+    qk_scale, v_mul, unit,
     stride_qb, stride_qh, stride_cb, stride_ct, stride_ch, stride_bt,
     stride_ob, stride_oh, stride_op,
     KV_HEADS: tl.constexpr, QPK: tl.constexpr, Q_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     DIM_PAD: tl.constexpr, PAGE: tl.constexpr, PARTITION: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_N: tl.constexpr, FP8: tl.constexpr, IS_E5M2: tl.constexpr, PER_TOKEN: tl.constexpr,
-    DOT_F32: tl.constexpr,
+    HW_FP8: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -73,8 +80,10 @@ def _decode_kernel(
     q_mask = offs_q < QPK
     d_mask = offs_d < HEAD_DIM
     heads = h * QPK + offs_q
+    # qk_scale = softmax scale * log2(e) (* the per-tensor K scale): scores come out in log2 units.
     q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=q_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32) * qk_scale
+                mask=q_mask[:, None] & d_mask[None, :], other=0.0)
+    q = (q.to(tl.float32) * qk_scale).to(DOT_DTYPE)
     m_i = tl.full((Q_PAD,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((Q_PAD,), dtype=tl.float32)
     acc = tl.zeros((Q_PAD, DIM_PAD), dtype=tl.float32)
@@ -86,25 +95,26 @@ def _decode_kernel(
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < end
-        k = _load_kv_tile(kc_ptr, ks_ptr, bt, offs_n, n_mask, offs_d, d_mask, h, stride_cb, stride_ct, stride_ch,
-                          KV_HEADS, PAGE, FP8, IS_E5M2, PER_TOKEN)
-        v = _load_kv_tile(vc_ptr, vs_ptr, bt, offs_n, n_mask, offs_d, d_mask, h, stride_cb, stride_ct, stride_ch,
-                          KV_HEADS, PAGE, FP8, IS_E5M2, PER_TOKEN)
-        if DOT_F32:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q.to(q_ptr.dtype.element_ty), tl.trans(k.to(q_ptr.dtype.element_ty)))
+        k = _load_kv_tile(kc_ptr, bt, offs_n, n_mask, offs_d, d_mask, h, stride_cb, stride_ct, stride_ch,
+                          PAGE, FP8, IS_E5M2, HW_FP8, DOT_DTYPE)
+        v = _load_kv_tile(vc_ptr, bt, offs_n, n_mask, offs_d, d_mask, h, stride_cb, stride_ct, stride_ch,
+                          PAGE, FP8, IS_E5M2, HW_FP8, DOT_DTYPE)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        if PER_TOKEN:
+            s = s * _token_scale(ks_ptr, bt, offs_n, n_mask, h, unit, KV_HEADS, PAGE, PER_TOKEN)[None, :]
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        if DOT_F32:
-            pv = tl.dot(p, v, input_precision="ieee")
+        if PER_TOKEN:
+            pv_in = p * _token_scale(vs_ptr, bt, offs_n, n_mask, h, unit, KV_HEADS, PAGE, PER_TOKEN)[None, :]
         else:
-            pv = tl.dot(p.to(q_ptr.dtype.element_ty), v.to(q_ptr.dtype.element_ty))
+            pv_in = p
+        pv = tl.dot(pv_in.to(DOT_DTYPE), v, input_precision=PRECISION)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
+    acc = acc * v_mul  # the per-tensor V scale (1 otherwise)
     out_mask = q_mask[:, None] & d_mask[None, :]
     if SPLIT:
         base = b * stride_ob + heads * stride_oh + part * stride_op
@@ -141,9 +151,22 @@ def _decode_reduce_kernel(
              mask=offs_d < HEAD_DIM)
 
 
-def _fp8_args(k_cache: torch.Tensor, k_scale: torch.Tensor | None, fp8_format: str | None) -> dict:
+def _launch_args(q: torch.Tensor, k_cache: torch.Tensor, k_scale: torch.Tensor | None,
+                 v_scale: torch.Tensor | None, fp8_format: str | None, scale: float) -> tuple[list, dict]:
+    """(qk_scale, v_mul, unit) and the FP8 constexprs shared by the decode and prefill launches."""
     fp8 = fp8_format is not None
-    return dict(FP8=fp8, IS_E5M2=fp8_format == "e5m2", PER_TOKEN=fp8 and k_scale is not None and k_scale.dim() == 3)
+    per_token = fp8 and k_scale is not None and k_scale.dim() == 3
+    hw = fp8 and fp8_format == "e4m3" and hardware_fp8(q.device)
+    unit = fp8_unit(fp8_format, hw) if fp8 else 1.0
+    qk_scale, v_mul = scale * LOG2E, 1.0
+    if fp8 and not per_token:
+        assert k_scale is not None and v_scale is not None
+        qk_scale *= float(k_scale) * unit
+        v_mul = float(v_scale) * unit
+    dot_dtype = tl.float32 if (INTERPRET or q.dtype == torch.float32) else (
+        tl.bfloat16 if q.dtype == torch.bfloat16 else tl.float16)
+    return [qk_scale, v_mul, unit], dict(FP8=fp8, IS_E5M2=fp8_format == "e5m2", PER_TOKEN=per_token, HW_FP8=hw,
+                                         DOT_DTYPE=dot_dtype, PRECISION="ieee" if dot_dtype == tl.float32 else "tf32")
 
 
 def paged_attention_decode(
@@ -177,14 +200,14 @@ def paged_attention_decode(
         strides = (out.stride(0), out.stride(1), 0)
     ks = k_scale if k_scale is not None else k_cache
     vs = v_scale if v_scale is not None else v_cache
+    scalars, flags = _launch_args(q, k_cache, k_scale, v_scale, fp8_format, scale)
     _decode_kernel[(bsz, kvh, parts)](
         q, k_cache, v_cache, ks, vs, block_tables, seq_lens, dst, m, lsum,
-        scale * LOG2E,
+        *scalars,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         *strides,
         KV_HEADS=kvh, QPK=qpk, Q_PAD=max(16, triton.next_power_of_2(qpk)), HEAD_DIM=dim, DIM_PAD=dim_pad,
-        PAGE=BLOCK_SIZE, PARTITION=partition, SPLIT=split, BLOCK_N=block_n,
-        DOT_F32=INTERPRET or q.dtype == torch.float32, **_fp8_args(k_cache, k_scale, fp8_format),
+        PAGE=BLOCK_SIZE, PARTITION=partition, SPLIT=split, BLOCK_N=block_n, **flags,
         num_warps=num_warps, num_stages=num_stages,
     )
     if split:
@@ -198,11 +221,12 @@ def paged_attention_decode(
 @triton.jit
 def _prefill_kernel(
     q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, cu_ptr, ctx_ptr, out_ptr,
-    qk_scale,
+    qk_scale, v_mul, unit,
     stride_qt, stride_qh, stride_cb, stride_ct, stride_ch, stride_bt, stride_ot, stride_oh,
     KV_HEADS: tl.constexpr, QPK: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    FP8: tl.constexpr, IS_E5M2: tl.constexpr, PER_TOKEN: tl.constexpr, DOT_F32: tl.constexpr,
+    FP8: tl.constexpr, IS_E5M2: tl.constexpr, PER_TOKEN: tl.constexpr, HW_FP8: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
 ):
     s_id = tl.program_id(0)
     head = tl.program_id(1)
@@ -218,7 +242,8 @@ def _prefill_kernel(
         d_mask = offs_d < HEAD_DIM
         pos = ctx_len - q_len + offs_m  # absolute position of each query row
         q = tl.load(q_ptr + (q_start + offs_m)[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
-                    mask=m_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32) * qk_scale
+                    mask=m_mask[:, None] & d_mask[None, :], other=0.0)
+        q = (q.to(tl.float32) * qk_scale).to(DOT_DTYPE)
         m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
         l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
         acc = tl.zeros((BLOCK_M, DIM_PAD), dtype=tl.float32)
@@ -229,14 +254,13 @@ def _prefill_kernel(
         for n0 in range(0, end, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             n_mask = offs_n < end
-            k = _load_kv_tile(kc_ptr, ks_ptr, bt, offs_n, n_mask, offs_d, d_mask, kvh, stride_cb, stride_ct,
-                              stride_ch, KV_HEADS, PAGE, FP8, IS_E5M2, PER_TOKEN)
-            v = _load_kv_tile(vc_ptr, vs_ptr, bt, offs_n, n_mask, offs_d, d_mask, kvh, stride_cb, stride_ct,
-                              stride_ch, KV_HEADS, PAGE, FP8, IS_E5M2, PER_TOKEN)
-            if DOT_F32:
-                s = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                s = tl.dot(q.to(q_ptr.dtype.element_ty), tl.trans(k.to(q_ptr.dtype.element_ty)))
+            k = _load_kv_tile(kc_ptr, bt, offs_n, n_mask, offs_d, d_mask, kvh, stride_cb, stride_ct, stride_ch,
+                              PAGE, FP8, IS_E5M2, HW_FP8, DOT_DTYPE)
+            v = _load_kv_tile(vc_ptr, bt, offs_n, n_mask, offs_d, d_mask, kvh, stride_cb, stride_ct, stride_ch,
+                              PAGE, FP8, IS_E5M2, HW_FP8, DOT_DTYPE)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+            if PER_TOKEN:
+                s = s * _token_scale(ks_ptr, bt, offs_n, n_mask, kvh, unit, KV_HEADS, PAGE, PER_TOKEN)[None, :]
             allowed = (offs_n[None, :] <= pos[:, None]) & n_mask[None, :]
             s = tl.where(allowed, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -244,13 +268,14 @@ def _prefill_kernel(
             p = tl.exp2(s - m_safe[:, None])
             alpha = tl.exp2(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            if DOT_F32:
-                pv = tl.dot(p, v, input_precision="ieee")
+            if PER_TOKEN:
+                pv_in = p * _token_scale(vs_ptr, bt, offs_n, n_mask, kvh, unit, KV_HEADS, PAGE, PER_TOKEN)[None, :]
             else:
-                pv = tl.dot(p.to(q_ptr.dtype.element_ty), v.to(q_ptr.dtype.element_ty))
+                pv_in = p
+            pv = tl.dot(pv_in.to(DOT_DTYPE), v, input_precision=PRECISION)
             acc = acc * alpha[:, None] + pv
             m_i = m_new
-        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        out = acc * v_mul / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(out_ptr + (q_start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
 
@@ -271,14 +296,14 @@ def paged_attention_prefill(
     ks = k_scale if k_scale is not None else k_cache
     vs = v_scale if v_scale is not None else v_cache
     grid = (nseq, heads, triton.cdiv(max_q_len, block_m))
+    scalars, flags = _launch_args(q, k_cache, k_scale, v_scale, fp8_format, scale)
     _prefill_kernel[grid](
         q, k_cache, v_cache, ks, vs, block_tables, cu_seqlens_q, context_lens, out,
-        scale * LOG2E,
+        *scalars,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1),
         KV_HEADS=kvh, QPK=heads // kvh, HEAD_DIM=dim, DIM_PAD=triton.next_power_of_2(dim), PAGE=BLOCK_SIZE,
-        BLOCK_M=block_m, BLOCK_N=block_n, DOT_F32=INTERPRET or q.dtype == torch.float32,
-        **_fp8_args(k_cache, k_scale, fp8_format), num_warps=4, num_stages=2,
+        BLOCK_M=block_m, BLOCK_N=block_n, **flags, num_warps=4, num_stages=2,
     )
     return out
 

@@ -39,6 +39,27 @@ class MatmulConfig:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 2
+    gemv: bool = False
+    """One row per program, multiply-add without tensor cores (M = 1 only)."""
+
+
+@triton.jit
+def _unpack_tile(packed, SHIFTS_ALONG_K: tl.constexpr, AWQ: tl.constexpr, BITS: tl.constexpr,
+                 BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A packed int32 tile -> unsigned values [BLOCK_K, BLOCK_N] (each word loaded once)."""
+    PACK: tl.constexpr = 32 // BITS
+    QMASK: tl.constexpr = (1 << BITS) - 1
+    j = tl.arange(0, PACK)
+    if SHIFTS_ALONG_K:  # GPTQ qweight [BLOCK_K / PACK, BLOCK_N]: word row r holds k = r * PACK + j
+        vals = (packed[:, None, :] >> (j * BITS)[None, :, None]) & QMASK
+        return tl.reshape(vals, (BLOCK_K, BLOCK_N))
+    else:  # packed along N [rows, BLOCK_N / PACK]: word c holds n = c * PACK + j
+        if AWQ:
+            shifts = ((j % 2) * 4 + j // 2) * 4
+        else:
+            shifts = j * BITS
+        vals = (packed[:, :, None] >> shifts[None, None, :]) & QMASK
+        return tl.reshape(vals, (BLOCK_K, BLOCK_N))
 
 
 @triton.jit
@@ -48,24 +69,24 @@ def _int_matmul_kernel(
     stride_xm, stride_xk, stride_qk, stride_qn, stride_sg, stride_sn, stride_zg, stride_zn,
     stride_ym, stride_yn,
     BITS: tl.constexpr, AWQ: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_GIDX: tl.constexpr,
-    ONE_GROUP_PER_TILE: tl.constexpr, SPLIT_K: tl.constexpr, DOT_F32: tl.constexpr,
+    ONE_GROUP_PER_TILE: tl.constexpr, SPLIT_K: tl.constexpr, DOT_F32: tl.constexpr, GEMV: tl.constexpr,
+    MAGIC_F16: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     PACK: tl.constexpr = 32 // BITS
-    QMASK: tl.constexpr = (1 << BITS) - 1
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_np = pid_n * (BLOCK_N // PACK) + tl.arange(0, BLOCK_N // PACK)  # packed columns
     m_mask = offs_m < M
     n_mask = offs_n < N
-    if AWQ:
-        col = offs_n % 8
-        n_shift = (((col % 2) * 4 + col // 2) * 4)[None, :]
+    np_mask = offs_np < tl.cdiv(N, PACK)
+    if GEMV:
+        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     else:
-        n_shift = ((offs_n % PACK) * BITS)[None, :]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_tiles = tl.cdiv(K, BLOCK_K)
     per_split = tl.cdiv(k_tiles, SPLIT_K)
     t_start = pid_k * per_split
@@ -75,63 +96,108 @@ def _int_matmul_kernel(
     for t in range(t_start, t_end):
         offs_k = t * BLOCK_K + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
-        x = tl.load(
-            x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
-            mask=m_mask[:, None] & k_mask[None, :], other=0.0,
-        )
-        kn_mask = k_mask[:, None] & n_mask[None, :]
         if AWQ:
-            packed = tl.load(qw_ptr + offs_k[:, None] * stride_qk + (offs_n // PACK)[None, :] * stride_qn,
-                             mask=kn_mask, other=0)
-            q = (packed >> n_shift) & QMASK
+            packed = tl.load(qw_ptr + offs_k[:, None] * stride_qk + offs_np[None, :] * stride_qn,
+                             mask=k_mask[:, None] & np_mask[None, :], other=0)
+            q = _unpack_tile(packed, False, True, BITS, BLOCK_K, BLOCK_N)
         else:
-            packed = tl.load(qw_ptr + (offs_k // PACK)[:, None] * stride_qk + offs_n[None, :] * stride_qn,
-                             mask=kn_mask, other=0)
-            q = (packed >> ((offs_k % PACK) * BITS)[:, None]) & QMASK
+            offs_kp = t * (BLOCK_K // PACK) + tl.arange(0, BLOCK_K // PACK)
+            packed = tl.load(qw_ptr + offs_kp[:, None] * stride_qk + offs_n[None, :] * stride_qn,
+                             mask=(offs_kp < tl.cdiv(K, PACK))[:, None] & n_mask[None, :], other=0)
+            q = _unpack_tile(packed, True, False, BITS, BLOCK_K, BLOCK_N)
         if ONE_GROUP_PER_TILE:
-            grp = ((t * BLOCK_K) // group_size + tl.zeros((1,), dtype=tl.int32))[:, None]
-            g_mask = n_mask[None, :]
+            grp = (t * BLOCK_K) // group_size
+            s = tl.load(s_ptr + grp * stride_sg + offs_n * stride_sn, mask=n_mask, other=0.0).to(tl.float32)
+            if HAS_ZEROS:
+                zp = tl.load(z_ptr + grp * stride_zg + offs_np * stride_zn, mask=np_mask, other=0)
+                z = _unpack_tile(zp[None, :], False, AWQ, BITS, 1, BLOCK_N)
+            else:
+                z = tl.full((1, BLOCK_N), 1 << (BITS - 1), dtype=tl.int32)
+            # q - z as floats without an int->float conversion per element: OR the integer into
+            # the mantissa of 2**23 (fp32) or 1024 (fp16), then subtract (2**23 or 1024) + z.
+            # The group's scale factors out of the tile: y += s * (x @ (q - z)).
+            if GEMV:
+                w = (q | 0x4B000000).to(tl.float32, bitcast=True) - (z + 0x800000).to(tl.float32)
+                x = tl.load(x_ptr + pid_m * stride_xm + offs_k * stride_xk, mask=k_mask, other=0.0)
+                part = tl.sum(x.to(tl.float32)[:, None] * w, axis=0)
+                acc += part * s
+            else:
+                x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
+                            mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+                if MAGIC_F16:
+                    w = (q | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - (z + 1024).to(tl.float16)
+                    if DOT_F32:
+                        part = tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+                    else:
+                        part = tl.dot(x, w)
+                elif DOT_F32:
+                    part = tl.dot(x.to(tl.float32), (q - z).to(tl.float32), input_precision="ieee")
+                else:
+                    part = tl.dot(x, (q - z).to(x.dtype))
+                acc += part * s[None, :]
         else:
             if HAS_GIDX:
                 grp = tl.load(g_ptr + offs_k, mask=k_mask, other=0)[:, None]
             else:
                 grp = (offs_k // group_size)[:, None]
-            g_mask = kn_mask
-        s = tl.load(s_ptr + grp * stride_sg + offs_n[None, :] * stride_sn, mask=g_mask, other=0.0)
-        if HAS_ZEROS:
-            zp = tl.load(z_ptr + grp * stride_zg + (offs_n // PACK)[None, :] * stride_zn, mask=g_mask, other=0)
-            z = (zp >> n_shift) & QMASK
-        else:
-            z = 1 << (BITS - 1)
-        w = (q - z).to(tl.float32) * s.to(tl.float32)
-        if DOT_F32:
-            acc += tl.dot(x.to(tl.float32), w, input_precision="ieee")
-        else:
-            acc += tl.dot(x, w.to(x.dtype))
-    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn
-    out_mask = m_mask[:, None] & n_mask[None, :]
+            kn_mask = k_mask[:, None] & n_mask[None, :]
+            s = tl.load(s_ptr + grp * stride_sg + offs_n[None, :] * stride_sn, mask=kn_mask, other=0.0)
+            if HAS_ZEROS:
+                zp = tl.load(z_ptr + grp * stride_zg + (offs_n // PACK)[None, :] * stride_zn, mask=kn_mask, other=0)
+                col = offs_n % PACK
+                if AWQ:
+                    zshift = ((col % 2) * 4 + col // 2) * 4
+                else:
+                    zshift = col * BITS
+                z = (zp >> zshift[None, :]) & ((1 << BITS) - 1)
+            else:
+                z = 1 << (BITS - 1)
+            w = (q - z).to(tl.float32) * s.to(tl.float32)
+            if GEMV:
+                x = tl.load(x_ptr + pid_m * stride_xm + offs_k * stride_xk, mask=k_mask, other=0.0)
+                acc += tl.sum(x.to(tl.float32)[:, None] * w, axis=0)
+            else:
+                x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
+                            mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+                if DOT_F32:
+                    acc += tl.dot(x.to(tl.float32), w, input_precision="ieee")
+                else:
+                    acc += tl.dot(x, w.to(x.dtype))
+    if GEMV:
+        y_ptrs = y_ptr + pid_m * stride_ym + offs_n * stride_yn
+        out_mask = n_mask
+    else:
+        y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn
+        out_mask = m_mask[:, None] & n_mask[None, :]
     if SPLIT_K > 1:
         tl.atomic_add(y_ptrs, acc, mask=out_mask)
     else:
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
 
 
-def default_config(m: int, n: int, k: int, device: torch.device) -> MatmulConfig:
-    """Tile sizes by regime: GEMV-like (M <= 16) splits K to fill the GPU; else a GEMM tile."""
+def default_config(m: int, n: int, k: int, device: torch.device, gemv: bool = False,
+                   group_size: int | None = None) -> MatmulConfig:
+    """Tile sizes by regime: M <= 16 streams the weight (split K only when N alone gives fewer
+    tiles than the GPU has SMs); larger M uses GEMM tiles. ``block_k`` stays within one
+    quantization group where it can, so the group's scale factors out of the tile."""
+    block_k = 128
+    if group_size and group_size < block_k and group_size >= 16 and group_size & (group_size - 1) == 0:
+        block_k = group_size
     if INTERPRET or device.type != "cuda":
-        return MatmulConfig(block_m=16 if m <= 16 else 32, block_n=64, block_k=64)
+        return MatmulConfig(block_m=16 if m <= 16 else 32, block_n=64, block_k=min(block_k, 64), gemv=gemv and m == 1)
     if m <= 16:
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         block_n = 64
         tiles = triton.cdiv(n, block_n)
-        k_tiles = triton.cdiv(k, 128)
+        k_tiles = triton.cdiv(k, block_k)
         split = 1
-        while tiles * split < 4 * sms and split * 2 <= k_tiles and split < 16:
+        while tiles * split < sms and split * 2 <= k_tiles and split < 16:
             split *= 2
-        return MatmulConfig(block_m=16, block_n=block_n, block_k=128, split_k=split, num_warps=4, num_stages=4)
+        return MatmulConfig(block_m=16, block_n=block_n, block_k=block_k, split_k=split, num_warps=4, num_stages=4,
+                            gemv=gemv and m == 1)
     if m <= 64:
-        return MatmulConfig(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3)
-    return MatmulConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
+        return MatmulConfig(block_m=64, block_n=128, block_k=min(block_k, 64), num_warps=4, num_stages=3)
+    return MatmulConfig(block_m=128, block_n=128, block_k=min(block_k, 64), num_warps=8, num_stages=3)
 
 
 def int_matmul(
@@ -157,16 +223,22 @@ def int_matmul(
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
     n = scales.shape[1]
-    cfg = config or default_config(m, n, k, x.device)
+    cfg = config or default_config(m, n, k, x.device, group_size=group_size)
     if awq and cfg.block_n % 8:
         raise ValueError("AWQ needs block_n to be a multiple of 8")
+    if cfg.gemv and m != 1:
+        cfg = default_config(m, n, k, x.device, group_size=group_size)
+    pack = 32 // bits
+    if cfg.block_k % pack or cfg.block_n % pack:
+        raise ValueError(f"block_k and block_n must be multiples of {pack} for {bits}-bit weights")
     one_group = g_idx is None and group_size % cfg.block_k == 0
     out_dtype = torch.float32 if cfg.split_k > 1 else x.dtype
     alloc = torch.zeros if cfg.split_k > 1 else torch.empty
     y = alloc((m, n), dtype=out_dtype, device=x.device)
     zeros = qzeros if qzeros is not None else qweight  # placeholder pointer, never read
     gidx = g_idx if g_idx is not None else qweight
-    grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), cfg.split_k)
+    rows_per_program = 1 if cfg.gemv else cfg.block_m
+    grid = (triton.cdiv(m, rows_per_program), triton.cdiv(n, cfg.block_n), cfg.split_k)
     _int_matmul_kernel[grid](
         x2, qweight, scales, zeros, gidx, y,
         m, n, k, group_size,
@@ -174,6 +246,7 @@ def int_matmul(
         zeros.stride(0), zeros.stride(1) if zeros.dim() > 1 else 0, y.stride(0), y.stride(1),
         BITS=bits, AWQ=awq, HAS_ZEROS=qzeros is not None, HAS_GIDX=g_idx is not None,
         ONE_GROUP_PER_TILE=one_group, SPLIT_K=cfg.split_k, DOT_F32=INTERPRET or x.dtype == torch.float32,
+        GEMV=cfg.gemv, MAGIC_F16=x.dtype == torch.float16,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
