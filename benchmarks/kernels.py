@@ -298,19 +298,17 @@ def bench_attention(args: argparse.Namespace, device: Any, timer: Timer, peak: f
         print(f"  decode paged {label}: {t * 1e6:.1f} us, {kv_bytes / t / 1e9:.0f} GB/s, relerr {err:.1e}",
               flush=True)
         if fmt and per_token and device.type == "cuda" and not args.quick:
-            for part in (512, 1024):
-                for bn in (32, 64, 128):
-                    for warps in (4,):
-                        try:
-                            tt = timer.time([lambda: paged_attention_decode(
-                                q, c["k_cache"], c["v_cache"], c["block_tables"], lens, scale, max_seq_len=ctx,
-                                partition=part, block_n=bn, num_warps=warps, **kw)])
-                        except Exception as e:
-                            print(f"  tune attention {part}/{bn}/{warps}: {type(e).__name__}", flush=True)
-                            continue
-                        rows.append(dict(kernel=f"decode paged {label} part={part} bn={bn} warps={warps}",
-                                         us=tt * 1e6, gbs=kv_bytes / tt / 1e9,
-                                         pct_peak=100 * kv_bytes / tt / 1e9 / peak))
+            for part, bn, warps, pre in [(p_, b_, w_, f_) for p_ in (512, 1024) for b_ in (32, 64, 128)
+                                         for w_ in (4, 8) for f_ in (True, False)]:
+                try:
+                    tt = timer.time([lambda: paged_attention_decode(
+                        q, c["k_cache"], c["v_cache"], c["block_tables"], lens, scale, max_seq_len=ctx,
+                        partition=part, block_n=bn, num_warps=warps, prefetch=pre, **kw)])
+                except Exception as e:
+                    print(f"  tune attention {part}/{bn}/{warps}/{pre}: {type(e).__name__}", flush=True)
+                    continue
+                rows.append(dict(kernel=f"decode paged {label} part={part} bn={bn} warps={warps} prefetch={pre}",
+                                 us=tt * 1e6, gbs=kv_bytes / tt / 1e9, pct_peak=100 * kv_bytes / tt / 1e9 / peak))
         # Prefill: one sequence's last chunk of 512 (or 2048) tokens over its whole context.
         qlen = 2048 if device.type == "cuda" else 20
         qp = torch.randn(qlen, heads, dim, device=device, dtype=dtype)

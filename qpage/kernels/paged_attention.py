@@ -30,22 +30,31 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _kv_offsets(bt_ptr, offs_n, n_mask, offs_d, head, stride_cb, stride_ct, stride_ch, PAGE: tl.constexpr):
+    """Element offsets of the K or V rows of positions ``offs_n`` of one sequence."""
+    blk = tl.load(bt_ptr + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
+    return (blk * stride_cb + (offs_n % PAGE) * stride_ct + head * stride_ch)[:, None] + offs_d[None, :]
+
+
+@triton.jit
+def _to_dot(raw, FP8: tl.constexpr, IS_E5M2: tl.constexpr, HW_FP8: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """A loaded tile in the dot dtype. FP8 codes become value / (scale * unit): the caller
+    applies the scale per token to the scores (K) or the probabilities (V), never per element."""
+    if FP8:
+        return fp8_to_f16(raw, IS_E5M2, HW_FP8).to(DOT_DTYPE)
+    else:
+        return raw.to(DOT_DTYPE)
+
+
+@triton.jit
 def _load_kv_tile(
     c_ptr, bt_ptr, offs_n, n_mask, offs_d, d_mask, head, stride_cb, stride_ct, stride_ch,
     PAGE: tl.constexpr, FP8: tl.constexpr, IS_E5M2: tl.constexpr, HW_FP8: tl.constexpr, DOT_DTYPE: tl.constexpr,
 ):
-    """K or V rows of positions ``offs_n`` of one sequence, [BLOCK_N, DIM_PAD] in DOT_DTYPE.
-    FP8 codes come back as value / (scale * unit): the caller applies the scale per token
-    to the scores (K) or the probabilities (V), never per element."""
-    blk = tl.load(bt_ptr + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
-    tok = offs_n % PAGE
-    ptrs = c_ptr + (blk * stride_cb + tok * stride_ct + head * stride_ch)[:, None] + offs_d[None, :]
-    mask = n_mask[:, None] & d_mask[None, :]
-    if FP8:
-        x = fp8_to_f16(tl.load(ptrs, mask=mask, other=0), IS_E5M2, HW_FP8)
-    else:
-        x = tl.load(ptrs, mask=mask, other=0.0)
-    return x.to(DOT_DTYPE)
+    """K or V rows of positions ``offs_n`` of one sequence, [BLOCK_N, DIM_PAD] in DOT_DTYPE."""
+    offs = _kv_offsets(bt_ptr, offs_n, n_mask, offs_d, head, stride_cb, stride_ct, stride_ch, PAGE)
+    raw = tl.load(c_ptr + offs, mask=n_mask[:, None] & d_mask[None, :], other=0)
+    return _to_dot(raw, FP8, IS_E5M2, HW_FP8, DOT_DTYPE)
 
 
 @triton.jit
@@ -63,13 +72,13 @@ def _token_scale(s_ptr, bt_ptr, offs_n, n_mask, head, unit,
 @triton.jit
 def _decode_kernel(
     q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, lens_ptr, out_ptr, m_ptr, l_ptr,
-    qk_scale, v_mul, unit,
+    qk_scale, unit,
     stride_qb, stride_qh, stride_cb, stride_ct, stride_ch, stride_bt,
     stride_ob, stride_oh, stride_op,
     KV_HEADS: tl.constexpr, QPK: tl.constexpr, Q_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     DIM_PAD: tl.constexpr, PAGE: tl.constexpr, PARTITION: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_N: tl.constexpr, FP8: tl.constexpr, IS_E5M2: tl.constexpr, PER_TOKEN: tl.constexpr,
-    HW_FP8: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+    HW_FP8: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -80,7 +89,12 @@ def _decode_kernel(
     q_mask = offs_q < QPK
     d_mask = offs_d < HEAD_DIM
     heads = h * QPK + offs_q
-    # qk_scale = softmax scale * log2(e) (* the per-tensor K scale): scores come out in log2 units.
+    # qk_scale = softmax scale * log2(e): scores come out in log2 units.
+    if FP8 and not PER_TOKEN:  # a per-tensor scale folds into q and the output
+        qk_scale = qk_scale * tl.load(ks_ptr).to(tl.float32) * unit
+        v_mul = tl.load(vs_ptr).to(tl.float32) * unit
+    else:
+        v_mul = 1.0
     q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=q_mask[:, None] & d_mask[None, :], other=0.0)
     q = (q.to(tl.float32) * qk_scale).to(DOT_DTYPE)
@@ -92,13 +106,26 @@ def _decode_kernel(
     if end > seq_len:
         end = seq_len
     bt = bt_ptr + b * stride_bt
-    for n0 in range(start, end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < end
-        k = _load_kv_tile(kc_ptr, bt, offs_n, n_mask, offs_d, d_mask, h, stride_cb, stride_ct, stride_ch,
-                          PAGE, FP8, IS_E5M2, HW_FP8, DOT_DTYPE)
-        v = _load_kv_tile(vc_ptr, bt, offs_n, n_mask, offs_d, d_mask, h, stride_cb, stride_ct, stride_ch,
-                          PAGE, FP8, IS_E5M2, HW_FP8, DOT_DTYPE)
+    offs_n = start + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < end
+    if PREFETCH:  # raw tiles of the next iteration are loaded before this one is computed
+        offs = _kv_offsets(bt, offs_n, n_mask, offs_d, h, stride_cb, stride_ct, stride_ch, PAGE)
+        k_raw = tl.load(kc_ptr + offs, mask=n_mask[:, None] & d_mask[None, :], other=0)
+        v_raw = tl.load(vc_ptr + offs, mask=n_mask[:, None] & d_mask[None, :], other=0)
+    for _n0 in range(start, end, BLOCK_N):
+        if PREFETCH:
+            nxt = offs_n + BLOCK_N
+            nxt_mask = nxt < end
+            offs = _kv_offsets(bt, nxt, nxt_mask, offs_d, h, stride_cb, stride_ct, stride_ch, PAGE)
+            k_next = tl.load(kc_ptr + offs, mask=nxt_mask[:, None] & d_mask[None, :], other=0)
+            v_next = tl.load(vc_ptr + offs, mask=nxt_mask[:, None] & d_mask[None, :], other=0)
+            k = _to_dot(k_raw, FP8, IS_E5M2, HW_FP8, DOT_DTYPE)
+            v = _to_dot(v_raw, FP8, IS_E5M2, HW_FP8, DOT_DTYPE)
+        else:
+            k = _load_kv_tile(kc_ptr, bt, offs_n, n_mask, offs_d, d_mask, h, stride_cb, stride_ct, stride_ch,
+                              PAGE, FP8, IS_E5M2, HW_FP8, DOT_DTYPE)
+            v = _load_kv_tile(vc_ptr, bt, offs_n, n_mask, offs_d, d_mask, h, stride_cb, stride_ct, stride_ch,
+                              PAGE, FP8, IS_E5M2, HW_FP8, DOT_DTYPE)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         if PER_TOKEN:
             s = s * _token_scale(ks_ptr, bt, offs_n, n_mask, h, unit, KV_HEADS, PAGE, PER_TOKEN)[None, :]
@@ -114,7 +141,15 @@ def _decode_kernel(
         pv = tl.dot(pv_in.to(DOT_DTYPE), v, input_precision=PRECISION)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
-    acc = acc * v_mul  # the per-tensor V scale (1 otherwise)
+        if PREFETCH:
+            k_raw = k_next
+            v_raw = v_next
+            offs_n = nxt
+            n_mask = nxt_mask
+        else:
+            offs_n = offs_n + BLOCK_N
+            n_mask = offs_n < end
+    acc = acc * v_mul
     out_mask = q_mask[:, None] & d_mask[None, :]
     if SPLIT:
         base = b * stride_ob + heads * stride_oh + part * stride_op
@@ -151,22 +186,17 @@ def _decode_reduce_kernel(
              mask=offs_d < HEAD_DIM)
 
 
-def _launch_args(q: torch.Tensor, k_cache: torch.Tensor, k_scale: torch.Tensor | None,
-                 v_scale: torch.Tensor | None, fp8_format: str | None, scale: float) -> tuple[list, dict]:
-    """(qk_scale, v_mul, unit) and the FP8 constexprs shared by the decode and prefill launches."""
+def _launch_args(q: torch.Tensor, k_scale: torch.Tensor | None, fp8_format: str | None, scale: float
+                 ) -> tuple[list, dict]:
+    """(qk_scale, unit) and the FP8 constexprs shared by the decode and prefill launches."""
     fp8 = fp8_format is not None
     per_token = fp8 and k_scale is not None and k_scale.dim() == 3
     hw = fp8 and fp8_format == "e4m3" and hardware_fp8(q.device)
     unit = fp8_unit(fp8_format, hw) if fp8 else 1.0
-    qk_scale, v_mul = scale * LOG2E, 1.0
-    if fp8 and not per_token:
-        assert k_scale is not None and v_scale is not None
-        qk_scale *= float(k_scale) * unit
-        v_mul = float(v_scale) * unit
     dot_dtype = tl.float32 if (INTERPRET or q.dtype == torch.float32) else (
         tl.bfloat16 if q.dtype == torch.bfloat16 else tl.float16)
-    return [qk_scale, v_mul, unit], dict(FP8=fp8, IS_E5M2=fp8_format == "e5m2", PER_TOKEN=per_token, HW_FP8=hw,
-                                         DOT_DTYPE=dot_dtype, PRECISION="ieee" if dot_dtype == tl.float32 else "tf32")
+    return [scale * LOG2E, unit], dict(FP8=fp8, IS_E5M2=fp8_format == "e5m2", PER_TOKEN=per_token, HW_FP8=hw,
+                                       DOT_DTYPE=dot_dtype, PRECISION="ieee" if dot_dtype == tl.float32 else "tf32")
 
 
 def paged_attention_decode(
@@ -174,6 +204,7 @@ def paged_attention_decode(
     seq_lens: torch.Tensor, scale: float, k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None, fp8_format: str | None = None, partition: int | None = None,
     max_seq_len: int | None = None, block_n: int | None = None, num_warps: int = 4, num_stages: int = 2,
+    prefetch: bool = True,
 ) -> torch.Tensor:
     """q [B, H, D] -> out [B, H, D]. ``partition`` (tokens, a multiple of ``block_n``) enables
     split-KV; None picks one from ``max_seq_len`` (defaults to the longest of ``seq_lens``)."""
@@ -200,14 +231,14 @@ def paged_attention_decode(
         strides = (out.stride(0), out.stride(1), 0)
     ks = k_scale if k_scale is not None else k_cache
     vs = v_scale if v_scale is not None else v_cache
-    scalars, flags = _launch_args(q, k_cache, k_scale, v_scale, fp8_format, scale)
+    scalars, flags = _launch_args(q, k_scale, fp8_format, scale)
     _decode_kernel[(bsz, kvh, parts)](
         q, k_cache, v_cache, ks, vs, block_tables, seq_lens, dst, m, lsum,
         *scalars,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         *strides,
         KV_HEADS=kvh, QPK=qpk, Q_PAD=max(16, triton.next_power_of_2(qpk)), HEAD_DIM=dim, DIM_PAD=dim_pad,
-        PAGE=BLOCK_SIZE, PARTITION=partition, SPLIT=split, BLOCK_N=block_n, **flags,
+        PAGE=BLOCK_SIZE, PARTITION=partition, SPLIT=split, BLOCK_N=block_n, PREFETCH=prefetch, **flags,
         num_warps=num_warps, num_stages=num_stages,
     )
     if split:
@@ -221,7 +252,7 @@ def paged_attention_decode(
 @triton.jit
 def _prefill_kernel(
     q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, cu_ptr, ctx_ptr, out_ptr,
-    qk_scale, v_mul, unit,
+    qk_scale, unit,
     stride_qt, stride_qh, stride_cb, stride_ct, stride_ch, stride_bt, stride_ot, stride_oh,
     KV_HEADS: tl.constexpr, QPK: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -241,6 +272,11 @@ def _prefill_kernel(
         m_mask = offs_m < q_len
         d_mask = offs_d < HEAD_DIM
         pos = ctx_len - q_len + offs_m  # absolute position of each query row
+        if FP8 and not PER_TOKEN:  # a per-tensor scale folds into q and the output
+            qk_scale = qk_scale * tl.load(ks_ptr).to(tl.float32) * unit
+            v_mul = tl.load(vs_ptr).to(tl.float32) * unit
+        else:
+            v_mul = 1.0
         q = tl.load(q_ptr + (q_start + offs_m)[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
                     mask=m_mask[:, None] & d_mask[None, :], other=0.0)
         q = (q.to(tl.float32) * qk_scale).to(DOT_DTYPE)
@@ -296,7 +332,7 @@ def paged_attention_prefill(
     ks = k_scale if k_scale is not None else k_cache
     vs = v_scale if v_scale is not None else v_cache
     grid = (nseq, heads, triton.cdiv(max_q_len, block_m))
-    scalars, flags = _launch_args(q, k_cache, k_scale, v_scale, fp8_format, scale)
+    scalars, flags = _launch_args(q, k_scale, fp8_format, scale)
     _prefill_kernel[grid](
         q, k_cache, v_cache, ks, vs, block_tables, cu_seqlens_q, context_lens, out,
         *scalars,
