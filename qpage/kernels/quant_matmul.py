@@ -40,7 +40,7 @@ class MatmulConfig:
     num_warps: int = 4
     num_stages: int = 2
     gemv: bool = False
-    """One row per program, multiply-add without tensor cores (M = 1 only)."""
+    """M = 1 with one group per K tile: ``quant_gemv`` (multiply-add, no tensor cores)."""
 
 
 @triton.jit
@@ -69,8 +69,7 @@ def _int_matmul_kernel(
     stride_xm, stride_xk, stride_qk, stride_qn, stride_sg, stride_sn, stride_zg, stride_zn,
     stride_ym, stride_yn,
     BITS: tl.constexpr, AWQ: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_GIDX: tl.constexpr,
-    ONE_GROUP_PER_TILE: tl.constexpr, SPLIT_K: tl.constexpr, DOT_F32: tl.constexpr, GEMV: tl.constexpr,
-    MAGIC_F16: tl.constexpr,
+    ONE_GROUP_PER_TILE: tl.constexpr, SPLIT_K: tl.constexpr, DOT_F32: tl.constexpr, MAGIC_F16: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     PACK: tl.constexpr = 32 // BITS
@@ -83,10 +82,7 @@ def _int_matmul_kernel(
     m_mask = offs_m < M
     n_mask = offs_n < N
     np_mask = offs_np < tl.cdiv(N, PACK)
-    if GEMV:
-        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_tiles = tl.cdiv(K, BLOCK_K)
     per_split = tl.cdiv(k_tiles, SPLIT_K)
     t_start = pid_k * per_split
@@ -113,28 +109,22 @@ def _int_matmul_kernel(
                 z = _unpack_tile(zp[None, :], False, AWQ, BITS, 1, BLOCK_N)
             else:
                 z = tl.full((1, BLOCK_N), 1 << (BITS - 1), dtype=tl.int32)
-            # q - z as floats without an int->float conversion per element: OR the integer into
-            # the mantissa of 2**23 (fp32) or 1024 (fp16), then subtract (2**23 or 1024) + z.
-            # The group's scale factors out of the tile: y += s * (x @ (q - z)).
-            if GEMV:
-                w = (q | 0x4B000000).to(tl.float32, bitcast=True) - (z + 0x800000).to(tl.float32)
-                x = tl.load(x_ptr + pid_m * stride_xm + offs_k * stride_xk, mask=k_mask, other=0.0)
-                part = tl.sum(x.to(tl.float32)[:, None] * w, axis=0)
-                acc += part * s
-            else:
-                x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
-                            mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-                if MAGIC_F16:
-                    w = (q | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - (z + 1024).to(tl.float16)
-                    if DOT_F32:
-                        part = tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision="ieee")
-                    else:
-                        part = tl.dot(x, w)
-                elif DOT_F32:
-                    part = tl.dot(x.to(tl.float32), (q - z).to(tl.float32), input_precision="ieee")
+            # The group's scale factors out of the tile: y += s * (x @ (q - z)). With fp16
+            # activations q - z is formed without an int->float conversion per element: OR q
+            # into the mantissa of 1024.0 (0x6400) and subtract 1024 + z.
+            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
+                        mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            if MAGIC_F16:
+                w = (q | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - (z + 1024).to(tl.float16)
+                if DOT_F32:
+                    part = tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision="ieee")
                 else:
-                    part = tl.dot(x, (q - z).to(x.dtype))
-                acc += part * s[None, :]
+                    part = tl.dot(x, w)
+            elif DOT_F32:
+                part = tl.dot(x.to(tl.float32), (q - z).to(tl.float32), input_precision="ieee")
+            else:
+                part = tl.dot(x, (q - z).to(x.dtype))
+            acc += part * s[None, :]
         else:
             if HAS_GIDX:
                 grp = tl.load(g_ptr + offs_k, mask=k_mask, other=0)[:, None]
@@ -153,29 +143,21 @@ def _int_matmul_kernel(
             else:
                 z = 1 << (BITS - 1)
             w = (q - z).to(tl.float32) * s.to(tl.float32)
-            if GEMV:
-                x = tl.load(x_ptr + pid_m * stride_xm + offs_k * stride_xk, mask=k_mask, other=0.0)
-                acc += tl.sum(x.to(tl.float32)[:, None] * w, axis=0)
+            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
+                        mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            if DOT_F32:
+                acc += tl.dot(x.to(tl.float32), w, input_precision="ieee")
             else:
-                x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
-                            mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-                if DOT_F32:
-                    acc += tl.dot(x.to(tl.float32), w, input_precision="ieee")
-                else:
-                    acc += tl.dot(x, w.to(x.dtype))
-    if GEMV:
-        y_ptrs = y_ptr + pid_m * stride_ym + offs_n * stride_yn
-        out_mask = n_mask
-    else:
-        y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn
-        out_mask = m_mask[:, None] & n_mask[None, :]
+                acc += tl.dot(x, w.to(x.dtype))
+    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn
+    out_mask = m_mask[:, None] & n_mask[None, :]
     if SPLIT_K > 1:
         tl.atomic_add(y_ptrs, acc, mask=out_mask)
     else:
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
 
 
-def default_config(m: int, n: int, k: int, device: torch.device, gemv: bool = False,
+def default_config(m: int, n: int, k: int, device: torch.device, gemv: bool | None = None,
                    group_size: int | None = None) -> MatmulConfig:
     """Tile sizes by regime: M <= 16 streams the weight (split K only when N alone gives fewer
     tiles than the GPU has SMs); larger M uses GEMM tiles. ``block_k`` stays within one
@@ -184,17 +166,21 @@ def default_config(m: int, n: int, k: int, device: torch.device, gemv: bool = Fa
     if group_size and group_size < block_k and group_size >= 16 and group_size & (group_size - 1) == 0:
         block_k = group_size
     if INTERPRET or device.type != "cuda":
-        return MatmulConfig(block_m=16 if m <= 16 else 32, block_n=64, block_k=min(block_k, 64), gemv=gemv and m == 1)
+        return MatmulConfig(block_m=16 if m <= 16 else 32, block_n=64, block_k=min(block_k, 64),
+                            gemv=bool(gemv) and m == 1)
     if m <= 16:
+        # Measured on an H200 (benchmarks/kernels.py, 4096x14336): at M=1 the GEMV variant with
+        # 32-column tiles and K split in two was fastest; split K until there are 4 tiles per SM.
         sms = torch.cuda.get_device_properties(device).multi_processor_count
-        block_n = 64
+        gemv = m == 1 if gemv is None else gemv and m == 1
+        block_n = 32 if gemv else 64
         tiles = triton.cdiv(n, block_n)
         k_tiles = triton.cdiv(k, block_k)
         split = 1
-        while tiles * split < sms and split * 2 <= k_tiles and split < 16:
+        while tiles * split < 4 * sms and split * 2 <= k_tiles and split < 8:
             split *= 2
-        return MatmulConfig(block_m=16, block_n=block_n, block_k=block_k, split_k=split, num_warps=4, num_stages=4,
-                            gemv=gemv and m == 1)
+        return MatmulConfig(block_m=16, block_n=block_n, block_k=block_k, split_k=split, num_warps=4, num_stages=3,
+                            gemv=gemv)
     if m <= 64:
         return MatmulConfig(block_m=64, block_n=128, block_k=min(block_k, 64), num_warps=4, num_stages=3)
     return MatmulConfig(block_m=128, block_n=128, block_k=min(block_k, 64), num_warps=8, num_stages=3)
@@ -226,19 +212,24 @@ def int_matmul(
     cfg = config or default_config(m, n, k, x.device, group_size=group_size)
     if awq and cfg.block_n % 8:
         raise ValueError("AWQ needs block_n to be a multiple of 8")
-    if cfg.gemv and m != 1:
-        cfg = default_config(m, n, k, x.device, group_size=group_size)
     pack = 32 // bits
     if cfg.block_k % pack or cfg.block_n % pack:
         raise ValueError(f"block_k and block_n must be multiples of {pack} for {bits}-bit weights")
     one_group = g_idx is None and group_size % cfg.block_k == 0
+    if cfg.gemv and m == 1 and one_group:
+        from qpage.kernels.quant_gemv import int_gemv
+
+        return int_gemv(x2, qweight, scales, qzeros, bits=bits, group_size=group_size, awq=awq, config=cfg
+                        ).to(x.dtype).view(*lead, n)
+    if cfg.gemv:
+        cfg = default_config(m, n, k, x.device, gemv=False, group_size=group_size)
+        one_group = g_idx is None and group_size % cfg.block_k == 0
     out_dtype = torch.float32 if cfg.split_k > 1 else x.dtype
     alloc = torch.zeros if cfg.split_k > 1 else torch.empty
     y = alloc((m, n), dtype=out_dtype, device=x.device)
     zeros = qzeros if qzeros is not None else qweight  # placeholder pointer, never read
     gidx = g_idx if g_idx is not None else qweight
-    rows_per_program = 1 if cfg.gemv else cfg.block_m
-    grid = (triton.cdiv(m, rows_per_program), triton.cdiv(n, cfg.block_n), cfg.split_k)
+    grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), cfg.split_k)
     _int_matmul_kernel[grid](
         x2, qweight, scales, zeros, gidx, y,
         m, n, k, group_size,
@@ -246,7 +237,7 @@ def int_matmul(
         zeros.stride(0), zeros.stride(1) if zeros.dim() > 1 else 0, y.stride(0), y.stride(1),
         BITS=bits, AWQ=awq, HAS_ZEROS=qzeros is not None, HAS_GIDX=g_idx is not None,
         ONE_GROUP_PER_TILE=one_group, SPLIT_K=cfg.split_k, DOT_F32=INTERPRET or x.dtype == torch.float32,
-        GEMV=cfg.gemv, MAGIC_F16=x.dtype == torch.float16,
+        MAGIC_F16=x.dtype == torch.float16,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
