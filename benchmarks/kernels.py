@@ -215,8 +215,7 @@ def tune_int4_m1(device: Any, timer: Timer) -> list[dict[str, Any]]:
     x = torch.randn(1, k, device=device, dtype=torch.float16)
     copies = [p] + [{key: v.clone() for key, v in p.items()} for _ in range(timer.copies(k * n // 2) - 1)]
     out = []
-    grid = [(True, bn, bk, split, warps) for bn in (32, 64, 128) for bk in (64, 128) for split in (1, 2, 4)
-            for warps in (2, 4)] + [(False, 64, 128, split, 4) for split in (2, 4)]
+    grid = [(True, bn, 128, split, warps) for bn in (64, 128, 256) for split in (2, 4, 8) for warps in (2, 4, 8)]
     for gemv, bn, bk, split, warps in grid:
         cfg = MatmulConfig(block_m=16, block_n=bn, block_k=bk, split_k=split, num_warps=warps, num_stages=3,
                            gemv=gemv)
@@ -310,17 +309,16 @@ def bench_attention(args: argparse.Namespace, device: Any, timer: Timer, peak: f
         print(f"  decode paged {label}: {t * 1e6:.1f} us, {kv_bytes / t / 1e9:.0f} GB/s, relerr {err:.1e}",
               flush=True)
         if fmt and per_token and device.type == "cuda" and not args.quick:
-            sweep = [(True, b_, w_, s_) for b_ in (64, 128) for w_ in (4, 8) for s_ in (2, 3, 4)]
-            sweep += [(False, b_, w_, s_) for b_ in (16, 32, 64) for w_ in (2, 4, 8) for s_ in (2,)]
-            for dot, bn, warps, stages in sweep:
+            sweep = [(sw, b_, w_, s_) for sw in (False, True) for b_ in (64, 128) for w_ in (4, 8) for s_ in (3, 4)]
+            for swap, bn, warps, stages in sweep:
                 try:
                     tt = timer.time([lambda: paged_attention_decode(
                         q, c["k_cache"], c["v_cache"], c["block_tables"], lens, scale, max_seq_len=ctx,
-                        block_n=bn, num_warps=warps, num_stages=stages, use_dot=dot, **kw)])
+                        block_n=bn, num_warps=warps, num_stages=stages, swap=swap, **kw)])
                 except Exception as e:
-                    print(f"  tune attention {dot}/{bn}/{warps}/{stages}: {type(e).__name__}", flush=True)
+                    print(f"  tune attention {swap}/{bn}/{warps}/{stages}: {type(e).__name__}", flush=True)
                     continue
-                rows.append(dict(kernel=f"decode paged {label} dot={dot} bn={bn} warps={warps} stages={stages}",
+                rows.append(dict(kernel=f"decode paged {label} swap={swap} bn={bn} warps={warps} stages={stages}",
                                  us=tt * 1e6, gbs=kv_bytes / tt / 1e9,
                                  pct_measured_peak=100 * kv_bytes / tt / 1e9 / peak))
         # Prefill: one sequence's last chunk of 512 (or 2048) tokens over its whole context.

@@ -79,7 +79,7 @@ def _decode_kernel(
     DIM_PAD: tl.constexpr, PAGE: tl.constexpr, PARTITION: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_N: tl.constexpr, FP8: tl.constexpr, IS_E5M2: tl.constexpr, PER_TOKEN: tl.constexpr,
     HW_FP8: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, PREFETCH: tl.constexpr,
-    USE_DOT: tl.constexpr,
+    SWAP: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -127,25 +127,34 @@ def _decode_kernel(
                               PAGE, FP8, IS_E5M2, HW_FP8, DOT_DTYPE)
             v = _load_kv_tile(vc_ptr, bt, offs_n, n_mask, offs_d, d_mask, h, stride_cb, stride_ct, stride_ch,
                               PAGE, FP8, IS_E5M2, HW_FP8, DOT_DTYPE)
-        if USE_DOT:
+        if SWAP:
+            # Scores transposed, [BLOCK_N, Q_PAD] = K @ q^T: K is the left operand as stored (no
+            # transpose of the decoded tile); only the small probability tile is transposed.
+            st = tl.dot(k, tl.trans(q), input_precision=PRECISION)
+            if PER_TOKEN:
+                st = st * _token_scale(ks_ptr, bt, offs_n, n_mask, h, unit, KV_HEADS, PAGE, PER_TOKEN)[:, None]
+            st = tl.where(n_mask[:, None], st, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(st, axis=0))
+            pt = tl.exp2(st - m_new[None, :])
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(pt, axis=0)
+            if PER_TOKEN:
+                pt = pt * _token_scale(vs_ptr, bt, offs_n, n_mask, h, unit, KV_HEADS, PAGE, PER_TOKEN)[:, None]
+            pv = tl.dot(tl.trans(pt.to(DOT_DTYPE)), v, input_precision=PRECISION)
+        else:
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-        else:  # multiply-add on CUDA cores (tiles are fp32): no shared-memory staging
-            s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)
-        if PER_TOKEN:
-            s = s * _token_scale(ks_ptr, bt, offs_n, n_mask, h, unit, KV_HEADS, PAGE, PER_TOKEN)[None, :]
-        s = tl.where(n_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if PER_TOKEN:
-            pv_in = p * _token_scale(vs_ptr, bt, offs_n, n_mask, h, unit, KV_HEADS, PAGE, PER_TOKEN)[None, :]
-        else:
-            pv_in = p
-        if USE_DOT:
+            if PER_TOKEN:
+                s = s * _token_scale(ks_ptr, bt, offs_n, n_mask, h, unit, KV_HEADS, PAGE, PER_TOKEN)[None, :]
+            s = tl.where(n_mask[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            p = tl.exp2(s - m_new[:, None])
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            if PER_TOKEN:
+                pv_in = p * _token_scale(vs_ptr, bt, offs_n, n_mask, h, unit, KV_HEADS, PAGE, PER_TOKEN)[None, :]
+            else:
+                pv_in = p
             pv = tl.dot(pv_in.to(DOT_DTYPE), v, input_precision=PRECISION)
-        else:
-            pv = tl.sum(pv_in[:, :, None] * v[None, :, :], axis=1)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
         if PREFETCH:
@@ -211,7 +220,7 @@ def paged_attention_decode(
     seq_lens: torch.Tensor, scale: float, k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None, fp8_format: str | None = None, partition: int | None = None,
     max_seq_len: int | None = None, block_n: int | None = None, num_warps: int | None = None, num_stages: int = 2,
-    prefetch: bool = False, use_dot: bool = True,
+    prefetch: bool = False, swap: bool = False,
 ) -> torch.Tensor:
     """q [B, H, D] -> out [B, H, D]. ``partition`` (tokens, a multiple of ``block_n``) enables
     split-KV; None picks one from ``max_seq_len`` (defaults to the longest of ``seq_lens``)."""
@@ -239,16 +248,14 @@ def paged_attention_decode(
     ks = k_scale if k_scale is not None else k_cache
     vs = v_scale if v_scale is not None else v_cache
     scalars, flags = _launch_args(q, k_scale, fp8_format, scale)
-    if not use_dot:
-        flags.update(DOT_DTYPE=tl.float32, PRECISION="ieee")
     _decode_kernel[(bsz, kvh, parts)](
         q, k_cache, v_cache, ks, vs, block_tables, seq_lens, dst, m, lsum,
         *scalars,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         *strides,
-        KV_HEADS=kvh, QPK=qpk, Q_PAD=max(16 if use_dot else 1, triton.next_power_of_2(qpk)),
+        KV_HEADS=kvh, QPK=qpk, Q_PAD=max(16, triton.next_power_of_2(qpk)),
         HEAD_DIM=dim, DIM_PAD=dim_pad, PAGE=BLOCK_SIZE, PARTITION=partition, SPLIT=split, BLOCK_N=block_n,
-        PREFETCH=prefetch, USE_DOT=use_dot, **flags,
+        PREFETCH=prefetch, SWAP=swap, **flags,
         num_warps=num_warps, num_stages=num_stages,
     )
     if split:
