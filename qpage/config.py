@@ -43,6 +43,9 @@ def parse_size(value: int | float | str, what: str = "size") -> int:
 
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+KV_CACHE_SCALES = ("per_token", "per_tensor")
+ATTENTION_BACKENDS = ("auto", "triton", "cpu-blas", "torch")
 
 
 @dataclass
@@ -61,8 +64,13 @@ class ModelConfig:
     """Never needed for the supported architectures; kept for vLLM compatibility, must stay False."""
     device: str = "cpu"
     """torch device to run on."""
+    attention_backend: str = "auto"
+    """Attention kernels: auto (Triton on CUDA, BLAS on CPU fp32, else torch), triton, cpu-blas, torch."""
 
     def __post_init__(self) -> None:
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend={self.attention_backend!r} is not supported; choose one of "
+                             f"{', '.join(ATTENTION_BACKENDS)}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
         if self.max_model_len is not None and self.max_model_len < 2:
@@ -84,8 +92,18 @@ class CacheConfig:
     """Reuse the KV blocks of earlier requests that share a prompt prefix."""
     block_size: int = BLOCK_SIZE
     """Tokens per block."""
+    kv_cache_dtype: str = "auto"
+    """KV storage: auto (the model dtype), fp8 (= fp8_e4m3) or fp8_e5m2: half the bytes of fp16."""
+    kv_cache_scales: str = "per_token"
+    """FP8 scales: per_token (per token and kv head, set at write) or per_tensor (checkpoint k/v_scale, else 1)."""
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported; choose one of "
+                             f"{', '.join(KV_CACHE_DTYPES)}")
+        if self.kv_cache_scales not in KV_CACHE_SCALES:
+            raise ValueError(f"kv_cache_scales={self.kv_cache_scales!r} is not supported; choose one of "
+                             f"{', '.join(KV_CACHE_SCALES)}")
         self.kv_cache_memory = parse_size(self.kv_cache_memory, "kv_cache_memory")
         if self.block_size != BLOCK_SIZE:
             raise ValueError(f"block_size={self.block_size} is not supported; qpage uses {BLOCK_SIZE}")

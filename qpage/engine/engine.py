@@ -19,6 +19,7 @@ from qpage.engine.outputs import CompletionOutput, RequestOutput
 from qpage.engine.request import Request, RequestStatus
 from qpage.engine.scheduler import Scheduler
 from qpage.kernels import cpu_matmul
+from qpage.layers.kv_format import KVCacheSpec
 from qpage.models.arch import ArchConfig
 from qpage.models.loader import load_model, read_arch_config, resolve_dtype, resolve_model_dir
 from qpage.runner.model_runner import ModelRunner
@@ -51,10 +52,9 @@ def eos_token_ids(model_dir: Path, tokenizer: Any) -> set[int]:
     return ids
 
 
-def plan_capacity(arch: ArchConfig, dtype: torch.dtype, budget: int) -> tuple[int, int]:
-    """(blocks, bytes per block) that fit in a KV budget of ``budget`` bytes."""
-    elem = torch.empty((), dtype=dtype).element_size()
-    block_bytes = arch.kv_bytes_per_token(elem) * BLOCK_SIZE
+def plan_capacity(arch: ArchConfig, spec: KVCacheSpec, budget: int) -> tuple[int, int]:
+    """(blocks, bytes per block) that fit in a KV budget of ``budget`` bytes (scales counted)."""
+    block_bytes = spec.bytes_per_token(arch.num_layers, arch.num_kv_heads, arch.head_dim) * BLOCK_SIZE
     return budget // block_bytes, block_bytes
 
 
@@ -68,7 +68,9 @@ class LLMEngine:
         self.dtype = resolve_dtype(mc.dtype, self.arch, self.device)
         self.tokenizer = load_tokenizer(self.model_dir)
         self.eos_token_ids = eos_token_ids(self.model_dir, self.tokenizer)
-        num_blocks, block_bytes = plan_capacity(self.arch, self.dtype, int(config.cache.kv_cache_memory))
+        cc = config.cache
+        self.kv_spec = KVCacheSpec.from_config(cc.kv_cache_dtype, cc.kv_cache_scales, self.dtype)
+        num_blocks, block_bytes = plan_capacity(self.arch, self.kv_spec, int(cc.kv_cache_memory))
         self.max_model_len = self._decide_max_model_len(num_blocks * BLOCK_SIZE, block_bytes)
         if self.device.type == "cpu" and cpu_matmul.supports(self.dtype, self.device):
             # NOTE: the fp32 CPU matmuls run on NumPy's BLAS threads. torch's OpenMP threads
@@ -80,7 +82,13 @@ class LLMEngine:
         )
         self.kv = KVCacheManager(num_blocks, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
-        self.runner = ModelRunner(self.model, self.arch, self.kv, self.dtype, self.device, self.max_model_len)
+        self.runner = ModelRunner(self.model, self.arch, self.kv, self.dtype, self.device, self.max_model_len,
+                                  kv_spec=self.kv_spec, attention_backend=mc.attention_backend)
+        if self.kv_spec.fp8_format is not None and self.kv_spec.per_token:
+            from qpage.layers.kv_calibration import CALIBRATION_TEXT
+
+            ids = self.tokenizer.encode(CALIBRATION_TEXT, add_special_tokens=False)
+            self.runner.calibrate_kv_shifts(ids[: min(512, self.max_model_len)])
         self.sampler = Sampler(config.seed)
         self.metrics = EngineMetrics()
         self.outputs = OutputProcessor(self.tokenizer, self.metrics)
@@ -90,8 +98,9 @@ class LLMEngine:
             cap = num_blocks * BLOCK_SIZE
             print(
                 f"qpage: {self.model_dir.name} ({self.arch.architecture}, {self.dtype}) on "
-                f"{self.device}; KV cache {num_blocks} blocks x {BLOCK_SIZE} = {cap} tokens "
-                f"({block_bytes // BLOCK_SIZE} B/token); max_model_len {self.max_model_len}",
+                f"{self.device}; KV cache {self.kv_spec.describe()}, {num_blocks} blocks x {BLOCK_SIZE} = "
+                f"{cap} tokens ({block_bytes // BLOCK_SIZE} B/token); attention {self.runner.backend.name}; "
+                f"max_model_len {self.max_model_len}",
                 flush=True,
             )
 

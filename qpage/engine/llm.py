@@ -31,12 +31,16 @@ class LLM:
         allow_pickle: bool = field_default(ModelConfig, "allow_pickle"),
         trust_remote_code: bool = field_default(ModelConfig, "trust_remote_code"),
         log_stats: bool = field_default(EngineConfig, "log_stats"),
+        kv_cache_dtype: str = field_default(CacheConfig, "kv_cache_dtype"),
+        kv_cache_scales: str = field_default(CacheConfig, "kv_cache_scales"),
+        attention_backend: str = field_default(ModelConfig, "attention_backend"),
     ) -> None:
         config = EngineConfig(
             model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len,
                               allow_pickle=allow_pickle, trust_remote_code=trust_remote_code,
-                              device=device),
-            cache=CacheConfig(kv_cache_memory=kv_cache_memory, enable_prefix_caching=enable_prefix_caching),
+                              device=device, attention_backend=attention_backend),
+            cache=CacheConfig(kv_cache_memory=kv_cache_memory, enable_prefix_caching=enable_prefix_caching,
+                              kv_cache_dtype=kv_cache_dtype, kv_cache_scales=kv_cache_scales),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
             seed=seed,
             log_stats=log_stats,

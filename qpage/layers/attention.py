@@ -1,14 +1,13 @@
 """Attention over the paged KV cache.
 
-Cache layout, per layer: ``k_cache`` and ``v_cache`` of shape
-``[num_blocks, BLOCK_SIZE, num_kv_heads, head_dim]``; token slot ``s`` lives at block
-``s // BLOCK_SIZE``, offset ``s % BLOCK_SIZE``. A step's batch is flattened: the requests
-that compute one token (decodes) come first, then the prefill chunks, each a contiguous
-range of tokens.
+Cache layout per layer: ``kv_format.LayerKV`` (model dtype, or FP8 codes with scales).
+A step's batch is flattened: the requests that compute one token (decodes) come first,
+then the prefill chunks, each a contiguous range of tokens.
 
-The torch path below is the CPU implementation and the reference. The seam for GPU
-kernels is ``AttentionBackend``: a Triton backend implements the same two methods over
-the same metadata and is picked by ``select_backend``.
+The torch paths below are the CPU implementation and the reference; with an FP8 cache
+they dequantize what they gather. ``AttentionBackend`` is the seam: the Triton backend
+(``attention_triton``) implements the same two methods over the same metadata, and
+``backends.select_attention_backend`` picks one by declared capabilities.
 """
 
 from __future__ import annotations
@@ -19,8 +18,8 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from qpage.config import BLOCK_SIZE
 from qpage.kernels import cpu_attention
+from qpage.layers.kv_format import LayerKV, gather_kv
 
 
 @dataclass(slots=True)
@@ -51,6 +50,8 @@ class DecodeGroup:
     """Bool [rows, 1, 1, max_blocks * BLOCK_SIZE]: True for positions < seq_len."""
     max_seq_len: int
     """Context length of the group's longest (first) row, this step's token included."""
+    seq_lens: torch.Tensor | None = None
+    """Long [rows]: each row's context length, this step's token included."""
     first_block: int | None = None
     """For a one-row group whose blocks are consecutive ids, the first id (K/V can then be
     read as a view of the cache, without a gather); else None."""
@@ -66,17 +67,18 @@ class AttentionMetadata:
     """Single-token queries (one per request), first in the batch, split by context length
     so padding stays small."""
     prefills: list[PrefillSeq] = field(default_factory=list)
+    scratch: dict[str, object] = field(default_factory=dict)
+    """Tensors a backend derives from the above once per step and reuses in every layer."""
 
 
 class AttentionBackend(Protocol):
-    def write_cache(
-        self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-    ) -> None: ...
+    name: str
+
+    def write_cache(self, k: torch.Tensor, v: torch.Tensor, cache: LayerKV, slot_mapping: torch.Tensor) -> None: ...
 
     def attend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-        v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKV, meta: AttentionMetadata,
+        scale: float,
     ) -> torch.Tensor: ...
 
 
@@ -85,29 +87,35 @@ class TorchPagedAttention:
 
     name = "torch"
 
-    def write_cache(
-        self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-    ) -> None:
-        kvh, hd = k.shape[1], k.shape[2]
-        k_cache.view(-1, kvh, hd).index_copy_(0, slot_mapping, k)
-        v_cache.view(-1, kvh, hd).index_copy_(0, slot_mapping, v)
+    def write_cache(self, k: torch.Tensor, v: torch.Tensor, cache: LayerKV, slot_mapping: torch.Tensor) -> None:
+        cache.write_ref(k, v, slot_mapping)
 
     def attend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-        v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKV, meta: AttentionMetadata,
+        scale: float,
     ) -> torch.Tensor:
-        """q: [T, H, D]; k, v: [T, KVH, D] (this step's, already written). Returns [T, H, D]."""
-        outs = [self._decode(q[d.start : d.end], k_cache, v_cache, d, scale) for d in meta.decode_groups]
+        """q: [T, H, D]; k, v: [T, KVH, D] (this step's, already written). Returns [T, H, D].
+
+        With an FP8 cache every key and value is read back from the cache, this step's
+        included, so all paths (and the Triton kernels) attend to the same quantized K/V.
+        """
+        outs = [self._decode(q[d.start : d.end], cache, d, scale) for d in meta.decode_groups]
         for p in meta.prefills:
-            outs.append(self._prefill(q, k, v, k_cache, v_cache, p, scale))
+            if cache.fp8_format is not None and p.mask is None:
+                outs.append(self._prefill_from_cache(q, cache, p, scale))
+            else:
+                outs.append(self._prefill(q, k, v, cache, p, scale))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
 
+    def _prefill_from_cache(self, q: torch.Tensor, cache: LayerKV, p: PrefillSeq, scale: float) -> torch.Tensor:
+        """A chunk with no earlier context, its K/V read back from the (FP8) cache."""
+        keys, values = gather_kv(cache, p.block_ids[None], p.context_len)
+        return self._prefill(q, keys[0], values[0], cache, PrefillSeq(0, p.end - p.start, p.context_len,
+                                                                      p.block_ids, None), scale, q_offset=p.start)
+
     @staticmethod
-    def _decode(
-        q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, d: DecodeGroup, scale: float,
-    ) -> torch.Tensor:
-        keys, values = gather_kv(k_cache, v_cache, d.block_table)  # [n, L, kvh, hd]
+    def _decode(q: torch.Tensor, cache: LayerKV, d: DecodeGroup, scale: float) -> torch.Tensor:
+        keys, values = gather_kv(cache, d.block_table)  # [n, L, kvh, hd]
         out = F.scaled_dot_product_attention(
             q.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=d.mask, scale=scale,
             enable_gqa=True,
@@ -116,10 +124,12 @@ class TorchPagedAttention:
 
     @staticmethod
     def _prefill(
-        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-        v_cache: torch.Tensor, p: PrefillSeq, scale: float,
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKV, p: PrefillSeq, scale: float,
+        q_offset: int = 0,
     ) -> torch.Tensor:
-        qs = q[p.start : p.end].transpose(0, 1)
+        """``k``/``v`` rows p.start:p.end are the chunk's own K/V (used when it has no context);
+        q rows are offset by ``q_offset`` (the chunk's place in the batch, when k/v are not)."""
+        qs = q[q_offset + p.start : q_offset + p.end].transpose(0, 1)
         if p.mask is None:
             # Whole context is this chunk: attend to the fresh K/V, causal.
             keys = k[p.start : p.end].transpose(0, 1)
@@ -128,35 +138,12 @@ class TorchPagedAttention:
                 qs, keys, values, is_causal=True, scale=scale, enable_gqa=True
             )
         else:
-            keys, values = gather_kv(k_cache, v_cache, p.block_ids[None], p.context_len)
+            keys, values = gather_kv(cache, p.block_ids[None], p.context_len)
             out = F.scaled_dot_product_attention(
                 qs, keys[0].transpose(0, 1), values[0].transpose(0, 1), attn_mask=p.mask, scale=scale,
                 enable_gqa=True,
             )
         return out.transpose(0, 1)
-
-
-def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-    """Copy whole blocks out of the cache, [len(block_ids), BLOCK, kvh, hd].
-
-    NOTE: index_select over blocks viewed as flat rows is ~4x faster on CPU than advanced
-    indexing (``cache[ids]``), which goes element-wise through TensorIterator (measured).
-    """
-    return cache.view(cache.shape[0], -1).index_select(0, block_ids).view(-1, *cache.shape[1:])
-
-
-def gather_kv(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor, length: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of each row of ``block_table`` [rows, blocks], as [rows, L, kvh, hd] with
-    L = blocks * BLOCK_SIZE, or the first ``length`` positions."""
-    rows, kvh, hd = block_table.shape[0], k_cache.shape[2], k_cache.shape[3]
-    ids = block_table.flatten()
-    keys = gather_blocks(k_cache, ids).view(rows, -1, kvh, hd)
-    values = gather_blocks(v_cache, ids).view(rows, -1, kvh, hd)
-    if length is not None:
-        keys, values = keys[:, :length], values[:, :length]
-    return keys, values
 
 
 class CpuBlasPagedAttention(TorchPagedAttention):
@@ -165,20 +152,18 @@ class CpuBlasPagedAttention(TorchPagedAttention):
     name = "cpu-blas"
 
     @staticmethod
-    def _decode(
-        q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, d: DecodeGroup, scale: float,
-    ) -> torch.Tensor:
+    def _decode(q: torch.Tensor, cache: LayerKV, d: DecodeGroup, scale: float) -> torch.Tensor:
         bt = d.block_table
         if bt.shape[0] == 1:
             # One sequence, no padding: SDPA with the query heads grouped under their kv head
             # (no mask, no GQA expansion) beats the BLAS path at this size (measured 1.4-3x).
             if d.first_block is not None:
-                kvh, hd = k_cache.shape[2], k_cache.shape[3]
-                span = slice(d.first_block, d.first_block + bt.shape[1])
-                keys = k_cache[span].view(1, -1, kvh, hd)[:, : d.max_seq_len]
-                values = v_cache[span].view(1, -1, kvh, hd)[:, : d.max_seq_len]
+                kvh, hd = cache.k.shape[2], cache.k.shape[3]
+                keys, values = cache.read_span(d.first_block, bt.shape[1])
+                keys = keys.reshape(1, -1, kvh, hd)[:, : d.max_seq_len]
+                values = values.reshape(1, -1, kvh, hd)[:, : d.max_seq_len]
             else:
-                keys, values = gather_kv(k_cache, v_cache, bt, d.max_seq_len)
+                keys, values = gather_kv(cache, bt, d.max_seq_len)
             kvh, hd = keys.shape[2], keys.shape[3]
             out = F.scaled_dot_product_attention(
                 q.view(1, kvh, -1, hd), keys.transpose(1, 2), values.transpose(1, 2), scale=scale
@@ -189,31 +174,17 @@ class CpuBlasPagedAttention(TorchPagedAttention):
             mask = d.mask.view(bt.shape[0], -1, 1)
             bias = torch.zeros(mask.shape, dtype=q.dtype).masked_fill_(~mask, float("-inf"))
             d.scratch["bias"] = bias
-        keys, values = gather_kv(k_cache, v_cache, bt)
+        keys, values = gather_kv(cache, bt)
         return cpu_attention.decode_attention(q, keys, values, bias, scale)
 
     @staticmethod
     def _prefill(
-        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-        v_cache: torch.Tensor, p: PrefillSeq, scale: float,
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKV, p: PrefillSeq, scale: float,
+        q_offset: int = 0,
     ) -> torch.Tensor:
         if p.mask is None:
             keys, values = k[p.start : p.end], v[p.start : p.end]
         else:
-            keys, values = gather_kv(k_cache, v_cache, p.block_ids[None], p.context_len)
+            keys, values = gather_kv(cache, p.block_ids[None], p.context_len)
             keys, values = keys[0], values[0]
-        return cpu_attention.prefill_attention(q[p.start : p.end], keys, values, scale)
-
-
-def select_backend(device: torch.device, dtype: torch.dtype) -> AttentionBackend:
-    """The attention implementation for a device and dtype. Triton kernels plug in here."""
-    if device.type == "cpu" and dtype == torch.float32:
-        return CpuBlasPagedAttention()
-    return TorchPagedAttention()
-
-
-def make_kv_cache(
-    num_blocks: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    shape = (num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
-    return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
+        return cpu_attention.prefill_attention(q[q_offset + p.start : q_offset + p.end], keys, values, scale)

@@ -7,6 +7,7 @@ slices the checkpoint's separate tensors into them. Linears come from one factor
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 
 import numpy as np
@@ -16,12 +17,14 @@ from torch import nn
 
 from qpage.kernels import cpu_matmul
 from qpage.layers.attention import AttentionBackend, AttentionMetadata
+from qpage.layers.kv_format import LayerKV
 from qpage.layers.linear import Linear, make_linear
 from qpage.layers.norms import RMSNorm
 from qpage.layers.rotary import RotaryEmbedding, apply_rotary
 from qpage.models.arch import ArchConfig
 
-KVCache = tuple[torch.Tensor, torch.Tensor]
+KVCache = LayerKV
+_KV_SCALE = re.compile(r"^model\.layers\.(\d+)\.self_attn\.([kv])_scale$")
 
 
 class Attention(nn.Module):
@@ -50,8 +53,13 @@ class Attention(nn.Module):
             qk = apply_rotary(qkv[:, : nq + c.num_kv_heads], cos, sin)
             q, k = qk[:, :nq], qk[:, nq:]
         v = qkv[:, nq + c.num_kv_heads :]
-        backend.write_cache(k, v, cache[0], cache[1], meta.slot_mapping)
-        out = backend.attend(q, k, v, cache[0], cache[1], meta, self.scale)
+        if cache.k_shift is not None and cache.v_shift is not None:
+            # Centered K/V quantize better; see LayerKV.k_shift for why this is exact.
+            k, v = k - cache.k_shift, v - cache.v_shift
+        backend.write_cache(k, v, cache, meta.slot_mapping)
+        out = backend.attend(q, k, v, cache, meta, self.scale)
+        if cache.v_shift is not None:
+            out = (out.view(t, c.num_kv_heads, -1, c.head_dim) + cache.v_shift[:, None]).view(t, nq, c.head_dim)
         return self.o_proj.forward(out.reshape(t, c.q_size))
 
 
@@ -95,6 +103,8 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if c.tie_word_embeddings else make_linear(c.hidden_size, c.vocab_size, False)
         self.rotary = RotaryEmbedding(c.head_dim, max_positions, c.rope_theta, c.rope_scaling, dtype)
         self._head_np: np.ndarray | None = None
+        self.kv_scales: dict[int, tuple[float, float]] = {}
+        """Static FP8 KV scales per layer from the checkpoint (vLLM's ``self_attn.k_scale``)."""
 
     def to_device(self, device: torch.device) -> None:
         self.to(device)
@@ -181,7 +191,15 @@ class LlamaForCausalLM(nn.Module):
         """Copy (file, name, tensor) triples into the model, checking every shape."""
         targets = self.weight_targets()
         seen: set[str] = set()
+        found: dict[int, dict[str, float]] = {}
         for file, name, t in tensors:
+            m = _KV_SCALE.match(name)
+            if m:
+                if t.numel() != 1 or not torch.isfinite(t).all() or float(t) <= 0:
+                    raise ValueError(f"{file}: {name} must be one positive finite number, got shape "
+                                     f"{tuple(t.shape)}")
+                found.setdefault(int(m.group(1)), {})[m.group(2)] = float(t)
+                continue
             if name not in targets:
                 if "rotary_emb" in name or (name == "lm_head.weight" and self.lm_head is None):
                     continue
@@ -198,6 +216,7 @@ class LlamaForCausalLM(nn.Module):
                 )
             dest[off : off + rows].copy_(t)
             seen.add(name)
+        self.kv_scales = {i: (d["k"], d["v"]) for i, d in found.items() if "k" in d and "v" in d}
         missing = sorted(set(targets) - seen)
         if missing:
             more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""

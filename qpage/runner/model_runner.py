@@ -8,6 +8,7 @@ metadata (block tables, masks) once; every layer reuses them.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -16,15 +17,12 @@ from qpage.config import BLOCK_SIZE
 from qpage.engine.kv_cache import KVCacheManager
 from qpage.engine.request import Request
 from qpage.engine.scheduler import ScheduledRequest, SchedulerOutput
-from qpage.layers.attention import (
-    AttentionMetadata,
-    DecodeGroup,
-    PrefillSeq,
-    make_kv_cache,
-    select_backend,
-)
+from qpage.layers.attention import AttentionMetadata, DecodeGroup, PrefillSeq
+from qpage.layers.backends import select_attention_backend
+from qpage.layers.kv_format import KVCacheSpec, make_layer_kv
 from qpage.models.arch import ArchConfig
 
+logger = logging.getLogger("qpage")
 
 @dataclass
 class StepOutput:
@@ -47,18 +45,54 @@ class ModelRunner:
     def __init__(
         self, model: torch.nn.Module, arch: ArchConfig, kv: KVCacheManager,
         dtype: torch.dtype, device: torch.device, max_model_len: int,
+        kv_spec: KVCacheSpec | None = None, attention_backend: str = "auto",
     ) -> None:
         self.model = model
         self.arch = arch
         self.kv = kv
         self.device = device
-        self.backend = select_backend(device, dtype)
+        spec = kv_spec or KVCacheSpec(dtype)
+        self.backend = select_attention_backend(device, spec, arch.head_dim, attention_backend)
+        scales: dict[int, tuple[float, float]] = getattr(model, "kv_scales", {})
+        if spec.fp8_format is not None and not spec.per_token and len(scales) < arch.num_layers:
+            logger.warning("kv_cache_scales=per_tensor: the checkpoint has no k_scale/v_scale for %d of %d "
+                           "layers; using 1.0 there (vLLM's default)", arch.num_layers - len(scales),
+                           arch.num_layers)
         self.caches = [
-            make_kv_cache(kv.num_blocks, arch.num_kv_heads, arch.head_dim, dtype, device)
-            for _ in range(arch.num_layers)
+            make_layer_kv(spec, kv.num_blocks, arch.num_kv_heads, arch.head_dim, device, scales.get(i))
+            for i in range(arch.num_layers)
         ]
         # Positions 0.. of a padded block table row: enough for the longest sequence.
         self._offsets = torch.arange(max_model_len + BLOCK_SIZE, dtype=torch.long)
+
+    @torch.inference_mode()
+    def calibrate_kv_shifts(self, token_ids: list[int]) -> None:
+        """Set each layer's K/V shifts to their per-channel means over ``token_ids`` (a
+        forward pass into a scratch cache in the model dtype; the real cache is untouched)."""
+        n = len(token_ids)
+        nb = -(-n // BLOCK_SIZE)
+        spec = KVCacheSpec(self.caches[0].dtype)
+        scratch = [make_layer_kv(spec, nb, self.arch.num_kv_heads, self.arch.head_dim, self.device)
+                   for _ in range(self.arch.num_layers)]
+        means: list[tuple[torch.Tensor, torch.Tensor]] = []
+        inner = select_attention_backend(self.device, spec, self.arch.head_dim, "torch")
+
+        class _Recorder:
+            name = "calibration"
+
+            def write_cache(self, k: torch.Tensor, v: torch.Tensor, cache: object, slots: torch.Tensor) -> None:
+                means.append((k.float().mean(0), v.float().mean(0)))
+                inner.write_cache(k, v, cache, slots)  # type: ignore[attr-defined]
+
+            def attend(self, *args: object) -> torch.Tensor:
+                return inner.attend(*args)  # type: ignore[attr-defined]
+
+        pos = torch.arange(n, device=self.device)
+        ids = torch.arange(nb, device=self.device)
+        meta = AttentionMetadata(slot_mapping=pos, prefills=[PrefillSeq(0, n, n, ids, None)])
+        self.model(torch.tensor(token_ids, device=self.device), pos, scratch, meta, _Recorder())
+        for cache, (k_mean, v_mean) in zip(self.caches, means, strict=True):
+            cache.set_shifts(k_mean, v_mean)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepOutput:
@@ -108,7 +142,7 @@ class ModelRunner:
             consecutive = end - start == 1 and tables[start] == list(range(first, first + width))
             meta.decode_groups.append(DecodeGroup(
                 start, end, table.to(self.device), mask[:, None, None, :].to(self.device),
-                int(pos[start]) + 1, first if consecutive else None,
+                int(pos[start]) + 1, pos[start:end] + 1, first if consecutive else None,
             ))
             start = end
 

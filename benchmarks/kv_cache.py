@@ -1,0 +1,117 @@
+"""KV cache quality and size: perplexity, KL divergence and bytes per token of each cache mode.
+
+Modes: ``auto`` (the model dtype: fp32 on CPU), ``fp8_e4m3`` with per-token scales
+(qpage's default FP8), ``fp8_e4m3`` with one per-tensor scale (vLLM style: the checkpoint's
+``k_scale``/``v_scale``, 1.0 when it has none, as here), ``fp8_e5m2`` with per-token scales,
+and ``fp8_e5m2`` per-tensor.
+
+Method: the default model scores non-overlapping windows of ``--window`` tokens from
+wikitext-2 ``test.txt``, teacher-forced, with chunked prefill of ``--chunk`` tokens: every
+chunk after the first reads its context back from the (quantized) paged cache. Per
+window, every mode scores the same tokens; perplexity is exp(mean NLL) over all scored
+positions, and KL is the mean over positions of KL(auto || mode) of the full next-token
+distributions. Bytes per token count K and V of all layers plus the FP8 scales, and are
+compared with an fp16 cache's (the usual GPU baseline) and the ``auto`` cache's.
+
+    python benchmarks/kv_cache.py [--windows 16] [--window 512] [--chunk 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+DATA = ROOT.parent / "shared" / "data" / "wikitext2" / "test.txt"
+MODES = [
+    ("auto", "auto", "per_token"),
+    ("fp8_e4m3 per-token", "fp8_e4m3", "per_token"),
+    ("fp8_e4m3 per-tensor", "fp8_e4m3", "per_tensor"),
+    ("fp8_e5m2 per-token", "fp8_e5m2", "per_token"),
+    ("fp8_e5m2 per-tensor", "fp8_e5m2", "per_tensor"),
+]
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="model folder (default: the default model)")
+    p.add_argument("--data", default=str(DATA))
+    p.add_argument("--windows", type=int, default=16, help="number of windows scored (from the start of the file)")
+    p.add_argument("--window", type=int, default=512)
+    p.add_argument("--chunk", type=int, default=128, help="prefill chunk: context beyond it comes from the cache")
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "kv_cache.json"))
+    return p.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    import torch
+
+    from qpage import LLM
+    from qpage.eval.perplexity import kl_rows, nll_sum, score_window, token_windows
+    from qpage.layers.kv_format import KVCacheSpec
+
+    engines = {}
+    for label, dtype, scales in MODES:
+        llm = LLM(model=args.model, kv_cache_dtype=dtype, kv_cache_scales=scales, kv_cache_memory="64MiB",
+                  enable_prefix_caching=False, max_model_len=max(args.window, 16), log_stats=False)
+        engines[label] = llm.llm_engine
+    ref = engines["auto"]
+    arch = ref.arch
+    windows = token_windows(ref.tokenizer, Path(args.data), args.window, args.windows,
+                            max_chars=200 * args.window * args.windows)
+    nll = dict.fromkeys(engines, 0.0)
+    kl = dict.fromkeys(engines, 0.0)
+    kl_max = dict.fromkeys(engines, 0.0)
+    count = 0
+    t0 = time.perf_counter()
+    for w, ids in enumerate(windows):
+        base = score_window(ref, ids, args.chunk)
+        nll["auto"] += nll_sum(base, ids)
+        for label, eng in engines.items():
+            if label == "auto":
+                continue
+            lp = score_window(eng, ids, args.chunk)
+            nll[label] += nll_sum(lp, ids)
+            rows = kl_rows(base, lp)
+            kl[label] += float(rows.sum())
+            kl_max[label] = max(kl_max[label], float(rows.max()))
+        count += len(ids) - 1
+        print(f"window {w + 1}/{len(windows)} ({time.perf_counter() - t0:.0f} s): "
+              + ", ".join(f"{k} ppl {math.exp(v / count):.4f}" for k, v in nll.items()), flush=True)
+    fp16_bytes = KVCacheSpec(torch.float16).bytes_per_token(arch.num_layers, arch.num_kv_heads, arch.head_dim)
+    rows_out: list[dict[str, Any]] = []
+    ppl_auto = math.exp(nll["auto"] / count)
+    for label, eng in engines.items():
+        spec = eng.kv_spec
+        b = spec.bytes_per_token(arch.num_layers, arch.num_kv_heads, arch.head_dim)
+        ppl = math.exp(nll[label] / count)
+        rows_out.append(dict(mode=label, kv_cache=spec.describe(), bytes_per_token=b,
+                             vs_fp16=b / fp16_bytes, vs_auto=b / ref.kv_spec.bytes_per_token(
+                                 arch.num_layers, arch.num_kv_heads, arch.head_dim),
+                             perplexity=ppl, ppl_delta_pct=100 * (ppl / ppl_auto - 1),
+                             mean_kl=kl[label] / count if label != "auto" else 0.0,
+                             max_kl=kl_max[label]))
+    result = dict(model=ref.model_dir.name, model_dtype=str(ref.dtype), windows=len(windows), window=args.window,
+                  chunk=args.chunk, tokens_scored=count, fp16_bytes_per_token=fp16_bytes, modes=rows_out)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result, indent=1))
+    tmp.replace(out)
+    print(f"\n{result['model']} ({result['model_dtype']}), {len(windows)} windows x {args.window} tokens, "
+          f"chunk {args.chunk}: {count} positions scored")
+    print(f"{'mode':<22} {'B/token':>8} {'vs fp16':>8} {'vs auto':>8} {'perplexity':>11} {'d ppl %':>8} "
+          f"{'mean KL':>10} {'max KL':>8}")
+    for r in rows_out:
+        print(f"{r['mode']:<22} {r['bytes_per_token']:>8} {r['vs_fp16']:>8.4f} {r['vs_auto']:>8.4f} "
+              f"{r['perplexity']:>11.4f} {r['ppl_delta_pct']:>+8.3f} {r['mean_kl']:>10.2e} {r['max_kl']:>8.3f}")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

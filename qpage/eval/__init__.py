@@ -1,0 +1,1 @@
+"""Quality measurement: teacher-forced perplexity and KL divergence over token windows."""

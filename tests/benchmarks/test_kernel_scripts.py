@@ -1,0 +1,39 @@
+"""The GPU kernel benchmark's CPU dry run (Triton interpreter, tiny shapes) and the KV cache
+quality benchmark (tiny settings) run end to end and write their JSON."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_kernels_benchmark_interpret_dry_run(tmp_path: Path) -> None:
+    out = tmp_path / "kernels.json"
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kernels.py"), "--interpret", "--out", str(out)],
+                       capture_output=True, text=True, timeout=900, env=env)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    res = json.loads(out.read_text())
+    for section in ("cache_write", "attention", "linears", "e2e"):
+        assert isinstance(res[section], list) and res[section], f"{section}: {res[section]}"
+    assert all(row["bit_exact"] for row in res["cache_write"])
+    assert max(r[k] for r in res["linears"] for k in r if k.endswith("_relerr")) < 1e-4
+    assert all(row["relerr"] < 1e-4 for row in res["attention"] if "relerr" in row)
+
+
+def test_kv_cache_benchmark_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "kv.json"
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kv_cache.py"), "--windows", "1", "--window", "64",
+                        "--chunk", "16", "--out", str(out)], capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    res = json.loads(out.read_text())
+    modes = {m["mode"]: m for m in res["modes"]}
+    assert set(modes) == {"auto", "fp8_e4m3 per-token", "fp8_e4m3 per-tensor", "fp8_e5m2 per-token",
+                          "fp8_e5m2 per-tensor"}
+    assert modes["fp8_e4m3 per-token"]["vs_fp16"] <= 0.53
+    assert all(m["perplexity"] > 1 for m in modes.values())

@@ -1,0 +1,100 @@
+"""Paged attention kernels (decode with/without split-KV, prefill over cached context) against
+``*_ref`` on the same (dequantized) cache.
+
+Tolerance: max |out - ref| <= 2e-3 for fp16 outputs (the acceptance bound; outputs are
+O(1)), 1e-5 for fp32, 2e-2 for bf16 (its 8-bit mantissa).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from qpage.config import BLOCK_SIZE
+from qpage.kernels.cache_write import write_kv_cache_ref
+from qpage.kernels.paged_attention import (
+    paged_attention_decode,
+    paged_attention_decode_ref,
+    paged_attention_prefill,
+    paged_attention_prefill_ref,
+)
+
+TOL = {torch.float16: 2e-3, torch.float32: 1e-5, torch.bfloat16: 2e-2}
+KVH, H, D = 2, 6, 64
+MODES = [(None, False), ("e4m3", True), ("e4m3", False), ("e5m2", True)]
+IDS = ["plain", "e4m3-token", "e4m3-tensor", "e5m2-token"]
+
+
+def filled_cache(lens: list[int], dtype: torch.dtype, fmt: str | None, per_token: bool, seed: int = 0) -> dict:
+    """A cache holding sequences of the given lengths in shuffled blocks."""
+    g = torch.Generator().manual_seed(seed)
+    nb = sum(math.ceil(n / BLOCK_SIZE) for n in lens) + 4
+    kc = torch.zeros(nb, BLOCK_SIZE, KVH, D, dtype=torch.uint8 if fmt else dtype)
+    vc = torch.zeros_like(kc)
+    if fmt and per_token:
+        ks, vs = torch.zeros(nb, BLOCK_SIZE, KVH, dtype=torch.float16), torch.zeros(nb, BLOCK_SIZE, KVH,
+                                                                                     dtype=torch.float16)
+    elif fmt:
+        ks, vs = torch.tensor([0.02]), torch.tensor([0.01])
+    else:
+        ks = vs = None
+    perm = torch.randperm(nb, generator=g)
+    width = max(math.ceil(n / BLOCK_SIZE) for n in lens)
+    tables = torch.zeros(len(lens), width, dtype=torch.int32)
+    used = 0
+    for i, n in enumerate(lens):
+        nbk = math.ceil(n / BLOCK_SIZE)
+        tables[i, :nbk] = perm[used : used + nbk]
+        used += nbk
+        pos = torch.arange(n)
+        slots = tables[i].long()[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE
+        k = torch.randn(n, KVH, D, generator=g) * (1 + 3 * torch.rand(n, KVH, 1, generator=g))
+        write_kv_cache_ref(k.to(dtype), torch.randn(n, KVH, D, generator=g).to(dtype), kc, vc, slots, ks, vs, fmt)
+    return dict(k_cache=kc, v_cache=vc, k_scale=ks, v_scale=vs, fp8_format=fmt), tables
+
+
+@pytest.mark.parametrize(("fmt", "per_token"), MODES, ids=IDS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.bfloat16], ids=str)
+def test_decode_matches_ref(fmt: str | None, per_token: bool, dtype: torch.dtype) -> None:
+    lens = [37, 200, 1, 16, 129]
+    cache, tables = filled_cache(lens, dtype, fmt, per_token)
+    q = torch.randn(len(lens), H, D, generator=torch.Generator().manual_seed(1)).to(dtype)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    ref = paged_attention_decode_ref(q, block_tables=tables, seq_lens=seq_lens, scale=D**-0.5, **cache)
+    for kw in ({}, {"partition": 64}, {"partition": 32, "block_n": 16}, {"swap": True}):
+        out = paged_attention_decode(q, block_tables=tables, seq_lens=seq_lens, scale=D**-0.5, **cache, **kw)
+        assert out.dtype == dtype
+        err = (out.float() - ref.float()).abs().max().item()
+        assert err <= TOL[dtype], (kw, err)
+
+
+@pytest.mark.parametrize(("fmt", "per_token"), MODES, ids=IDS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+def test_prefill_matches_ref(fmt: str | None, per_token: bool, dtype: torch.dtype) -> None:
+    """Chunks of 5, 40, 1 and 16 new tokens at the end of contexts of 37, 200, 1 and 16 (the
+    last two have no earlier context; the first two attend to cached context)."""
+    ctx = [37, 200, 1, 16]
+    qlens = [5, 40, 1, 16]
+    cache, tables = filled_cache(ctx, dtype, fmt, per_token, seed=2)
+    cu = torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32)
+    q = torch.randn(sum(qlens), H, D, generator=torch.Generator().manual_seed(3)).to(dtype)
+    context_lens = torch.tensor(ctx, dtype=torch.int32)
+    out = paged_attention_prefill(q, block_tables=tables, cu_seqlens_q=cu, context_lens=context_lens,
+                                  max_q_len=max(qlens), scale=D**-0.5, **cache)
+    ref = paged_attention_prefill_ref(q, block_tables=tables, cu_seqlens_q=cu, context_lens=context_lens,
+                                      scale=D**-0.5, **cache)
+    err = (out.float() - ref.float()).abs().max().item()
+    assert err <= TOL[dtype], err
+
+
+def test_decode_ref_is_softmax_attention() -> None:
+    """The reference itself, on a plain cache, equals a dense softmax over the sequence."""
+    cache, tables = filled_cache([50], torch.float32, None, False)
+    q = torch.randn(1, H, D)
+    k = cache["k_cache"][tables[0].long()].reshape(-1, KVH, D)[:50].repeat_interleave(H // KVH, 1)
+    v = cache["v_cache"][tables[0].long()].reshape(-1, KVH, D)[:50].repeat_interleave(H // KVH, 1)
+    dense = torch.einsum("hl,lhd->hd", torch.einsum("hd,lhd->hl", q[0], k).mul(D**-0.5).softmax(-1), v)
+    ref = paged_attention_decode_ref(q, block_tables=tables, seq_lens=torch.tensor([50]), scale=D**-0.5, **cache)
+    assert torch.allclose(ref[0], dense, atol=1e-6)

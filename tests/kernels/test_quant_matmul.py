@@ -1,0 +1,114 @@
+"""INT4/INT8 dequant-matmul (GPTQ and AWQ layouts; tl.dot and GEMV kernels) against the torch reference.
+
+Tolerances, ||out - ref|| / ||ref|| against ``int_matmul_ref`` on the same packed weights
+(fp32 math, output cast to the activation dtype): fp32 1e-5, fp16 2e-3, bf16 1e-2 (the
+output dtype's rounding; accumulation is fp32 in both).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qpage.kernels.quant_matmul import (
+    MatmulConfig,
+    dequantize_ref,
+    int_matmul,
+    int_matmul_ref,
+    pack_cols,
+    pack_rows,
+    unpack_cols,
+    unpack_rows,
+)
+from tests.kernels.conftest import rel_err
+
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+def make_weight(k: int, n: int, bits: int, group: int, *, awq: bool = False, sym: bool = False,
+                act_order: bool = False, seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    groups = -(-k // group)
+    q = torch.randint(0, 2**bits, (k, n), generator=g)
+    z = torch.randint(0, 2**bits, (groups, n), generator=g)
+    s = (torch.rand(groups, n, generator=g) * 0.02 + 0.002).half()
+    g_idx = (torch.randperm(k, generator=g) // group).int() if act_order else None
+    return dict(q=q, z=None if sym else z, scales=s, g_idx=g_idx, bits=bits, group=group, awq=awq,
+                qweight=pack_cols(q, bits, awq=True) if awq else pack_rows(q, bits),
+                qzeros=None if sym else pack_cols(z, bits, awq=awq))
+
+
+def run(x: torch.Tensor, w: dict, config: MatmulConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    args = (w["qweight"], w["scales"], w["qzeros"], w["g_idx"])
+    kw = dict(bits=w["bits"], group_size=w["group"], awq=w["awq"])
+    return int_matmul(x, *args, config=config, **kw), int_matmul_ref(x, *args, **kw)
+
+
+def test_packing_layouts() -> None:
+    """Nibble order by hand: GPTQ plain (value j in bits 4j), AWQ interleaved 0,2,4,6,1,3,5,7."""
+    vals = torch.arange(8)[None, :]
+    assert pack_cols(vals, 4).item() == 0x76543210
+    assert pack_cols(vals, 4, awq=True).item() == 0x75316420
+    assert pack_rows(vals.T, 4).item() == 0x76543210
+    assert pack_cols(torch.tensor([[0x12, 0xFF, 0x00, 0x80]]), 8).item() == (0x8000FF12 - 2**32)
+    g = torch.Generator().manual_seed(1)
+    q = torch.randint(0, 16, (40, 24), generator=g)
+    assert torch.equal(unpack_rows(pack_rows(q, 4), 4, 40), q)
+    assert torch.equal(unpack_cols(pack_cols(q, 4, awq=True), 4, 24, awq=True), q)
+    q8 = torch.randint(0, 256, (12, 8), generator=g)
+    assert torch.equal(unpack_rows(pack_rows(q8, 8), 8, 12), q8)
+
+
+@pytest.mark.parametrize(("awq", "act_order"), [(False, False), (False, True), (True, False)],
+                         ids=["gptq", "gptq-actorder", "awq"])
+def test_dequantize_ref_formula(awq: bool, act_order: bool) -> None:
+    """W[k, n] = scales[g(k), n] * (q[k, n] - z[g(k), n]) with g from g_idx or k // group."""
+    w = make_weight(96, 40, 4, 32, awq=awq, act_order=act_order)
+    grp = w["g_idx"].long() if act_order else torch.arange(96) // 32
+    want = (w["q"] - w["z"][grp]).float() * w["scales"].float()[grp]
+    got = dequantize_ref(w["qweight"], w["scales"], w["qzeros"], w["g_idx"], bits=4, group_size=32,
+                         in_features=96, awq=awq)
+    assert torch.equal(got, want)
+
+
+CASES = [
+    # (M, K, N, bits, group, awq, sym, act_order)
+    (1, 256, 128, 4, 128, False, True, False),
+    (3, 256, 96, 4, 64, False, False, False),
+    (16, 256, 128, 4, 32, False, False, True),
+    (5, 192, 64, 4, 128, False, False, False),  # K=192: partial last group of 128
+    (7, 256, 128, 4, 128, True, False, False),  # AWQ
+    (1, 256, 64, 4, 64, True, True, False),  # AWQ symmetric
+    (33, 128, 64, 8, 128, False, True, False),  # INT8 per-channel (one group = K)
+    (2, 128, 64, 8, 32, False, False, False),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "M{}_K{}_N{}_b{}_g{}{}{}{}".format(
+    *c[:5], "_awq" if c[5] else "", "_sym" if c[6] else "", "_actorder" if c[7] else ""))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_int_matmul_matches_ref(case: tuple, dtype: torch.dtype) -> None:
+    m, k, n, bits, group, awq, sym, act = case
+    w = make_weight(k, n, bits, group, awq=awq, sym=sym, act_order=act)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(2)).to(dtype)
+    out, ref = run(x, w)
+    assert out.shape == (m, n) and out.dtype == dtype
+    assert rel_err(out, ref) < TOL[dtype]
+
+
+@pytest.mark.parametrize(("awq", "bits"), [(False, 4), (True, 4), (False, 8)], ids=["gptq4", "awq4", "gptq8"])
+@pytest.mark.parametrize("sym", [False, True])
+def test_gemv_and_split_k(awq: bool, sym: bool, bits: int) -> None:
+    """M=1 through the GEMV kernel (split K in 2 and 3), and the tl.dot kernel with split K."""
+    w = make_weight(320, 96, bits, 64, awq=awq, sym=sym, seed=3)
+    x = torch.randn(1, 320, generator=torch.Generator().manual_seed(4)).half()
+    for cfg in (MatmulConfig(16, 32, 64, split_k=2, gemv=True), MatmulConfig(16, 64, 64, split_k=3, gemv=True),
+                MatmulConfig(16, 32, 32, split_k=4)):
+        out, ref = run(x, w, cfg)
+        assert rel_err(out, ref) < TOL[torch.float16], cfg
+
+
+def test_rejects_unsupported_bits() -> None:
+    w = make_weight(64, 32, 4, 32)
+    with pytest.raises(ValueError, match="bits=3"):
+        int_matmul(torch.randn(1, 64), w["qweight"], w["scales"], None, None, bits=3, group_size=32)
