@@ -21,7 +21,8 @@ def test_triton_backend_matches_cpu_path(llm_factory: Any, kv_cache_dtype: str) 
         llm = llm_factory(attention_backend=backend, kv_cache_dtype=kv_cache_dtype, max_num_batched_tokens=6,
                           enable_prefix_caching=False, kv_cache_memory="16MiB")
         assert llm.llm_engine.runner.backend.name == backend
-        runs[backend] = llm.generate(PROMPTS, p, use_tqdm=False)
+        # The FP8 cache write searches 8 scales per head: slow in the interpreter, so one prompt.
+        runs[backend] = llm.generate(PROMPTS if kv_cache_dtype == "auto" else PROMPTS[:1], p, use_tqdm=False)
     # auto: same math up to float rounding. fp8: a 1e-6 difference can move a value across an
     # FP8 rounding boundary and change a code, so logprobs agree only to quantization noise.
     tol = 2e-4 if kv_cache_dtype == "auto" else 0.1

@@ -1,6 +1,6 @@
 """Paged attention backends against dense attention computed per sequence.
 
-Both the torch (SDPA) path and the CPU-BLAS path, on a randomly filled paged cache with
+The torch (SDPA) path, the CPU-BLAS path and the Triton kernels (interpreter), on a randomly filled paged cache with
 shuffled block tables: decode groups of one and of several rows with different lengths,
 prefill chunks with and without cached context. fp32; tolerance 1e-5 absolute.
 """
@@ -18,6 +18,8 @@ from qpage.layers.attention import (
     PrefillSeq,
     TorchPagedAttention,
 )
+from qpage.layers.attention_triton import TritonPagedAttention
+from qpage.layers.kv_format import LayerKV
 
 KVH, G, HD = 2, 3, 16
 H = KVH * G
@@ -34,7 +36,8 @@ def dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torc
     return torch.einsum("htc,chd->thd", s.softmax(-1), v)
 
 
-@pytest.mark.parametrize("backend", [TorchPagedAttention(), CpuBlasPagedAttention()], ids=lambda b: b.name)
+@pytest.mark.parametrize("backend", [TorchPagedAttention(), CpuBlasPagedAttention(), TritonPagedAttention()],
+                         ids=lambda b: b.name)
 def test_paged_attention_matches_dense(backend: TorchPagedAttention) -> None:
     g = torch.Generator().manual_seed(0)
     nblocks = 64
@@ -64,7 +67,7 @@ def test_paged_attention_matches_dense(backend: TorchPagedAttention) -> None:
         lens = torch.tensor([seqs[i][0] for i in range(start, end)])
         mask = (torch.arange(width * BLOCK_SIZE)[None, :] < lens[:, None])[:, None, None, :]
         first = int(bt[0, 0]) if start == 2 else None
-        groups.append(DecodeGroup(start, end, bt, mask, int(lens[0]), first))
+        groups.append(DecodeGroup(start, end, bt, mask, int(lens[0]), lens, first))
     prefills, row = [], 3
     fresh_k = torch.zeros(len(q_all), KVH, HD)
     fresh_v = torch.zeros(len(q_all), KVH, HD)
@@ -81,7 +84,7 @@ def test_paged_attention_matches_dense(backend: TorchPagedAttention) -> None:
         row += new
     meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long),
                              decode_groups=groups, prefills=prefills)
-    got = backend.attend(q_all, fresh_k, fresh_v, k_cache, v_cache, meta, HD**-0.5)
+    got = backend.attend(q_all, fresh_k, fresh_v, LayerKV(k_cache, v_cache), meta, HD**-0.5)
     torch.testing.assert_close(got, torch.cat(want), atol=1e-5, rtol=0)
 
 
@@ -90,7 +93,7 @@ def test_write_cache_slots() -> None:
     v_cache = torch.zeros(4, BLOCK_SIZE, KVH, HD)
     k = torch.randn(3, KVH, HD)
     v = torch.randn(3, KVH, HD)
-    TorchPagedAttention().write_cache(k, v, k_cache, v_cache, torch.tensor([5, 17, 63]))
+    TorchPagedAttention().write_cache(k, v, LayerKV(k_cache, v_cache), torch.tensor([5, 17, 63]))
     assert torch.equal(k_cache[0, 5], k[0]) and torch.equal(k_cache[1, 1], k[1])
     assert torch.equal(v_cache[3, 15], v[2])
     assert int((k_cache != 0).any(-1).any(-1).sum()) == 3
