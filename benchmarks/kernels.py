@@ -268,12 +268,8 @@ def bench_attention(args: argparse.Namespace, device: Any, timer: Timer, peak: f
     import torch
     import torch.nn.functional as F
 
-    from qpage.kernels.paged_attention import (
-        paged_attention_decode,
-        paged_attention_decode_ref,
-        paged_attention_prefill,
-        paged_attention_prefill_ref,
-    )
+    from qpage.kernels.paged_attention import paged_attention_decode, paged_attention_decode_ref
+    from qpage.kernels.paged_prefill import paged_attention_prefill, paged_attention_prefill_ref
 
     dtype = torch.float16 if device.type == "cuda" else torch.float32
     nseq, ctx, heads, kvh, dim = (32, 4096, 32, 8, 128) if not args.interpret else (3, 100, 4, 2, 64)
@@ -311,16 +307,16 @@ def bench_attention(args: argparse.Namespace, device: Any, timer: Timer, peak: f
         print(f"  decode paged {label}: {t * 1e6:.1f} us, {kv_bytes / t / 1e9:.0f} GB/s, relerr {err:.1e}",
               flush=True)
         if fmt and per_token and device.type == "cuda" and not args.quick:
-            sweep = [(sw, b_, w_, s_) for sw in (False, True) for b_ in (64, 128) for w_ in (4, 8) for s_ in (3, 4)]
-            for swap, bn, warps, stages in sweep:
+            sweep = [(b_, w_, s_) for b_ in (64, 128) for w_ in (4, 8) for s_ in (2, 3, 4)]
+            for bn, warps, stages in sweep:
                 try:
                     tt = timer.time([lambda: paged_attention_decode(
                         q, c["k_cache"], c["v_cache"], c["block_tables"], lens, scale, max_seq_len=ctx,
-                        block_n=bn, num_warps=warps, num_stages=stages, swap=swap, **kw)])
+                        block_n=bn, num_warps=warps, num_stages=stages, **kw)])
                 except Exception as e:
-                    print(f"  tune attention {swap}/{bn}/{warps}/{stages}: {type(e).__name__}", flush=True)
+                    print(f"  tune attention {bn}/{warps}/{stages}: {type(e).__name__}", flush=True)
                     continue
-                rows.append(dict(kernel=f"decode paged {label} swap={swap} bn={bn} warps={warps} stages={stages}",
+                rows.append(dict(kernel=f"decode paged {label} bn={bn} warps={warps} stages={stages}",
                                  us=tt * 1e6, gbs=kv_bytes / tt / 1e9,
                                  pct_measured_peak=100 * kv_bytes / tt / 1e9 / peak))
         # Prefill: one sequence's last chunk of 512 (or 2048) tokens over its whole context.

@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 
 from qpage.kernels.cache_write import write_kv_cache
-from qpage.kernels.paged_attention import paged_attention_decode, paged_attention_prefill
+from qpage.kernels.paged_attention import paged_attention_decode
+from qpage.kernels.paged_prefill import paged_attention_prefill
 from qpage.layers.attention import AttentionMetadata
 from qpage.layers.kv_format import LayerKV
 

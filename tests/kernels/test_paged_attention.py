@@ -14,12 +14,8 @@ import torch
 
 from qpage.config import BLOCK_SIZE
 from qpage.kernels.cache_write import write_kv_cache_ref
-from qpage.kernels.paged_attention import (
-    paged_attention_decode,
-    paged_attention_decode_ref,
-    paged_attention_prefill,
-    paged_attention_prefill_ref,
-)
+from qpage.kernels.paged_attention import paged_attention_decode, paged_attention_decode_ref
+from qpage.kernels.paged_prefill import paged_attention_prefill, paged_attention_prefill_ref
 
 TOL = {torch.float16: 2e-3, torch.float32: 1e-5, torch.bfloat16: 2e-2}
 KVH, H, D = 2, 6, 64
@@ -63,7 +59,7 @@ def test_decode_matches_ref(fmt: str | None, per_token: bool, dtype: torch.dtype
     q = torch.randn(len(lens), H, D, generator=torch.Generator().manual_seed(1)).to(dtype)
     seq_lens = torch.tensor(lens, dtype=torch.int32)
     ref = paged_attention_decode_ref(q, block_tables=tables, seq_lens=seq_lens, scale=D**-0.5, **cache)
-    for kw in ({}, {"partition": 64}, {"partition": 32, "block_n": 16}, {"swap": True}):
+    for kw in ({}, {"partition": 64}, {"partition": 32, "block_n": 16}):
         out = paged_attention_decode(q, block_tables=tables, seq_lens=seq_lens, scale=D**-0.5, **cache, **kw)
         assert out.dtype == dtype
         err = (out.float() - ref.float()).abs().max().item()
