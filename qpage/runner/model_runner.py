@@ -178,12 +178,12 @@ class ModelRunner:
                 first = req.num_computed_tokens
                 last = min(first + s.num_tokens, req.num_prompt_tokens - 1)
                 h = hidden[row : row + last - first]
-                step.prompt_logits[req.request_id] = (first, self.model.compute_logits(h).float())
+                step.prompt_logits[req.request_id] = (first, self.model.compute_logits(h).float().cpu())
             if s.samples:
                 rows.append(row + s.num_tokens - 1)
                 step.sample_requests.append(req)
             row += s.num_tokens
         if rows:
             idx = torch.tensor(rows, dtype=torch.long, device=hidden.device)
-            step.logits = self.model.compute_logits(hidden[idx]).float()
+            step.logits = self.model.compute_logits(hidden[idx]).float().cpu()
         return step

@@ -1,0 +1,118 @@
+"""The engine on a GPU, end to end, against transformers: a small random-weight Llama.
+
+The GPU machine has no model hub and no copy of the default model's weights, so this builds
+a 4-layer model with the default model's shapes (hidden 576, 9 heads, 3 kv heads, vocab
+49152) and random weights, saves it as a safetensors checkpoint with the default model's
+tokenizer, and runs it through ``qpage.LLM`` (Triton attention backend on CUDA) with the
+``auto`` and ``fp8`` KV caches. Reference: transformers' forward pass on the same
+checkpoint, teacher-forced on the prompt plus qpage's generated tokens; reported: the
+largest |logprob difference| of the chosen tokens and whether each greedy token was
+transformers' argmax (or a near-tie within 0.05). Prints a table and writes JSON.
+
+    python benchmarks/gpu_engine_check.py [--device cuda] [--tokenizer DIR] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPTS = ["The capital of France is", "Write a haiku about the sea:", "def fibonacci(n):",
+           "Three primary colors are"]
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    p.add_argument("--tokenizer", default=None, help="folder with the tokenizer files (default: the default model)")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--tokens", type=int, default=16)
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "gpu_engine_check.json"))
+    return p.parse_args()
+
+
+def build_model(tok_dir: Path, layers: int, out: Path) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=layers,
+                      num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048,
+                      rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True, bos_token_id=1,
+                      eos_token_id=2)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).to(torch.float16)
+    model.save_pretrained(out, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
+        if (tok_dir / name).is_file():
+            shutil.copy(tok_dir / name, out / name)
+
+
+def hf_logprobs(model_dir: Path, ids: list[int], device: Any) -> Any:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float16).to(device).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([ids], device=device)).logits[0].float()
+    return torch.log_softmax(logits, -1).cpu()
+
+
+def main() -> None:
+    args = parse_args()
+    import torch
+
+    from qpage import LLM, SamplingParams
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.tokenizer:
+        tok_dir = Path(args.tokenizer)
+    else:
+        from qpage.formats.gguf import default_model_dir
+
+        tok_dir = default_model_dir()
+    work = Path(tempfile.mkdtemp(prefix="qpage-gpu-check-"))
+    rows: list[dict[str, Any]] = []
+    try:
+        build_model(tok_dir, args.layers, work)
+        dtype = "float16" if device == "cuda" else "float32"
+        for kv in ("auto", "fp8"):
+            t = time.perf_counter()
+            llm = LLM(model=str(work), device=device, dtype=dtype, kv_cache_dtype=kv, kv_cache_memory="256MiB",
+                      max_num_batched_tokens=8)  # chunks of 8: later chunks read the paged cache
+            outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=args.tokens, logprobs=0,
+                                                        ignore_eos=True), use_tqdm=False)
+            elapsed = time.perf_counter() - t
+            worst, agree, total = 0.0, 0, 0
+            for o in outs:
+                ids = list(o.prompt_token_ids) + list(o.outputs[0].token_ids)
+                ref = hf_logprobs(work, ids, device)
+                start = len(o.prompt_token_ids)
+                for i, tok in enumerate(o.outputs[0].token_ids):
+                    row = ref[start + i - 1]
+                    ours = o.outputs[0].logprobs[i][tok].logprob
+                    worst = max(worst, abs(ours - float(row[tok])))
+                    top2 = row.topk(2).values
+                    agree += int(tok == int(row.argmax()) or float(top2[0] - row[tok]) < 0.05)
+                    total += 1
+            rows.append(dict(kv_cache=kv, device=device, dtype=dtype, attention=llm.llm_engine.runner.backend.name,
+                             max_abs_logprob_diff=worst, greedy_agree=agree, tokens=total, seconds=elapsed))
+            print(f"kv {kv}: attention {rows[-1]['attention']}, max |logprob diff| {worst:.4f}, "
+                  f"greedy tokens agreeing with transformers {agree}/{total}", flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(rows, indent=1))
+    tmp.replace(out)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
