@@ -49,6 +49,8 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
+    if not Path(args.data).is_file():
+        raise SystemExit(f"{args.data}: no such text file; pass --data FILE (wikitext-2 test.txt by default)")
     import torch
 
     from qpage import LLM
