@@ -81,6 +81,9 @@ def _parser() -> argparse.ArgumentParser:
         for cls, names in ENGINE_FIELDS.items():
             add_dataclass_args(sp, cls, names)
         add_dataclass_args(sp, SamplingParams, SAMPLING_FIELDS)
+    from qpage import cli_quant
+
+    cli_quant.add_parsers(sub)
     return p
 
 
@@ -163,6 +166,10 @@ def _stream(engine: Any, rid: str) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command in ("quantize", "inspect", "eval"):
+        from qpage import cli_quant
+
+        return cli_quant.run(args)
     try:
         if args.command == "generate":
             return cmd_generate(args)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+from pathlib import Path
 
 
 def qpage(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
@@ -43,3 +45,18 @@ def test_cli_defaults_come_from_the_dataclasses() -> None:
     assert args.temperature == SamplingParams().temperature
     assert args.max_num_batched_tokens == SchedulerConfig().max_num_batched_tokens
     assert args.kv_cache_memory == CacheConfig.__dataclass_fields__["kv_cache_memory"].default
+
+
+def test_quantize_and_inspect_commands(tmp_path: Path) -> None:
+    out = tmp_path / "q4"
+    r = subprocess.run([sys.executable, "-m", "qpage.cli", "quantize", "default", str(out), "--scheme", "int4-rtn",
+                        "--group-size", "64"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "int4 rtn g64 sym, 210 linears" in r.stdout
+    r = subprocess.run([sys.executable, "-m", "qpage.cli", "inspect", str(out)], capture_output=True, text=True,
+                       timeout=300)
+    info = json.loads(r.stdout)
+    assert info["bits"] == 4 and info["group_size"] == 64 and info["bits_per_weight"] == 4.25
+    r = subprocess.run([sys.executable, "-m", "qpage.cli", "quantize", "default", str(out), "--scheme", "int4-rtn"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "already exists; choose a new output folder" in r.stderr

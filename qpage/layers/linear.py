@@ -42,5 +42,10 @@ class Linear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
-def make_linear(in_features: int, out_features: int, bias: bool) -> Linear:
-    return Linear(in_features, out_features, bias)
+def make_linear(in_features: int, out_features: int, bias: bool, quant: object | None = None) -> nn.Module:
+    """A dense ``Linear``, or an ``IntLinear`` when ``quant`` (a ``formats.gptq.GptqConfig``) is given."""
+    if quant is None:
+        return Linear(in_features, out_features, bias)
+    from qpage.layers.quant_linear import IntLinear
+
+    return IntLinear(in_features, out_features, bias, quant)  # type: ignore[arg-type]

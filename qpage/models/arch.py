@@ -34,6 +34,8 @@ class ArchConfig:
     qk_norm: bool
     sliding_window: int | None
     torch_dtype: str
+    quantization: dict[str, Any] | None = None
+    """``quantization_config`` of a quantized checkpoint (validated by its format reader)."""
 
     @property
     def q_size(self) -> int:
@@ -58,6 +60,20 @@ def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     if isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type")) == "default":
         scaling = None
     return float(cfg.get("rope_theta", 10000.0)), scaling
+
+
+def _quantization(cfg: dict[str, Any], source: str) -> dict[str, Any] | None:
+    qc = cfg.get("quantization_config")
+    if qc is None:
+        return None
+    method = qc.get("quant_method") if isinstance(qc, dict) else None
+    if method != "gptq":
+        raise ValueError(f"{source}: quantization_config quant_method={method!r} is not supported yet; qpage "
+                         "reads GPTQ checkpoints (quant_method 'gptq')")
+    from qpage.formats.gptq import GptqConfig
+
+    GptqConfig.from_json(qc, source)  # refuse unsupported settings now, by name
+    return dict(qc)
 
 
 def parse_arch_config(cfg: dict[str, Any], source: str = "config.json") -> ArchConfig:
@@ -101,6 +117,7 @@ def parse_arch_config(cfg: dict[str, Any], source: str = "config.json") -> ArchC
             qk_norm=arch == "Qwen3ForCausalLM",
             sliding_window=int(sliding) if sliding else None,
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
+            quantization=_quantization(cfg, source),
         )
     except KeyError as e:
         raise ValueError(f"{source}: required field {e.args[0]!r} is missing") from None

@@ -15,11 +15,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from qpage.formats.gptq import GptqConfig
 from qpage.kernels import cpu_matmul
 from qpage.layers.attention import AttentionBackend, AttentionMetadata
 from qpage.layers.kv_format import LayerKV
 from qpage.layers.linear import Linear, make_linear
 from qpage.layers.norms import RMSNorm
+from qpage.layers.quant_linear import IntLinear
 from qpage.layers.rotary import RotaryEmbedding, apply_rotary
 from qpage.models.arch import ArchConfig
 
@@ -27,12 +29,17 @@ KVCache = LayerKV
 _KV_SCALE = re.compile(r"^model\.layers\.(\d+)\.self_attn\.([kv])_scale$")
 
 
+def _quant(c: ArchConfig) -> GptqConfig | None:
+    return GptqConfig.from_json(c.quantization, "config.json") if c.quantization else None
+
+
 class Attention(nn.Module):
     def __init__(self, c: ArchConfig) -> None:
         super().__init__()
         self.c = c
-        self.qkv_proj = make_linear(c.hidden_size, c.q_size + 2 * c.kv_size, c.qkv_bias)
-        self.o_proj = make_linear(c.q_size, c.hidden_size, c.o_bias)
+        q = _quant(c)
+        self.qkv_proj = make_linear(c.hidden_size, c.q_size + 2 * c.kv_size, c.qkv_bias, q)
+        self.o_proj = make_linear(c.q_size, c.hidden_size, c.o_bias, q)
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
         self.scale = c.head_dim**-0.5
@@ -67,8 +74,9 @@ class MLP(nn.Module):
     def __init__(self, c: ArchConfig) -> None:
         super().__init__()
         self.inter = c.intermediate_size
-        self.gate_up_proj = make_linear(c.hidden_size, 2 * c.intermediate_size, c.mlp_bias)
-        self.down_proj = make_linear(c.intermediate_size, c.hidden_size, c.mlp_bias)
+        q = _quant(c)
+        self.gate_up_proj = make_linear(c.hidden_size, 2 * c.intermediate_size, c.mlp_bias, q)
+        self.down_proj = make_linear(c.intermediate_size, c.hidden_size, c.mlp_bias, q)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj.forward(x).split([self.inter, self.inter], dim=-1)
@@ -113,9 +121,12 @@ class LlamaForCausalLM(nn.Module):
 
     def prepare(self) -> None:
         """Pick kernels for the loaded weights (once, after loading and moving)."""
+        dtype = self.embed_tokens.weight.dtype
         for m in self.modules():
             if isinstance(m, Linear):
                 m.prepare()
+            elif isinstance(m, IntLinear):
+                m.prepare(dtype)
         e = self.embed_tokens.weight.data
         if self.lm_head is None and cpu_matmul.supports(e.dtype, e.device):
             # NOTE: a transposed copy of the tied embedding ([hidden, vocab]) costs its size in
@@ -165,10 +176,12 @@ class LlamaForCausalLM(nn.Module):
             parts = (("q_proj", 0, c.q_size), ("k_proj", c.q_size, c.kv_size),
                      ("v_proj", c.q_size + c.kv_size, c.kv_size))
             for name, off, rows in parts:
-                out[f"{pre}self_attn.{name}.weight"] = (attn.qkv_proj.weight, off, rows)
+                if isinstance(attn.qkv_proj, Linear):
+                    out[f"{pre}self_attn.{name}.weight"] = (attn.qkv_proj.weight, off, rows)
                 if c.qkv_bias:
                     out[f"{pre}self_attn.{name}.bias"] = (attn.qkv_proj.bias, off, rows)
-            whole(f"{pre}self_attn.o_proj.weight", attn.o_proj.weight)
+            if isinstance(attn.o_proj, Linear):
+                whole(f"{pre}self_attn.o_proj.weight", attn.o_proj.weight)
             if c.o_bias:
                 whole(f"{pre}self_attn.o_proj.bias", attn.o_proj.bias)
             if attn.q_norm is not None and attn.k_norm is not None:
@@ -176,23 +189,55 @@ class LlamaForCausalLM(nn.Module):
                 whole(f"{pre}self_attn.k_norm.weight", attn.k_norm.weight)
             n = c.intermediate_size
             for name, off in (("gate_proj", 0), ("up_proj", n)):
-                out[f"{pre}mlp.{name}.weight"] = (mlp.gate_up_proj.weight, off, n)
+                if isinstance(mlp.gate_up_proj, Linear):
+                    out[f"{pre}mlp.{name}.weight"] = (mlp.gate_up_proj.weight, off, n)
                 if c.mlp_bias:
                     out[f"{pre}mlp.{name}.bias"] = (mlp.gate_up_proj.bias, off, n)
-            whole(f"{pre}mlp.down_proj.weight", mlp.down_proj.weight)
+            if isinstance(mlp.down_proj, Linear):
+                whole(f"{pre}mlp.down_proj.weight", mlp.down_proj.weight)
             if c.mlp_bias:
                 whole(f"{pre}mlp.down_proj.bias", mlp.down_proj.bias)
             whole(f"{pre}input_layernorm.weight", layer.input_layernorm.weight)
             whole(f"{pre}post_attention_layernorm.weight", layer.post_attention_layernorm.weight)
         return out
 
+    def quant_targets(self) -> dict[str, tuple[IntLinear, int, int]]:
+        """Quantized projection prefix -> (fused layer, first output column, columns)."""
+        c = self.config
+        out: dict[str, tuple[IntLinear, int, int]] = {}
+        for i, layer in enumerate(self.layers):
+            pre = f"model.layers.{i}."
+            attn, mlp = layer.self_attn, layer.mlp
+            parts = (("self_attn.q_proj", attn.qkv_proj, 0, c.q_size),
+                     ("self_attn.k_proj", attn.qkv_proj, c.q_size, c.kv_size),
+                     ("self_attn.v_proj", attn.qkv_proj, c.q_size + c.kv_size, c.kv_size),
+                     ("self_attn.o_proj", attn.o_proj, 0, c.hidden_size),
+                     ("mlp.gate_proj", mlp.gate_up_proj, 0, c.intermediate_size),
+                     ("mlp.up_proj", mlp.gate_up_proj, c.intermediate_size, c.intermediate_size),
+                     ("mlp.down_proj", mlp.down_proj, 0, c.hidden_size))
+            for name, mod, off, cols in parts:
+                if isinstance(mod, IntLinear):
+                    out[pre + name] = (mod, off, cols)
+        return out
+
     @torch.no_grad()
     def load_weights(self, tensors: Iterable[tuple[str, str, torch.Tensor]]) -> None:
         """Copy (file, name, tensor) triples into the model, checking every shape."""
         targets = self.weight_targets()
+        qtargets = self.quant_targets()
+        pending: dict[str, dict[str, torch.Tensor]] = {}
+        pending_file: dict[str, str] = {}
         seen: set[str] = set()
         found: dict[int, dict[str, float]] = {}
         for file, name, t in tensors:
+            prefix, _, suffix = name.rpartition(".")
+            if prefix in qtargets and suffix in ("qweight", "qzeros", "scales", "g_idx"):
+                pending.setdefault(prefix, {})[suffix] = t
+                pending_file[prefix] = file
+                if len(pending[prefix]) == 4:
+                    self._load_quant(prefix, pending.pop(prefix), qtargets, file)
+                    seen.add(prefix)
+                continue
             m = _KV_SCALE.match(name)
             if m:
                 if t.numel() != 1 or not torch.isfinite(t).all() or float(t) <= 0:
@@ -217,10 +262,19 @@ class LlamaForCausalLM(nn.Module):
             dest[off : off + rows].copy_(t)
             seen.add(name)
         self.kv_scales = {i: (d["k"], d["v"]) for i, d in found.items() if "k" in d and "v" in d}
-        missing = sorted(set(targets) - seen)
+        for prefix, parts in pending.items():  # no g_idx (allowed: groups in order)
+            self._load_quant(prefix, parts, qtargets, pending_file[prefix])
+            seen.add(prefix)
+        missing = sorted((set(targets) | set(qtargets)) - seen)
         if missing:
             more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
             raise ValueError(
                 f"checkpoint is missing tensors {missing[:5]}{more}; it is incomplete or not a "
                 f"{self.config.architecture}"
             )
+
+    @staticmethod
+    def _load_quant(prefix: str, parts: dict[str, torch.Tensor], qtargets: dict[str, tuple[IntLinear, int, int]],
+                    file: str) -> None:
+        mod, off, cols = qtargets[prefix]
+        mod.load_part(prefix, parts, off, cols, file)

@@ -1,0 +1,1 @@
+"""Offline quantization: schemes, algorithms (RTN; GPTQ and AWQ to come) and the pipeline."""

@@ -1,0 +1,142 @@
+"""``quantize_checkpoint`` (RTN, GPTQ format) on the default model: the result loads in the
+engine and matches the dequantized weights; bad input gives clear errors and leaves nothing."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from qpage import LLM
+from qpage.eval.perplexity import kl_rows, score_window
+from qpage.formats.gptq import unpack_cols
+from qpage.quantizers import pipeline
+from qpage.quantizers.pipeline import quantize_checkpoint
+from qpage.quantizers.rtn import dequantize_rtn, quantize_rtn
+from qpage.quantizers.scheme import QuantScheme
+
+
+@pytest.fixture(scope="module")
+def int8_dir(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("q") / "int8"
+    quantize_checkpoint(default_model_dir, out, QuantScheme(8, None, True), progress=False)
+    return out
+
+
+@pytest.fixture(scope="module")
+def int4_dir(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("q") / "int4"
+    quantize_checkpoint(default_model_dir, out, QuantScheme(4, 128, False), progress=False, shard_bytes=60 << 20)
+    return out
+
+
+def test_checkpoint_layout(int4_dir: Path) -> None:
+    cfg = json.loads((int4_dir / "config.json").read_text())["quantization_config"]
+    assert cfg["quant_method"] == "gptq" and cfg["bits"] == 4 and cfg["group_size"] == 128
+    assert cfg["checkpoint_format"] == "gptq" and cfg["sym"] is False
+    index = json.loads((int4_dir / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 1 and all((int4_dir / s).is_file() for s in shards)
+    assert (int4_dir / "tokenizer.json").is_file()
+    t = {}
+    for s in shards:
+        t.update(load_file(str(int4_dir / s)))
+    pre = "model.layers.3.mlp.down_proj"
+    assert t[pre + ".qweight"].shape == (1536 // 8, 576) and t[pre + ".qweight"].dtype == torch.int32
+    assert t[pre + ".qzeros"].shape == (12, 576 // 8) and t[pre + ".scales"].shape == (12, 576)
+    assert t[pre + ".g_idx"].tolist() == (torch.arange(1536) // 128).tolist()
+    # v1: stored zeros are zero - 1, so every stored nibble is <= 14.
+    assert int(unpack_cols(t[pre + ".qzeros"], 4, 576).max()) <= 14
+
+
+def test_quantized_model_runs_the_dequantized_weights(int4_dir: Path, default_model_dir: Path) -> None:
+    """The engine's dense weight for down_proj equals RTN's dequantization of the source."""
+    llm = LLM(model=str(int4_dir), kv_cache_memory="8MiB", log_stats=False)
+    src = load_file(str(default_model_dir / "model.safetensors"))["model.layers.3.mlp.down_proj.weight"]
+    q, s, z = quantize_rtn(src, 4, 128, False)
+    want = dequantize_rtn(q, s, z, 128)  # [out, in]
+    got = torch.from_numpy(llm.llm_engine.model.layers[3].mlp.down_proj._w_t).t()
+    assert torch.allclose(got, want, atol=1e-6)
+
+
+def test_int8_close_to_dense(int8_dir: Path, llm_factory: Any, tokenizer: Any) -> None:
+    ids = tokenizer.encode("The history of the river town is told in its mills and bridges. " * 12)[:160]
+    dense = score_window(llm_factory(kv_cache_memory="16MiB").llm_engine, ids, 64)
+    q8 = score_window(LLM(model=str(int8_dir), kv_cache_memory="16MiB", log_stats=False).llm_engine, ids, 64)
+    assert float(kl_rows(dense, q8).mean()) < 0.01
+
+
+def test_output_exists_and_interrupted_run(default_model_dir: Path, tmp_path: Path,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    out = tmp_path / "q"
+    out.mkdir()
+    with pytest.raises(FileExistsError, match="already exists; choose a new output folder"):
+        quantize_checkpoint(default_model_dir, out, QuantScheme(4, 128, True), progress=False)
+    out.rmdir()
+    calls = {"n": 0}
+    real = pipeline.quantize_rtn
+
+    def failing(*a: Any, **k: Any) -> Any:
+        calls["n"] += 1
+        if calls["n"] == 20:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(pipeline, "quantize_rtn", failing)
+    with pytest.raises(KeyboardInterrupt):
+        quantize_checkpoint(default_model_dir, out, QuantScheme(4, 128, True), progress=False, shard_bytes=10 << 20)
+    assert not out.exists() and list(tmp_path.iterdir()) == [], "an interrupted run left files behind"
+
+
+def _broken_copy(src: Path, dst: Path, edit: Any) -> Path:
+    shutil.copytree(src, dst)
+    files = sorted(dst.glob("*.safetensors"))
+    t = {}
+    for f in files:
+        t.update(load_file(str(f)))
+        f.unlink()
+    edit(t)
+    save_file(t, str(dst / "model.safetensors"))
+    (dst / "model.safetensors.index.json").unlink()
+    return dst
+
+
+def test_bad_checkpoints(int4_dir: Path, tmp_path: Path) -> None:
+    pre = "model.layers.2.self_attn.k_proj"
+
+    def wrong_shape(t: dict) -> None:
+        t[pre + ".qweight"] = t[pre + ".qweight"][:, :-8].contiguous()
+
+    def bad_gidx(t: dict) -> None:
+        t[pre + ".g_idx"] = t[pre + ".g_idx"].clone()
+        t[pre + ".g_idx"][7] = 99
+
+    def missing(t: dict) -> None:
+        del t[pre + ".scales"]
+
+    cases = [(wrong_shape, r"k_proj.qweight has shape \(72, 184\), expected \(72, 192\)"),
+             (bad_gidx, r"k_proj.g_idx has values outside \[0, 5\)"),
+             (missing, r"k_proj lacks model.layers.2.self_attn.k_proj.scales")]
+    for i, (edit, match) in enumerate(cases):
+        d = _broken_copy(int4_dir, tmp_path / f"b{i}", edit)
+        with pytest.raises(ValueError, match=match):
+            LLM(model=str(d), kv_cache_memory="8MiB", log_stats=False)
+    d = tmp_path / "unknown"
+    shutil.copytree(int4_dir, d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["quantization_config"]["quant_method"] = "exl2"
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="quant_method='exl2' is not supported yet"):
+        LLM(model=str(d), kv_cache_memory="8MiB", log_stats=False)
+    # Truncated shard.
+    d = tmp_path / "trunc"
+    shutil.copytree(int4_dir, d)
+    shard = sorted(d.glob("*.safetensors"))[0]
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    with pytest.raises(ValueError, match="not a readable safetensors file"):
+        LLM(model=str(d), kv_cache_memory="8MiB", log_stats=False)
