@@ -20,6 +20,9 @@ def add_parsers(sub: Any) -> None:
     q.add_argument("--scheme", required=True, choices=SCHEMES)
     q.add_argument("--group-size", type=int, default=128, help="input features per group; 0 = per channel")
     q.add_argument("--sym", action=argparse.BooleanOptionalAction, default=True, help="symmetric (default) or --no-sym")
+    q.add_argument("--act-order", action="store_true", help="GPTQ: quantize columns by decreasing Hessian diagonal")
+    q.add_argument("--calib", default=None, help="calibration text file (GPTQ), e.g. wikitext-2 valid.txt")
+    q.add_argument("--samples", type=int, default=128, help="calibration windows")
     q.add_argument("--eval-text", default=None, help="text file for the perplexity report (source vs result)")
     q.add_argument("--eval-windows", type=int, default=4)
     q.add_argument("--seq-len", type=int, default=512)
@@ -66,9 +69,19 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     from qpage.quantizers.pipeline import quantize_checkpoint
     from qpage.quantizers.scheme import QuantScheme
 
-    scheme = QuantScheme.parse(args.scheme, group_size=args.group_size or None, sym=args.sym)
+    scheme = QuantScheme.parse(args.scheme, group_size=args.group_size or None, sym=args.sym,
+                               act_order=args.act_order)
     src = resolve_model_dir(None if args.src == "default" else args.src)
-    r = quantize_checkpoint(src, Path(args.out), scheme)
+    calib = None
+    if args.calib:
+        from transformers import AutoTokenizer
+
+        from qpage.eval.perplexity import token_windows
+
+        tok = AutoTokenizer.from_pretrained(str(src))
+        calib = token_windows(tok, Path(args.calib), args.seq_len, args.samples,
+                              max_chars=200 * args.seq_len * args.samples)
+    r = quantize_checkpoint(src, Path(args.out), scheme, calib=calib)
     print(f"qpage quantize: {r.scheme}, {r.linears} linears in {r.seconds:.1f}s; "
           f"{r.bytes_in / 1e6:.1f} MB -> {r.bytes_out / 1e6:.1f} MB on disk; peak RSS {r.peak_rss_bytes / 1e6:.0f} MB")
     if args.eval_text:

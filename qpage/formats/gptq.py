@@ -36,8 +36,8 @@ def quantization_config(scheme: QuantScheme) -> dict[str, Any]:
 
 
 def pack_linear(prefix: str, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
-                group_size: int | None) -> dict[str, torch.Tensor]:
-    """GPTQ v1 tensors of one linear from q [in, out], scales/zeros [groups, out]."""
+                group_size: int | None, g_idx: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """GPTQ v1 tensors of one linear from q [in, out], scales/zeros [groups, out] (g_idx: act-order)."""
     in_f = q.shape[0]
     if int(zeros.min()) < 1:
         raise ValueError(f"{prefix}: a zero of 0 cannot be stored in GPTQ v1 (zero - 1 would be -1)")
@@ -45,7 +45,9 @@ def pack_linear(prefix: str, q: torch.Tensor, scales: torch.Tensor, zeros: torch
         f"{prefix}.qweight": pack_rows(q, bits),
         f"{prefix}.qzeros": pack_cols(zeros - 1, bits),
         f"{prefix}.scales": scales.half(),
-        f"{prefix}.g_idx": (torch.arange(in_f) // (group_size or in_f)).to(torch.int32),
+        # A copy: fused projections share one g_idx, and safetensors refuses shared storage.
+        f"{prefix}.g_idx": (g_idx if g_idx is not None else torch.arange(in_f) // (group_size or in_f)).to(
+            torch.int32).clone(),
     }
 
 

@@ -21,6 +21,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
@@ -104,8 +105,10 @@ class _ShardWriter:
 
 
 def quantize_checkpoint(src: Path, out: Path, scheme: QuantScheme, shard_bytes: int = 512 << 20,
-                        progress: bool = True) -> QuantizeReport:
-    """Quantize every decoder linear of ``src`` (a HF folder) into a new folder ``out``."""
+                        progress: bool = True, calib: list[list[int]] | None = None) -> QuantizeReport:
+    """Quantize every decoder linear of ``src`` (a HF folder) into a new folder ``out``.
+
+    RTN needs nothing else; GPTQ needs ``calib``, token windows of calibration text."""
     if out.exists():
         raise FileExistsError(f"{out} already exists; choose a new output folder or delete it first")
     config_path = src / "config.json"
@@ -122,9 +125,19 @@ def quantize_checkpoint(src: Path, out: Path, scheme: QuantScheme, shard_bytes: 
     out.parent.mkdir(parents=True, exist_ok=True)
     for stale in out.parent.glob(f".{out.name}.tmp-*"):
         shutil.rmtree(stale, ignore_errors=True)
+    t0 = time.perf_counter()
+    calibrated = None
+    if scheme.method == "gptq":
+        if not calib:
+            raise ValueError("GPTQ needs calibration text: pass --calib FILE (e.g. wikitext-2 valid.txt)")
+        from qpage.quantizers.calibrate import gptq_calibrate
+
+        cbar = _progress(len(windows_layers(src)), progress, "gptq layers")
+        calibrated = gptq_calibrate(src, scheme, calib, on_layer=(lambda i, n: cbar.update(1)) if cbar else None)
+        if cbar is not None:
+            cbar.close()
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     tmp.mkdir()
-    t0 = time.perf_counter()
     try:
         writer = _ShardWriter(tmp, shard_bytes)
         bar = _progress(total, progress)
@@ -134,8 +147,13 @@ def quantize_checkpoint(src: Path, out: Path, scheme: QuantScheme, shard_bytes: 
             if m is None:
                 writer.add(name, t)
                 continue
-            q, scales, zeros = quantize_rtn(t, scheme.bits, scheme.group_size, scheme.sym)
-            for key, packed in pack_linear(m.group(1), q, scales, zeros, scheme.bits, scheme.group_size).items():
+            if calibrated is not None:
+                q, scales, zeros, g_idx = calibrated[m.group(1)]
+            else:
+                q, scales, zeros = quantize_rtn(t, scheme.bits, scheme.group_size, scheme.sym)
+                g_idx = None
+            for key, packed in pack_linear(m.group(1), q, scales, zeros, scheme.bits, scheme.group_size,
+                                           g_idx).items():
                 writer.add(key, packed)
             done += 1
             if bar is not None:
@@ -157,12 +175,16 @@ def quantize_checkpoint(src: Path, out: Path, scheme: QuantScheme, shard_bytes: 
                           _size(list(out.glob("*.safetensors"))), _peak_rss())
 
 
-def _progress(total: int, enabled: bool) -> object | None:
+def windows_layers(src: Path) -> range:
+    return range(int(json.loads((src / "config.json").read_text())["num_hidden_layers"]))
+
+
+def _progress(total: int, enabled: bool, desc: str = "quantize") -> Any:
     if not enabled:
         return None
     from tqdm import tqdm
 
-    return tqdm(total=total, desc="quantize", unit="linear")
+    return tqdm(total=total, desc=desc, unit="layer" if "layer" in desc else "linear")
 
 
 def _size(files: list[Path]) -> int:

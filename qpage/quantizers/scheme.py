@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-SCHEMES = ("int4-rtn", "int8-rtn")
-"""What ``qpage quantize --scheme`` accepts today (GPTQ, AWQ and FP8 are not built yet)."""
+SCHEMES = ("int4-rtn", "int8-rtn", "int4-gptq", "int8-gptq")
+"""What ``qpage quantize --scheme`` accepts today (AWQ and FP8 are not built yet)."""
 
 
 @dataclass(frozen=True)

@@ -34,8 +34,9 @@ def test_scheme_parsing_and_errors() -> None:
     s = QuantScheme.parse("int4-rtn", group_size=64, sym=False)
     assert (s.bits, s.group_size, s.sym, s.method) == (4, 64, False, "rtn")
     assert s.bits_per_weight(576) == pytest.approx(4 + 20 / 64)
-    with pytest.raises(ValueError, match="scheme 'int4-gptq' is not supported yet"):
-        QuantScheme.parse("int4-gptq")
+    with pytest.raises(ValueError, match="scheme 'int4-awq' is not supported yet"):
+        QuantScheme.parse("int4-awq")
+    assert QuantScheme.parse("int4-gptq", act_order=True).act_order
     with pytest.raises(ValueError, match="group_size=100"):
         QuantScheme(4, 100, True)
     with pytest.raises(ValueError, match="act_order needs GPTQ"):

@@ -1,0 +1,127 @@
+"""Calibrated quantization (GPTQ): decoder layer by decoder layer, on real activations.
+
+For each layer: run the calibration windows through it (inputs quantized by the layers
+before, as GPTQ does), accumulate the Hessian 2/n X X^T of each linear's inputs, quantize
+its weights with ``gptq.gptq_quantize``, put the dequantized weights back so the next
+layer sees the quantized model's activations, and run the windows through once more.
+q/k/v share one Hessian (one input), as do gate/up.
+
+The model is loaded whole (fine for the models this machine runs); the output is written
+by the same streamed, atomic writer as RTN (``pipeline``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from qpage.layers.attention import AttentionMetadata, PrefillSeq, TorchPagedAttention
+from qpage.layers.kv_format import KVCacheSpec, make_layer_kv
+from qpage.models.loader import load_model, read_arch_config
+from qpage.quantizers.gptq import gptq_quantize
+from qpage.quantizers.scheme import QuantScheme
+
+Result = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]
+
+
+class _Hessian:
+    def __init__(self, n: int) -> None:
+        self.h = torch.zeros(n, n, dtype=torch.float64)
+        self.count = 0
+
+    def add(self, x: torch.Tensor) -> None:
+        x = x.reshape(-1, x.shape[-1]).double().numpy()
+        self.h += torch.from_numpy(x.T @ x)  # NumPy's BLAS (multi-threaded; torch is on one here)
+        self.count += x.shape[0]
+
+    def value(self) -> torch.Tensor:
+        return (2 * self.h / max(self.count, 1)).float()
+
+
+@torch.inference_mode()
+def gptq_calibrate(src: Path, scheme: QuantScheme, windows: list[list[int]],
+                   on_layer: Callable[[int, int], None] | None = None) -> dict[str, Result]:
+    """Quantize every decoder linear of ``src``; returns prefix -> (q, scales, zeros, g_idx)."""
+    threads = torch.get_num_threads()
+    # NOTE: the fp32 CPU matmuls run on NumPy's BLAS threads; torch's own OpenMP threads
+    # would spin against them (see qpage.engine.engine), so torch runs on one thread here.
+    torch.set_num_threads(1)
+    try:
+        return _calibrate(src, scheme, windows, on_layer)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _calibrate(src: Path, scheme: QuantScheme, windows: list[list[int]],
+               on_layer: Callable[[int, int], None] | None) -> dict[str, Result]:
+    arch = read_arch_config(src)
+    longest = max(len(w) for w in windows)
+    model: Any = load_model(src, arch, torch.float32, torch.device("cpu"), longest + 1)
+    backend = TorchPagedAttention()
+    hidden = [model.embed_tokens(torch.tensor(w)) for w in windows]
+    c = arch
+    out: dict[str, Result] = {}
+    for li, layer in enumerate(model.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        linears = {"qkv": attn.qkv_proj, "o": attn.o_proj, "gate_up": mlp.gate_up_proj, "down": mlp.down_proj}
+        hess = {k: _Hessian(m.in_features) for k, m in linears.items()}
+        _run_layer(model, layer, hidden, backend, c, record=(linears, hess))
+        pre = f"model.layers.{li}."
+        parts = {
+            "qkv": [("self_attn.q_proj", 0, c.q_size), ("self_attn.k_proj", c.q_size, c.kv_size),
+                    ("self_attn.v_proj", c.q_size + c.kv_size, c.kv_size)],
+            "o": [("self_attn.o_proj", 0, c.hidden_size)],
+            "gate_up": [("mlp.gate_proj", 0, c.intermediate_size),
+                        ("mlp.up_proj", c.intermediate_size, c.intermediate_size)],
+            "down": [("mlp.down_proj", 0, c.hidden_size)],
+        }
+        for key, mod in linears.items():
+            # Rows are independent in GPTQ (they share H): the fused weight is quantized in one
+            # pass and split into its projections afterwards.
+            w = mod.weight.data
+            q, s, z, g_idx = gptq_quantize(w, hess[key].value(), scheme.bits, scheme.group_size, scheme.sym,
+                                           act_order=scheme.act_order)
+            for name, off, rows in parts[key]:
+                out[pre + name] = (q[:, off : off + rows].contiguous(), s[:, off : off + rows].contiguous(),
+                                   z[:, off : off + rows].contiguous(), g_idx)
+            grp = g_idx.long() if g_idx is not None else torch.arange(q.shape[0]) // (scheme.group_size or q.shape[0])
+            w.copy_(((q - z[grp]).float() * s[grp]).t())  # also updates the BLAS copy
+        hidden = _run_layer(model, layer, hidden, backend, c, record=None)
+        if on_layer is not None:
+            on_layer(li + 1, c.num_layers)
+    return out
+
+
+def _run_layer(model: Any, layer: Any, hidden: list[torch.Tensor], backend: Any, c: Any,
+               record: tuple[dict[str, Any], dict[str, _Hessian]] | None) -> list[torch.Tensor]:
+    """Each window through one decoder layer (a fresh prefill), recording linear inputs if asked."""
+    saved = {}
+    if record is not None:
+        linears, hess = record
+        for key, mod in linears.items():
+            saved[key] = mod.forward
+
+            def hook(x: torch.Tensor, _k: str = key, _f: Any = mod.forward) -> torch.Tensor:
+                hess[_k].add(x)
+                return _f(x)
+
+            mod.forward = hook
+    try:
+        outs = []
+        spec = KVCacheSpec(torch.float32)
+        for h in hidden:
+            t = h.shape[0]
+            nb = -(-t // 16)
+            cache = make_layer_kv(spec, nb, c.num_kv_heads, c.head_dim, torch.device("cpu"))
+            pos = torch.arange(t)
+            meta = AttentionMetadata(slot_mapping=pos, prefills=[PrefillSeq(0, t, t, torch.arange(nb), None)])
+            cos, sin = model.rotary.lookup(pos)
+            outs.append(layer.forward(h, cos, sin, cache, meta, backend))
+        return outs
+    finally:
+        if record is not None:
+            for key, mod in record[0].items():
+                mod.forward = saved[key]

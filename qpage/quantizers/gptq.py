@@ -1,0 +1,82 @@
+"""GPTQ: quantize a weight column by column, pushing each column's rounding error onto the
+columns not yet quantized, weighted by the inverse Hessian of the layer's inputs.
+
+H = 2/n X X^T over the calibration inputs X [in, n]; 1% of the mean diagonal is added as
+dampening; the upper Cholesky factor of H^-1 drives the updates, in blocks of 128 columns
+(lazy batch updates). Optional act-order quantizes columns by decreasing diag(H) and
+records the grouping in ``g_idx``; group scales/zeros come from RTN (``quantizers.rtn``
+conventions) on the not-yet-quantized, error-updated columns as each group starts, or from
+the original weights up front (``static_groups``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+BLOCK = 128
+
+
+def _group_params(w: torch.Tensor, bits: int, sym: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale and zero per output row of w [out, cols] (RTN conventions, fp16-rounded scale)."""
+    maxq = 2**bits - 1
+    hi = w.amax(1).clamp_min(0)
+    lo = w.amin(1).clamp_max(0)
+    if sym:
+        scale = (2 * torch.maximum(hi, -lo) / maxq).clamp_min(1e-10)
+        zero = torch.full_like(scale, 2 ** (bits - 1))
+    else:
+        scale = ((hi - lo) / maxq).clamp_min(1e-10)
+        zero = torch.round(-lo / scale).clamp(1, maxq)
+    return scale.half().float(), zero
+
+
+def gptq_quantize(w: torch.Tensor, h: torch.Tensor, bits: int, group_size: int | None, sym: bool,
+                  act_order: bool = False, damp: float = 0.01, static_groups: bool = False,
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """w [out, in], h [in, in] -> (q int32 [in, out], scales [G, out], zeros int32 [G, out], g_idx or None)."""
+    w = w.clone().float()
+    out_f, in_f = w.shape
+    g = group_size or in_f
+    groups = -(-in_f // g)
+    maxq = 2**bits - 1
+    h = h.clone().double()
+    dead = torch.diag(h) == 0
+    h[dead, dead] = 1
+    w[:, dead] = 0
+    perm = torch.argsort(torch.diag(h), descending=True) if act_order else torch.arange(in_f)
+    scales = torch.zeros(groups, out_f)
+    zeros = torch.zeros(groups, out_f)
+    if static_groups:
+        for gi in range(groups):
+            scales[gi], zeros[gi] = _group_params(w[:, gi * g : (gi + 1) * g], bits, sym)
+    w = w[:, perm]
+    h = h[perm][:, perm]
+    h += damp * torch.mean(torch.diag(h)) * torch.eye(in_f, dtype=h.dtype)
+    hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True).float()
+    q = torch.zeros(out_f, in_f)
+    for b0 in range(0, in_f, BLOCK):
+        b1 = min(b0 + BLOCK, in_f)
+        w1 = w[:, b0:b1].clone()
+        err1 = torch.zeros_like(w1)
+        h1 = hinv[b0:b1, b0:b1]
+        for i in range(b1 - b0):
+            col = b0 + i  # position in quantization order
+            grp = int(perm[col]) // g if static_groups else col // g
+            if not static_groups and col % g == 0:
+                scales[grp], zeros[grp] = _group_params(
+                    torch.cat([w1[:, i:], w[:, b1:]], dim=1)[:, : g], bits, sym)
+            s, z = scales[grp], zeros[grp]
+            x = w1[:, i]
+            qi = torch.clamp(torch.round(x / s) + z, 0, maxq)
+            q[:, col] = qi
+            e = (x - (qi - z) * s) / h1[i, i]
+            w1[:, i:] -= e[:, None] * h1[i, i:][None, :]
+            err1[:, i] = e
+        w[:, b1:] -= err1 @ hinv[b0:b1, b1:]
+    inv = torch.argsort(perm)
+    q = q[:, inv]
+    # Act-order without static groups forms groups in quantization order: record them.
+    g_idx = inv // g if act_order and not static_groups else torch.arange(in_f) // g
+    default = torch.equal(g_idx, torch.arange(in_f) // g)
+    return (q.t().contiguous().to(torch.int32), scales, zeros.to(torch.int32),
+            None if default else g_idx.to(torch.int32))
