@@ -1,0 +1,97 @@
+"""Quantization quality on the default model: perplexity, size and time of each qpage scheme.
+
+Protocol (issue 3): calibration windows of ``--seq-len`` tokens from wikitext-2
+``valid.txt`` (GPTQ), perplexity on the first ``--windows`` windows of ``test.txt``, every
+scheme scored on the same windows in one run, next to the unquantized model. Peer tools
+(GPTQModel, llm-compressor) are not run here yet.
+
+    python benchmarks/quality.py [--samples 128] [--seq-len 512] [--windows 40]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+DATA = ROOT.parent / "shared" / "data" / "wikitext2"
+SCHEMES = [("int4-rtn g128", "int4-rtn", 128, False), ("int4-gptq g128", "int4-gptq", 128, False),
+           ("int4-gptq g128 act-order", "int4-gptq", 128, True), ("int8-rtn channel", "int8-rtn", None, False),
+           ("int8-gptq channel", "int8-gptq", None, False)]
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--samples", type=int, default=128)
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--windows", type=int, default=40)
+    p.add_argument("--data", default=str(DATA))
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "quality.json"))
+    return p.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    from transformers import AutoTokenizer
+
+    from qpage import LLM
+    from qpage.eval.perplexity import nll_sum, score_window, token_windows
+    from qpage.formats.gguf import default_model_dir
+    from qpage.quantizers.pipeline import quantize_checkpoint
+    from qpage.quantizers.scheme import QuantScheme
+
+    src = default_model_dir()
+    tok = AutoTokenizer.from_pretrained(str(src))
+    data = Path(args.data)
+    calib = token_windows(tok, data / "valid.txt", args.seq_len, args.samples,
+                          max_chars=200 * args.seq_len * args.samples)
+    test = token_windows(tok, data / "test.txt", args.seq_len, args.windows,
+                         max_chars=200 * args.seq_len * args.windows)
+
+    def ppl(model: str | None) -> float:
+        eng = LLM(model=model, max_model_len=args.seq_len, kv_cache_memory="64MiB", enable_prefix_caching=False,
+                  log_stats=False).llm_engine
+        nll = sum(nll_sum(score_window(eng, ids, args.seq_len), ids) for ids in test)
+        return math.exp(nll / sum(len(ids) - 1 for ids in test))
+
+    rows: list[dict[str, Any]] = [dict(scheme="unquantized (fp32)", perplexity=ppl(None),
+                                       size_bytes=sum(f.stat().st_size for f in src.glob("*.safetensors")))]
+    print(f"unquantized: {rows[0]['perplexity']:.4f}", flush=True)
+    work = Path(tempfile.mkdtemp(prefix="qpage-quality-"))
+    try:
+        for label, name, group, act in SCHEMES:
+            out = work / label.replace(" ", "_")
+            t = time.perf_counter()
+            scheme = QuantScheme.parse(name, group_size=group, sym=True, act_order=act)
+            r = quantize_checkpoint(src, out, scheme, progress=False,
+                                    calib=calib if scheme.method == "gptq" else None)
+            secs = time.perf_counter() - t
+            p = ppl(str(out))
+            rows.append(dict(scheme=label, perplexity=p, size_bytes=r.bytes_out, quantize_seconds=secs,
+                             peak_rss_bytes=r.peak_rss_bytes))
+            print(f"{label}: {p:.4f} ({100 * (p / rows[0]['perplexity'] - 1):+.2f}%), {secs:.0f} s", flush=True)
+            shutil.rmtree(out)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    res = dict(samples=args.samples, seq_len=args.seq_len, windows=len(test), rows=rows)
+    path = Path(args.out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(res, indent=1))
+    base = rows[0]["perplexity"]
+    print(f"\ncalibration {args.samples} x {args.seq_len} (valid.txt); perplexity on {len(test)} x {args.seq_len} "
+          "(test.txt)")
+    print(f"{'scheme':<28} {'perplexity':>11} {'vs fp32':>8} {'size MB':>8} {'time s':>7}")
+    for r in rows:
+        print(f"{r['scheme']:<28} {r['perplexity']:>11.4f} {100 * (r['perplexity'] / base - 1):>+7.2f}% "
+              f"{r['size_bytes'] / 1e6:>8.1f} {r.get('quantize_seconds', 0):>7.0f}")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
