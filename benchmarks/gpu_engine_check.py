@@ -33,6 +33,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--tokenizer", default=None, help="folder with the tokenizer files (default: the default model)")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--tokens", type=int, default=16)
+    p.add_argument("--quantized", action="store_true",
+                   help="also quantize the model (int4-rtn g128, GPTQ format) and compare CUDA with CPU")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "gpu_engine_check.json"))
     return p.parse_args()
 
@@ -61,6 +63,39 @@ def hf_logprobs(model_dir: Path, ids: list[int], device: Any) -> Any:
     with torch.no_grad():
         logits = model(torch.tensor([ids], device=device)).logits[0].float()
     return torch.log_softmax(logits, -1).cpu()
+
+
+def check_quantized(model_dir: Path, device: str, tokens: int) -> dict[str, Any]:
+    """The GPTQ-format INT4 checkpoint on ``device`` (Triton kernels on CUDA) against the CPU
+    path (weights dequantized once), teacher-forced on the same ids."""
+    from qpage import LLM, SamplingParams
+    from qpage.quantizers.pipeline import quantize_checkpoint
+    from qpage.quantizers.scheme import QuantScheme
+
+    qdir = model_dir.parent / (model_dir.name + "-int4")
+    quantize_checkpoint(model_dir, qdir, QuantScheme(4, 128, True), progress=False)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=tokens, logprobs=0, ignore_eos=True)
+        gpu = LLM(model=str(qdir), device=device, dtype="float16" if device == "cuda" else "float32",
+                  kv_cache_memory="256MiB", max_num_batched_tokens=8)
+        outs = gpu.generate(PROMPTS, params, use_tqdm=False)
+        cpu = LLM(model=str(qdir), device="cpu", dtype="float32", kv_cache_memory="64MiB")
+        score = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+        worst, agree, total = 0.0, 0, 0
+        for o in outs:
+            ids = list(o.prompt_token_ids) + list(o.outputs[0].token_ids)
+            ref = cpu.generate({"prompt_token_ids": ids}, score, use_tqdm=False)[0].prompt_logprobs
+            start = len(o.prompt_token_ids)
+            for i, tok in enumerate(o.outputs[0].token_ids):
+                worst = max(worst, abs(o.outputs[0].logprobs[i][tok].logprob - ref[start + i][tok].logprob))
+                agree += int(ref[start + i][tok].rank <= 1)
+                total += 1
+    finally:
+        shutil.rmtree(qdir, ignore_errors=True)
+    print(f"int4 GPTQ checkpoint on {device}: max |logprob diff| vs CPU {worst:.4f}, greedy tokens that are the "
+          f"CPU argmax {agree}/{total}", flush=True)
+    return dict(kv_cache="int4-gptq-format", device=device, max_abs_logprob_diff_vs_cpu=worst, greedy_agree=agree,
+                tokens=total)
 
 
 def main() -> None:
@@ -104,6 +139,8 @@ def main() -> None:
                              max_abs_logprob_diff=worst, greedy_agree=agree, tokens=total, seconds=elapsed))
             print(f"kv {kv}: attention {rows[-1]['attention']}, max |logprob diff| {worst:.4f}, "
                   f"greedy tokens agreeing with transformers {agree}/{total}", flush=True)
+        if args.quantized:
+            rows.append(check_quantized(work, device, args.tokens))
     finally:
         shutil.rmtree(work, ignore_errors=True)
     out = Path(args.out)
