@@ -23,6 +23,7 @@ def add_parsers(sub: Any) -> None:
     q.add_argument("--act-order", action="store_true", help="GPTQ: quantize columns by decreasing Hessian diagonal")
     q.add_argument("--calib", default=None, help="calibration text file (GPTQ), e.g. wikitext-2 valid.txt")
     q.add_argument("--samples", type=int, default=128, help="calibration windows")
+    q.add_argument("--shard-size", default="512MiB", help="output shard size (bounds the writer's buffer)")
     q.add_argument("--eval-text", default=None, help="text file for the perplexity report (source vs result)")
     q.add_argument("--eval-windows", type=int, default=4)
     q.add_argument("--seq-len", type=int, default=512)
@@ -81,7 +82,10 @@ def cmd_quantize(args: argparse.Namespace) -> int:
         tok = AutoTokenizer.from_pretrained(str(src))
         calib = token_windows(tok, Path(args.calib), args.seq_len, args.samples,
                               max_chars=200 * args.seq_len * args.samples)
-    r = quantize_checkpoint(src, Path(args.out), scheme, calib=calib)
+    from qpage.config import parse_size
+
+    r = quantize_checkpoint(src, Path(args.out), scheme, calib=calib,
+                            shard_bytes=parse_size(args.shard_size, "--shard-size"))
     print(f"qpage quantize: {r.scheme}, {r.linears} linears in {r.seconds:.1f}s; "
           f"{r.bytes_in / 1e6:.1f} MB -> {r.bytes_out / 1e6:.1f} MB on disk; peak RSS {r.peak_rss_bytes / 1e6:.0f} MB")
     if args.eval_text:

@@ -24,9 +24,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
 from qpage.formats.gptq import pack_linear, quantization_config
+from qpage.formats.safetensors_io import iter_tensors, read_header, write_file
 from qpage.models.loader import weight_files
 from qpage.quantizers.rtn import quantize_rtn
 from qpage.quantizers.scheme import QuantScheme
@@ -46,28 +46,13 @@ class QuantizeReport:
 
 
 def _tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
-    from safetensors import SafetensorError, safe_open
-
     for f in files:
-        try:
-            with safe_open(str(f), framework="pt") as fh:
-                for name in fh.keys():  # noqa: SIM118 - safe_open has keys(), no __iter__
-                    yield name, fh.get_tensor(name)
-        except SafetensorError as e:
-            raise ValueError(f"{f}: not a readable safetensors file ({e}); the checkpoint is damaged") from None
+        yield from iter_tensors(f)
 
 
 def _count_linears(files: list[Path]) -> int:
-    from safetensors import safe_open
-
-    n = 0
-    for f in files:
-        try:
-            with safe_open(str(f), framework="pt") as fh:
-                n += sum(1 for k in fh.keys() if LINEAR.match(k))  # noqa: SIM118
-        except Exception as e:
-            raise ValueError(f"{f}: not a readable safetensors file ({e}); the checkpoint is damaged") from None
-    return n
+    """Also validates every file's header before any work starts."""
+    return sum(1 for f in files for k in read_header(f)[0] if LINEAR.match(k))
 
 
 class _ShardWriter:
@@ -87,7 +72,7 @@ class _ShardWriter:
         if not self.buffer:
             return
         name = f"model-{len(self.shards) + 1:05d}.safetensors"
-        save_file(self.buffer, str(self.folder / name), metadata={"format": "pt"})
+        write_file(self.folder / name, self.buffer)
         self.shards.append((name, list(self.buffer)))
         self.buffer, self.size = {}, 0
 

@@ -1,0 +1,111 @@
+"""Peak memory of ``qpage quantize`` (RTN) on a 1.1B-parameter Llama of random weights.
+
+The model (TinyLlama-1.1B shapes: hidden 2048, 22 layers, intermediate 5632, vocab 32000,
+fp32, ~4.4 GB) is generated tensor by tensor into several safetensors shards, so the
+generator itself never holds the model. Then ``qpage quantize`` runs in a child process
+under ``/usr/bin/time -v``; its maximum resident set size is compared with the model's fp32
+size (the target: under 40%). Prints a table and writes JSON.
+
+    python benchmarks/quantize_memory.py [--scheme int4-rtn] [--shard-size 256MiB] [--keep DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 2048,
+          "intermediate_size": 5632, "num_hidden_layers": 22, "num_attention_heads": 32,
+          "num_key_value_heads": 4, "vocab_size": 32000, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5,
+          "rope_theta": 10000.0, "tie_word_embeddings": False, "hidden_act": "silu", "torch_dtype": "float32"}
+
+
+def make_model(folder: Path, shard_bytes: int) -> int:
+    """Write the random checkpoint; return its fp32 size in bytes."""
+    import torch
+    from safetensors.torch import save_file
+
+    c = CONFIG
+    h, i, kv = c["hidden_size"], c["intermediate_size"], c["num_key_value_heads"] * (c["hidden_size"] // 32)
+    shapes: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (c["vocab_size"], h))]
+    for n in range(c["num_hidden_layers"]):
+        p = f"model.layers.{n}."
+        shapes += [(p + "self_attn.q_proj.weight", (h, h)), (p + "self_attn.k_proj.weight", (kv, h)),
+                   (p + "self_attn.v_proj.weight", (kv, h)), (p + "self_attn.o_proj.weight", (h, h)),
+                   (p + "mlp.gate_proj.weight", (i, h)), (p + "mlp.up_proj.weight", (i, h)),
+                   (p + "mlp.down_proj.weight", (h, i)), (p + "input_layernorm.weight", (h,)),
+                   (p + "post_attention_layernorm.weight", (h,))]
+    shapes += [("model.norm.weight", (h,)), ("lm_head.weight", (c["vocab_size"], h))]
+    g = torch.Generator().manual_seed(0)
+    buf: dict[str, torch.Tensor] = {}
+    size, total, shard = 0, 0, 0
+    for name, shape in shapes:
+        t = torch.ones(shape) if len(shape) == 1 else torch.randn(shape, generator=g) * 0.02
+        buf[name] = t
+        size += t.numel() * 4
+        total += t.numel() * 4
+        if size >= shard_bytes:
+            shard += 1
+            save_file(buf, str(folder / f"model-{shard:05d}.safetensors"))
+            buf, size = {}, 0
+    if buf:
+        shard += 1
+        save_file(buf, str(folder / f"model-{shard:05d}.safetensors"))
+    (folder / "config.json").write_text(json.dumps(CONFIG, indent=1))
+    return total
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--scheme", default="int4-rtn")
+    p.add_argument("--shard-size", default="256MiB", help="output shard size given to qpage quantize")
+    p.add_argument("--keep", default=None, help="folder to generate the model in (kept); default a temp dir")
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "quantize_memory.json"))
+    args = p.parse_args()
+    work = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="qpage-mem-"))
+    src = work / "random-1.1b"
+    try:
+        t = time.perf_counter()
+        if not (src / "config.json").is_file():
+            src.mkdir(parents=True, exist_ok=True)
+            model_bytes = make_model(src, 1 << 30)
+        else:
+            model_bytes = sum(f.stat().st_size for f in src.glob("*.safetensors"))
+        gen_s = time.perf_counter() - t
+        out = work / "quantized"
+        shutil.rmtree(out, ignore_errors=True)
+        cmd = ["/usr/bin/time", "-v", sys.executable, "-m", "qpage.cli", "quantize", str(src), str(out),
+               "--scheme", args.scheme, "--shard-size", args.shard_size]
+        t = time.perf_counter()
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        q_s = time.perf_counter() - t
+        if r.returncode != 0:
+            sys.exit(f"qpage quantize failed:\n{r.stderr[-3000:]}")
+        m = re.search(r"Maximum resident set size \(kbytes\): (\d+)", r.stderr)
+        rss = int(m.group(1)) * 1024 if m else -1
+        out_bytes = sum(f.stat().st_size for f in out.glob("*.safetensors"))
+        res = dict(params=model_bytes // 4, model_fp32_bytes=model_bytes, scheme=args.scheme,
+                   shard_size=args.shard_size, peak_rss_bytes=rss, peak_rss_fraction=rss / model_bytes,
+                   output_bytes=out_bytes, generate_seconds=gen_s, quantize_seconds=q_s)
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+    path = Path(args.out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(res, indent=1))
+    print(f"{'model':<28} {'fp32 GB':>8} {'peak RSS GB':>12} {'fraction':>9} {'out GB':>7} {'time s':>7}")
+    print(f"{'random Llama ' + str(round(res['params'] / 1e9, 2)) + 'B':<28} {model_bytes / 1e9:>8.2f} "
+          f"{rss / 1e9:>12.2f} {res['peak_rss_fraction']:>8.1%} {out_bytes / 1e9:>7.2f} {q_s:>7.0f}")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
