@@ -11,7 +11,7 @@ units (sm_80/86) as well as on Hopper. Same tiling and split-K scheme as ``quant
 import torch
 
 from qpage.kernels.fp8_codec import decode_fp8_ref, fp8_to_f16, fp8_unit, hardware_fp8
-from qpage.kernels.quant_matmul import MatmulConfig, default_config
+from qpage.kernels.quant_matmul import MatmulConfig, default_config, split_k_range
 from qpage.kernels.triton_utils import INTERPRET, tl, triton
 
 SCALE_BLOCK = 128
@@ -34,12 +34,7 @@ def _fp8_matmul_kernel(
     m_mask = offs_m < M
     n_mask = offs_n < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    k_tiles = tl.cdiv(K, BLOCK_K)
-    per_split = tl.cdiv(k_tiles, SPLIT_K)
-    t_start = pid_k * per_split
-    t_end = t_start + per_split
-    if t_end > k_tiles:
-        t_end = k_tiles
+    t_start, t_end = split_k_range(pid_k, K, BLOCK_K, SPLIT_K)
     for t in range(t_start, t_end):
         offs_k = t * BLOCK_K + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K

@@ -16,7 +16,7 @@ partial sums, not each weight.
 
 import torch
 
-from qpage.kernels.quant_matmul import MatmulConfig
+from qpage.kernels.quant_matmul import MatmulConfig, split_k_range
 from qpage.kernels.triton_utils import tl, triton
 
 
@@ -34,12 +34,7 @@ def _int_gemv_kernel(
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     j = tl.arange(0, PACK)
-    k_tiles = tl.cdiv(K, BLOCK_K)
-    per_split = tl.cdiv(k_tiles, SPLIT_K)
-    t_start = pid_k * per_split
-    t_end = t_start + per_split
-    if t_end > k_tiles:
-        t_end = k_tiles
+    t_start, t_end = split_k_range(pid_k, K, BLOCK_K, SPLIT_K)
     if AWQ:
         offs_c = pid_n * (BLOCK_N // PACK) + tl.arange(0, BLOCK_N // PACK)  # word columns
         cols = offs_c[:, None] * PACK + j[None, :]  # [words, PACK] logical columns

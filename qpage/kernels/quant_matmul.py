@@ -44,6 +44,18 @@ class MatmulConfig:
 
 
 @triton.jit
+def split_k_range(pid_k, K, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+    """The K tiles [start, end) that split ``pid_k`` of SPLIT_K reduces (the last may be short)."""
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    per_split = tl.cdiv(k_tiles, SPLIT_K)
+    t_start = pid_k * per_split
+    t_end = t_start + per_split
+    if t_end > k_tiles:
+        t_end = k_tiles
+    return t_start, t_end
+
+
+@triton.jit
 def _unpack_tile(packed, SHIFTS_ALONG_K: tl.constexpr, AWQ: tl.constexpr, BITS: tl.constexpr,
                  BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
     """A packed int32 tile -> unsigned values [BLOCK_K, BLOCK_N] (each word loaded once)."""
@@ -83,12 +95,7 @@ def _int_matmul_kernel(
     n_mask = offs_n < N
     np_mask = offs_np < tl.cdiv(N, PACK)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    k_tiles = tl.cdiv(K, BLOCK_K)
-    per_split = tl.cdiv(k_tiles, SPLIT_K)
-    t_start = pid_k * per_split
-    t_end = t_start + per_split
-    if t_end > k_tiles:
-        t_end = k_tiles
+    t_start, t_end = split_k_range(pid_k, K, BLOCK_K, SPLIT_K)
     for t in range(t_start, t_end):
         offs_k = t * BLOCK_K + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K

@@ -117,7 +117,7 @@ def quantize_checkpoint(src: Path, out: Path, scheme: QuantScheme, shard_bytes: 
             raise ValueError("GPTQ needs calibration text: pass --calib FILE (e.g. wikitext-2 valid.txt)")
         from qpage.quantizers.calibrate import gptq_calibrate
 
-        cbar = _progress(len(windows_layers(src)), progress, "gptq layers")
+        cbar = _progress(_num_layers(src), progress, "gptq layers")
         calibrated = gptq_calibrate(src, scheme, calib, on_layer=(lambda i, n: cbar.update(1)) if cbar else None)
         if cbar is not None:
             cbar.close()
@@ -160,8 +160,8 @@ def quantize_checkpoint(src: Path, out: Path, scheme: QuantScheme, shard_bytes: 
                           _size(list(out.glob("*.safetensors"))), _peak_rss())
 
 
-def windows_layers(src: Path) -> range:
-    return range(int(json.loads((src / "config.json").read_text())["num_hidden_layers"]))
+def _num_layers(src: Path) -> int:
+    return int(json.loads((src / "config.json").read_text())["num_hidden_layers"])
 
 
 def _progress(total: int, enabled: bool, desc: str = "quantize") -> Any:
