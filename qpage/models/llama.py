@@ -29,6 +29,18 @@ KVCache = LayerKV
 _KV_SCALE = re.compile(r"^model\.layers\.(\d+)\.self_attn\.([kv])_scale$")
 
 
+def projections(c: ArchConfig) -> list[tuple[str, str, int, int]]:
+    """Each checkpoint projection of a decoder layer -> (the fused module that holds it,
+    first output row there, rows). q/k/v live in ``qkv_proj``, gate/up in ``gate_up_proj``."""
+    return [("self_attn.q_proj", "self_attn.qkv_proj", 0, c.q_size),
+            ("self_attn.k_proj", "self_attn.qkv_proj", c.q_size, c.kv_size),
+            ("self_attn.v_proj", "self_attn.qkv_proj", c.q_size + c.kv_size, c.kv_size),
+            ("self_attn.o_proj", "self_attn.o_proj", 0, c.hidden_size),
+            ("mlp.gate_proj", "mlp.gate_up_proj", 0, c.intermediate_size),
+            ("mlp.up_proj", "mlp.gate_up_proj", c.intermediate_size, c.intermediate_size),
+            ("mlp.down_proj", "mlp.down_proj", 0, c.hidden_size)]
+
+
 def _quant(c: ArchConfig) -> GptqConfig | None:
     return GptqConfig.from_json(c.quantization, "config.json") if c.quantization else None
 
@@ -203,21 +215,12 @@ class LlamaForCausalLM(nn.Module):
 
     def quant_targets(self) -> dict[str, tuple[IntLinear, int, int]]:
         """Quantized projection prefix -> (fused layer, first output column, columns)."""
-        c = self.config
         out: dict[str, tuple[IntLinear, int, int]] = {}
         for i, layer in enumerate(self.layers):
-            pre = f"model.layers.{i}."
-            attn, mlp = layer.self_attn, layer.mlp
-            parts = (("self_attn.q_proj", attn.qkv_proj, 0, c.q_size),
-                     ("self_attn.k_proj", attn.qkv_proj, c.q_size, c.kv_size),
-                     ("self_attn.v_proj", attn.qkv_proj, c.q_size + c.kv_size, c.kv_size),
-                     ("self_attn.o_proj", attn.o_proj, 0, c.hidden_size),
-                     ("mlp.gate_proj", mlp.gate_up_proj, 0, c.intermediate_size),
-                     ("mlp.up_proj", mlp.gate_up_proj, c.intermediate_size, c.intermediate_size),
-                     ("mlp.down_proj", mlp.down_proj, 0, c.hidden_size))
-            for name, mod, off, cols in parts:
+            for name, fused, off, cols in projections(self.config):
+                mod = layer.get_submodule(fused)
                 if isinstance(mod, IntLinear):
-                    out[pre + name] = (mod, off, cols)
+                    out[f"model.layers.{i}.{name}"] = (mod, off, cols)
         return out
 
     @torch.no_grad()

@@ -20,6 +20,7 @@ import torch
 
 from qpage.layers.attention import AttentionMetadata, PrefillSeq, TorchPagedAttention
 from qpage.layers.kv_format import KVCacheSpec, make_layer_kv
+from qpage.models.llama import projections
 from qpage.models.loader import load_model, read_arch_config
 from qpage.quantizers.gptq import gptq_quantize
 from qpage.quantizers.scheme import QuantScheme
@@ -64,20 +65,14 @@ def _calibrate(src: Path, scheme: QuantScheme, windows: list[list[int]],
     hidden = [model.embed_tokens(torch.tensor(w)) for w in windows]
     c = arch
     out: dict[str, Result] = {}
+    parts: dict[str, list[tuple[str, int, int]]] = {}
+    for name, fused, off, rows in projections(c):
+        parts.setdefault(fused, []).append((name, off, rows))
     for li, layer in enumerate(model.layers):
-        attn, mlp = layer.self_attn, layer.mlp
-        linears = {"qkv": attn.qkv_proj, "o": attn.o_proj, "gate_up": mlp.gate_up_proj, "down": mlp.down_proj}
+        linears = {fused: layer.get_submodule(fused) for fused in parts}
         hess = {k: _Hessian(m.in_features) for k, m in linears.items()}
         _run_layer(model, layer, hidden, backend, c, record=(linears, hess))
         pre = f"model.layers.{li}."
-        parts = {
-            "qkv": [("self_attn.q_proj", 0, c.q_size), ("self_attn.k_proj", c.q_size, c.kv_size),
-                    ("self_attn.v_proj", c.q_size + c.kv_size, c.kv_size)],
-            "o": [("self_attn.o_proj", 0, c.hidden_size)],
-            "gate_up": [("mlp.gate_proj", 0, c.intermediate_size),
-                        ("mlp.up_proj", c.intermediate_size, c.intermediate_size)],
-            "down": [("mlp.down_proj", 0, c.hidden_size)],
-        }
         for key, mod in linears.items():
             # Rows are independent in GPTQ (they share H): the fused weight is quantized in one
             # pass and split into its projections afterwards.
