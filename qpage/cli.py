@@ -54,6 +54,19 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, names: Sequen
             parser.add_argument(flag, type=tp, default=default, help=help_)
 
 
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    for cls, names in ENGINE_FIELDS.items():
+        add_dataclass_args(parser, cls, names)
+
+
+def build_engine_config(args: argparse.Namespace) -> EngineConfig:
+    def part(cls: type) -> Any:
+        return cls(**{n: getattr(args, n) for n in ENGINE_FIELDS[cls]})
+
+    return EngineConfig(model=part(ModelConfig), cache=part(CacheConfig), scheduler=part(SchedulerConfig),
+                        seed=args.seed)
+
+
 def build_llm(args: argparse.Namespace) -> Any:
     from qpage import LLM
 
@@ -78,12 +91,12 @@ def _parser() -> argparse.ArgumentParser:
     chat = sub.add_parser("chat", help="interactive chat, streaming tokens as they come")
     chat.add_argument("--system", default=None, help="system prompt")
     for sp in (gen, chat):
-        for cls, names in ENGINE_FIELDS.items():
-            add_dataclass_args(sp, cls, names)
+        add_engine_args(sp)
         add_dataclass_args(sp, SamplingParams, SAMPLING_FIELDS)
-    from qpage import cli_quant
+    from qpage import cli_quant, cli_serve
 
     cli_quant.add_parsers(sub)
+    cli_serve.add_parsers(sub, add_engine_args)
     return p
 
 
@@ -170,6 +183,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from qpage import cli_quant
 
         return cli_quant.run(args)
+    from qpage import cli_serve
+
+    if args.command in cli_serve.COMMANDS:
+        return cli_serve.run(args, build_engine_config)
     try:
         if args.command == "generate":
             return cmd_generate(args)

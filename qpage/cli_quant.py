@@ -14,16 +14,19 @@ from qpage.quantizers.scheme import SCHEMES
 
 
 def add_parsers(sub: Any) -> None:
-    q = sub.add_parser("quantize", help="quantize a Hugging Face checkpoint (GPTQ format)")
+    q = sub.add_parser("quantize", help="quantize a Hugging Face checkpoint (GPTQ, AWQ or compressed-tensors)")
     q.add_argument("src", help="source model folder (config.json + *.safetensors), or 'default'")
     q.add_argument("out", help="output folder (must not exist)")
     q.add_argument("--scheme", required=True, choices=SCHEMES)
     q.add_argument("--group-size", type=int, default=128, help="input features per group; 0 = per channel")
     q.add_argument("--sym", action=argparse.BooleanOptionalAction, default=True, help="symmetric (default) or --no-sym")
     q.add_argument("--act-order", action="store_true", help="GPTQ: quantize columns by decreasing Hessian diagonal")
-    q.add_argument("--calib", default=None, help="calibration text file (GPTQ), e.g. wikitext-2 valid.txt")
+    q.add_argument("--calib", default=None, help="calibration text file (GPTQ, AWQ), e.g. wikitext-2 valid.txt")
     q.add_argument("--samples", type=int, default=128, help="calibration windows")
     q.add_argument("--shard-size", default="512MiB", help="output shard size (bounds the writer's buffer)")
+    q.add_argument("--format", default="auto", choices=("auto", "gptq", "awq", "compressed-tensors"),
+                   help="output format; auto: compressed-tensors for fp8, AWQ GEMM for AWQ when the widths "
+                        "divide by the group (else GPTQ), GPTQ otherwise")
     q.add_argument("--eval-text", default=None, help="text file for the perplexity report (source vs result)")
     q.add_argument("--eval-windows", type=int, default=4)
     q.add_argument("--seq-len", type=int, default=512)
@@ -85,7 +88,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     from qpage.config import parse_size
 
     r = quantize_checkpoint(src, Path(args.out), scheme, calib=calib,
-                            shard_bytes=parse_size(args.shard_size, "--shard-size"))
+                            shard_bytes=parse_size(args.shard_size, "--shard-size"), fmt=args.format)
     print(f"qpage quantize: {r.scheme}, {r.linears} linears in {r.seconds:.1f}s; "
           f"{r.bytes_in / 1e6:.1f} MB -> {r.bytes_out / 1e6:.1f} MB on disk; peak RSS {r.peak_rss_bytes / 1e6:.0f} MB")
     if args.eval_text:
@@ -110,15 +113,28 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     info: dict[str, Any] = {"model": str(path), "architecture": arch.architecture, "layers": arch.num_layers,
                             "hidden_size": arch.hidden_size, "files": len(files), "size_bytes": size}
     if qc:
-        g = qc.get("group_size", -1)
-        info.update(format=f"gptq ({qc.get('checkpoint_format', 'gptq')})", bits=qc["bits"],
-                    group_size=None if g == -1 else g, sym=qc.get("sym", True), desc_act=qc.get("desc_act", False))
-        per_group = 16 + (0 if qc.get("sym", True) else qc["bits"])
-        info["bits_per_weight"] = qc["bits"] + per_group / (arch.hidden_size if g == -1 else g)
+        info.update(_describe_quant(qc, arch.hidden_size))
     else:
         info.update(format="dense", dtype=arch.torch_dtype)
     print(json.dumps(info, indent=1))
     return 0
+
+
+def _describe_quant(qc: dict[str, Any], in_features: int) -> dict[str, Any]:
+    from qpage.formats.awq import AwqConfig
+    from qpage.formats.detect import linear_config
+    from qpage.formats.fp8 import Fp8Config
+
+    cfg = linear_config(qc, "config.json")
+    if isinstance(cfg, Fp8Config):
+        per_scale = cfg.block * cfg.block if cfg.block else in_features
+        return {"format": cfg.source, "weights": "fp8 e4m3", "scales": f"{cfg.block}x{cfg.block} block" if cfg.block
+                else "per channel", "bits_per_weight": 8 + 32 / per_scale}
+    g = cfg.group_size or in_features
+    fmt = "awq (gemm)" if isinstance(cfg, AwqConfig) else f"gptq ({qc.get('checkpoint_format', 'gptq')})"
+    sym = cfg.sym and not isinstance(cfg, AwqConfig)
+    return {"format": fmt, "bits": cfg.bits, "group_size": cfg.group_size, "sym": sym, "desc_act": cfg.desc_act,
+            "bits_per_weight": cfg.bits + (16 + (0 if sym else cfg.bits)) / g}
 
 
 def cmd_eval(args: argparse.Namespace) -> int:

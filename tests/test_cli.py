@@ -52,7 +52,7 @@ def test_quantize_and_inspect_commands(tmp_path: Path) -> None:
     r = subprocess.run([sys.executable, "-m", "qpage.cli", "quantize", "default", str(out), "--scheme", "int4-rtn",
                         "--group-size", "64"], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert "int4 rtn g64 sym, 210 linears" in r.stdout
+    assert "int4 rtn g64 sym (gptq format), 210 linears" in r.stdout
     r = subprocess.run([sys.executable, "-m", "qpage.cli", "inspect", str(out)], capture_output=True, text=True,
                        timeout=300)
     info = json.loads(r.stdout)

@@ -242,6 +242,16 @@ class LLMEngine:
         self.metrics.counters["prefix_cache_queries"] = self.kv.prefix_queries
         self.metrics.counters["prefix_cache_hits"] = self.kv.prefix_hits
 
+    def kernel_paths(self) -> dict[str, Any]:
+        """Which kernels run: the attention backend and quantized linears counted by path."""
+        linears: dict[str, int] = {}
+        for mod in self.model.modules():
+            path = getattr(mod, "kernel_path", None)
+            if isinstance(path, str):
+                linears[path] = linears.get(path, 0) + 1
+        return {"attention_backend": self.runner.backend.name, "device": self.device.type,
+                "quantized_linears": linears}
+
     def get_metrics(self) -> dict[str, Any]:
         self._update_gauges()
         return self.metrics.snapshot()

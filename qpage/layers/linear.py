@@ -43,9 +43,13 @@ class Linear(nn.Module):
 
 
 def make_linear(in_features: int, out_features: int, bias: bool, quant: object | None = None) -> nn.Module:
-    """A dense ``Linear``, or an ``IntLinear`` when ``quant`` (a ``formats.gptq.GptqConfig``) is given."""
+    """A dense ``Linear``, or the quantized layer for ``quant`` (a ``formats.detect.LinearConfig``)."""
     if quant is None:
         return Linear(in_features, out_features, bias)
+    from qpage.formats.fp8 import Fp8Config
+    from qpage.layers.fp8_linear import Fp8Linear
     from qpage.layers.quant_linear import IntLinear
 
+    if isinstance(quant, Fp8Config):
+        return Fp8Linear(in_features, out_features, bias, quant)
     return IntLinear(in_features, out_features, bias, quant)  # type: ignore[arg-type]

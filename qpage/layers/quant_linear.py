@@ -15,13 +15,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from qpage.formats.awq import AwqConfig
+from qpage.formats.awq import check_linear as awq_check_linear
 from qpage.formats.gptq import GptqConfig, check_linear
 from qpage.kernels import cpu_matmul
 from qpage.kernels.quant_matmul import dequantize_ref, int_matmul
+from qpage.kernels.triton_utils import triton_unavailable_reason
 
 
 class IntLinear(nn.Module):
-    def __init__(self, in_features: int, out_features: int, bias: bool, cfg: GptqConfig) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool, cfg: GptqConfig | AwqConfig) -> None:
         super().__init__()
         self.in_features, self.out_features, self.cfg = in_features, out_features, cfg
         pack = 32 // cfg.bits
@@ -34,10 +37,19 @@ class IntLinear(nn.Module):
         self._dense: torch.Tensor | None = None
         self._w_t = None
         self._g_idx_set = False
+        self.kernel_path = "unprepared"
+        """How forward runs: triton-fused (CUDA), cpu-dequantized (CPU design), dequantized-fallback."""
+
+    def wants(self, parts: dict[str, torch.Tensor]) -> bool:
+        """Whether one projection's tensors are all there (GPTQ has g_idx, AWQ has not)."""
+        return len(parts) == (3 if isinstance(self.cfg, AwqConfig) else 4)
 
     def load_part(self, prefix: str, parts: dict[str, torch.Tensor], offset: int, cols: int, file: str) -> None:
         """Copy one projection's tensors into output columns [offset, offset + cols)."""
-        t = check_linear(prefix, parts, self.cfg, self.in_features, cols, file)
+        if isinstance(self.cfg, AwqConfig):
+            t = awq_check_linear(prefix, parts, self.cfg, self.in_features, cols, file)
+        else:
+            t = check_linear(prefix, parts, self.cfg, self.in_features, cols, file)
         pack = 32 // self.cfg.bits
         self.qweight[:, offset : offset + cols] = t["qweight"]
         self.qzeros[:, offset // pack : (offset + cols) // pack] = t["qzeros"]
@@ -50,8 +62,12 @@ class IntLinear(nn.Module):
 
     def prepare(self, dtype: torch.dtype) -> None:
         dev = self.qweight.device
-        if dev.type == "cuda":
+        if dev.type == "cuda" and triton_unavailable_reason("cuda") is None:
+            self.kernel_path = "triton-fused"
             return
+        # CPU by design; on CUDA without Triton a slow fallback (dense memory), which the
+        # server's doctor reports through the kernel-path metric.
+        self.kernel_path = "cpu-dequantized" if dev.type == "cpu" else "dequantized-fallback"
         w = dequantize_ref(self.qweight, self.scales, self.qzeros, self.g_idx, bits=self.cfg.bits,
                            group_size=self.cfg.group_size or self.in_features, in_features=self.in_features)
         if cpu_matmul.supports(dtype, dev):

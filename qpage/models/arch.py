@@ -66,13 +66,11 @@ def _quantization(cfg: dict[str, Any], source: str) -> dict[str, Any] | None:
     qc = cfg.get("quantization_config")
     if qc is None:
         return None
-    method = qc.get("quant_method") if isinstance(qc, dict) else None
-    if method != "gptq":
-        raise ValueError(f"{source}: quantization_config quant_method={method!r} is not supported yet; qpage "
-                         "reads GPTQ checkpoints (quant_method 'gptq')")
-    from qpage.formats.gptq import GptqConfig
+    if not isinstance(qc, dict):
+        raise ValueError(f"{source}: quantization_config must be an object")
+    from qpage.formats.detect import linear_config
 
-    GptqConfig.from_json(qc, source)  # refuse unsupported settings now, by name
+    linear_config(qc, source)  # refuse unsupported settings now, by name
     return dict(qc)
 
 

@@ -15,9 +15,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qpage.formats.gptq import GptqConfig
+from qpage.formats.detect import LinearConfig, linear_config
 from qpage.kernels import cpu_matmul
 from qpage.layers.attention import AttentionBackend, AttentionMetadata
+from qpage.layers.fp8_linear import Fp8Linear
 from qpage.layers.kv_format import LayerKV
 from qpage.layers.linear import Linear, make_linear
 from qpage.layers.norms import RMSNorm
@@ -26,6 +27,9 @@ from qpage.layers.rotary import RotaryEmbedding, apply_rotary
 from qpage.models.arch import ArchConfig
 
 KVCache = LayerKV
+QuantLinear = IntLinear | Fp8Linear
+QUANT_LINEARS = (IntLinear, Fp8Linear)
+QUANT_SUFFIXES = ("qweight", "qzeros", "scales", "g_idx", "weight", "weight_scale", "weight_scale_inv", "input_scale")
 _KV_SCALE = re.compile(r"^model\.layers\.(\d+)\.self_attn\.([kv])_scale$")
 
 
@@ -41,8 +45,8 @@ def projections(c: ArchConfig) -> list[tuple[str, str, int, int]]:
             ("mlp.down_proj", "mlp.down_proj", 0, c.hidden_size)]
 
 
-def _quant(c: ArchConfig) -> GptqConfig | None:
-    return GptqConfig.from_json(c.quantization, "config.json") if c.quantization else None
+def _quant(c: ArchConfig) -> LinearConfig | None:
+    return linear_config(c.quantization, "config.json") if c.quantization else None
 
 
 class Attention(nn.Module):
@@ -137,7 +141,7 @@ class LlamaForCausalLM(nn.Module):
         for m in self.modules():
             if isinstance(m, Linear):
                 m.prepare()
-            elif isinstance(m, IntLinear):
+            elif isinstance(m, QUANT_LINEARS):
                 m.prepare(dtype)
         e = self.embed_tokens.weight.data
         if self.lm_head is None and cpu_matmul.supports(e.dtype, e.device):
@@ -213,13 +217,13 @@ class LlamaForCausalLM(nn.Module):
             whole(f"{pre}post_attention_layernorm.weight", layer.post_attention_layernorm.weight)
         return out
 
-    def quant_targets(self) -> dict[str, tuple[IntLinear, int, int]]:
+    def quant_targets(self) -> dict[str, tuple[QuantLinear, int, int]]:
         """Quantized projection prefix -> (fused layer, first output column, columns)."""
-        out: dict[str, tuple[IntLinear, int, int]] = {}
+        out: dict[str, tuple[QuantLinear, int, int]] = {}
         for i, layer in enumerate(self.layers):
             for name, fused, off, cols in projections(self.config):
                 mod = layer.get_submodule(fused)
-                if isinstance(mod, IntLinear):
+                if isinstance(mod, QUANT_LINEARS):
                     out[f"model.layers.{i}.{name}"] = (mod, off, cols)
         return out
 
@@ -234,10 +238,13 @@ class LlamaForCausalLM(nn.Module):
         found: dict[int, dict[str, float]] = {}
         for file, name, t in tensors:
             prefix, _, suffix = name.rpartition(".")
-            if prefix in qtargets and suffix in ("qweight", "qzeros", "scales", "g_idx"):
-                pending.setdefault(prefix, {})[suffix] = t
+            if prefix in qtargets and suffix in QUANT_SUFFIXES:
+                if suffix == "input_scale":
+                    continue  # static FP8 activation scales: qpage keeps activations unquantized
+                parts = pending.setdefault(prefix, {})
+                parts[suffix] = t
                 pending_file[prefix] = file
-                if len(pending[prefix]) == 4:
+                if qtargets[prefix][0].wants(parts):
                     self._load_quant(prefix, pending.pop(prefix), qtargets, file)
                     seen.add(prefix)
                 continue
@@ -277,7 +284,7 @@ class LlamaForCausalLM(nn.Module):
             )
 
     @staticmethod
-    def _load_quant(prefix: str, parts: dict[str, torch.Tensor], qtargets: dict[str, tuple[IntLinear, int, int]],
+    def _load_quant(prefix: str, parts: dict[str, torch.Tensor], qtargets: dict[str, tuple[QuantLinear, int, int]],
                     file: str) -> None:
         mod, off, cols = qtargets[prefix]
         mod.load_part(prefix, parts, off, cols, file)

@@ -1,4 +1,4 @@
-"""Calibrated quantization (GPTQ): decoder layer by decoder layer, on real activations.
+"""Calibrated quantization (GPTQ, AWQ): decoder layer by decoder layer, on real activations.
 
 For each layer: run the calibration windows through it (inputs quantized by the layers
 before, as GPTQ does), accumulate the Hessian 2/n X X^T of each linear's inputs, quantize
@@ -23,6 +23,7 @@ from qpage.layers.kv_format import KVCacheSpec, make_layer_kv
 from qpage.models.llama import projections
 from qpage.models.loader import load_model, read_arch_config
 from qpage.quantizers.gptq import gptq_quantize
+from qpage.quantizers.rtn import dequantize_rtn, quantize_rtn
 from qpage.quantizers.scheme import QuantScheme
 
 Result = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]
@@ -120,3 +121,71 @@ def _run_layer(model: Any, layer: Any, hidden: list[torch.Tensor], backend: Any,
         if record is not None:
             for key, mod in record[0].items():
                 mod.forward = saved[key]
+
+
+@torch.inference_mode()
+def awq_calibrate(src: Path, scheme: QuantScheme, windows: list[list[int]], clip: bool = True,
+                  max_tokens: int = 4096, on_layer: Callable[[int, int], None] | None = None,
+                  ) -> tuple[dict[str, Result], dict[str, torch.Tensor]]:
+    """AWQ every decoder linear of ``src``: (prefix -> (q, scales, zeros, None), and the norm
+    weights that absorbed the scales, by checkpoint name)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # see gptq_calibrate
+    try:
+        return _awq(src, scheme, windows, clip, max_tokens, on_layer)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _awq(src: Path, scheme: QuantScheme, windows: list[list[int]], clip: bool, max_tokens: int,
+         on_layer: Callable[[int, int], None] | None) -> tuple[dict[str, Result], dict[str, torch.Tensor]]:
+    from qpage.quantizers.awq import InputRecorder, search_clip, search_scale
+
+    c = read_arch_config(src)
+    model: Any = load_model(src, c, torch.float32, torch.device("cpu"), max(len(w) for w in windows) + 1)
+    backend = TorchPagedAttention()
+    hidden = [model.embed_tokens(torch.tensor(w)) for w in windows]
+    parts: dict[str, list[tuple[str, int, int]]] = {}
+    for name, fused, off, rows in projections(c):
+        parts.setdefault(fused, []).append((name, off, rows))
+    out: dict[str, Result] = {}
+    norms: dict[str, torch.Tensor] = {}
+    bits, g, sym = scheme.bits, scheme.group_size, scheme.sym
+    for li, layer in enumerate(model.layers):
+        linears = {fused: layer.get_submodule(fused) for fused in parts}
+        rec = {k: InputRecorder(m.in_features, max_tokens, seed=li) for k, m in linears.items()}
+        _run_layer(model, layer, hidden, backend, c, record=(linears, rec))  # type: ignore[arg-type]
+        inter, v0 = c.intermediate_size, c.q_size + c.kv_size
+        # (fused linear, what absorbs 1/s: a norm weight or rows of an earlier linear)
+        plan: list[tuple[str, torch.Tensor]] = [
+            ("self_attn.qkv_proj", layer.input_layernorm.weight.data),
+            ("mlp.gate_up_proj", layer.post_attention_layernorm.weight.data),
+            ("mlp.down_proj", linears["mlp.gate_up_proj"].weight.data[inter:]),
+        ]
+        if c.kv_size == c.q_size:  # o after v only without GQA (a v row feeds one o column)
+            plan.append(("self_attn.o_proj", linears["self_attn.qkv_proj"].weight.data[v0 : v0 + c.kv_size]))
+        inputs = {}
+        for key, prev in plan:
+            w = linears[key].weight.data
+            x = rec[key].sample()
+            s, _, _ = search_scale(x, rec[key].mean_abs(), w, bits, g, sym)
+            prev.div_(s if prev.dim() == 1 else s[:, None])
+            w.mul_(s)
+            inputs[key] = x / s
+        pre = f"model.layers.{li}."
+        for key, mod in linears.items():
+            w = mod.weight.data
+            if clip and key != "self_attn.qkv_proj":  # q/k feed a softmax: AWQ leaves them unclipped
+                x = inputs.get(key, rec[key].sample())
+                w.copy_(search_clip(x, w.clone(), bits, g, sym))
+            q, s, z = quantize_rtn(w, bits, g, sym)
+            for name, off, rows in parts[key]:
+                out[pre + name] = (q[:, off : off + rows].contiguous(), s[:, off : off + rows].contiguous(),
+                                   z[:, off : off + rows].contiguous(), None)
+            w.copy_(dequantize_rtn(q, s, z, g))
+        norms[pre + "input_layernorm.weight"] = layer.input_layernorm.weight.data.clone()
+        norms[pre + "post_attention_layernorm.weight"] = layer.post_attention_layernorm.weight.data.clone()
+        hidden = _run_layer(model, layer, hidden, backend, c, record=None)
+        if on_layer is not None:
+            on_layer(li + 1, c.num_layers)
+    return out, norms

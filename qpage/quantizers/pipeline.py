@@ -7,8 +7,9 @@ folder beside the output and renamed into place at the end, so an interrupted ru
 no half-written checkpoint (the temporary folder is removed; a stale one from a killed run
 is removed by the next).
 
-Today: RTN to INT4/INT8 in the GPTQ format (``formats.gptq``). GPTQ and AWQ need
-calibration activations and will run layer by layer through the same writer.
+RTN and GPTQ to INT4/INT8 write the GPTQ format (``formats.gptq``); FP8 (per channel or
+128x128 blocks) writes compressed-tensors (``formats.fp8``). GPTQ's calibration runs
+first, layer by layer (``calibrate``), and its results go through the same writer.
 """
 
 from __future__ import annotations
@@ -25,9 +26,12 @@ from typing import Any
 
 import torch
 
+from qpage.formats import awq as awq_format
+from qpage.formats import fp8 as fp8_format
 from qpage.formats.gptq import pack_linear, quantization_config
 from qpage.formats.safetensors_io import iter_tensors, read_header, write_file
 from qpage.models.loader import weight_files
+from qpage.quantizers.fp8 import quantize_fp8
 from qpage.quantizers.rtn import quantize_rtn
 from qpage.quantizers.scheme import QuantScheme
 
@@ -50,9 +54,47 @@ def _tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
         yield from iter_tensors(f)
 
 
-def _count_linears(files: list[Path]) -> int:
-    """Also validates every file's header before any work starts."""
-    return sum(1 for f in files for k in read_header(f)[0] if LINEAR.match(k))
+def _linear_shapes(files: list[Path]) -> dict[str, list[int]]:
+    """[out, in] of every decoder linear; also validates every file's header before any work starts."""
+    out = {}
+    for f in files:
+        for k, info in read_header(f)[0].items():
+            m = LINEAR.match(k)
+            if m:
+                out[m.group(1)] = info["shape"]
+    return out
+
+
+FORMATS = ("auto", "gptq", "awq", "compressed-tensors")
+
+
+def choose_format(scheme: QuantScheme, fmt: str, shapes: dict[str, list[int]]) -> str:
+    """The output format: ``auto`` is compressed-tensors for FP8, AWQ for AWQ when every width
+    divides by the group (else GPTQ, which allows a partial last group), GPTQ otherwise."""
+    if fmt not in FORMATS:
+        raise ValueError(f"format {fmt!r} is not supported; choose one of {', '.join(FORMATS)}")
+    if scheme.is_fp8:
+        if fmt not in ("auto", "compressed-tensors"):
+            raise ValueError(f"FP8 weights are written as compressed-tensors, not {fmt}; drop --format")
+        return "compressed-tensors"
+    if fmt == "compressed-tensors":
+        raise ValueError("INT4/INT8 in compressed-tensors (pack-quantized) is not written yet; use --format gptq")
+    if fmt == "awq" or (fmt == "auto" and scheme.method == "awq"):
+        from qpage.formats.awq import check_writable
+
+        if scheme.bits != 4 or scheme.act_order:
+            if fmt == "awq":
+                raise ValueError("the AWQ format holds 4-bit weights without act-order; use --format gptq")
+            return "gptq"
+        try:
+            for name, (_, in_f) in shapes.items():
+                check_writable(name, in_f, scheme.group_size)
+        except ValueError:
+            if fmt == "awq":
+                raise
+            return "gptq"
+        return "awq"
+    return "gptq"
 
 
 class _ShardWriter:
@@ -90,7 +132,8 @@ class _ShardWriter:
 
 
 def quantize_checkpoint(src: Path, out: Path, scheme: QuantScheme, shard_bytes: int = 512 << 20,
-                        progress: bool = True, calib: list[list[int]] | None = None) -> QuantizeReport:
+                        progress: bool = True, calib: list[list[int]] | None = None,
+                        fmt: str = "auto") -> QuantizeReport:
     """Quantize every decoder linear of ``src`` (a HF folder) into a new folder ``out``.
 
     RTN needs nothing else; GPTQ needs ``calib``, token windows of calibration text."""
@@ -104,23 +147,16 @@ def quantize_checkpoint(src: Path, out: Path, scheme: QuantScheme, shard_bytes: 
         raise ValueError(f"{src} is already quantized ({config['quantization_config'].get('quant_method')}); "
                          "quantize the original checkpoint")
     files = weight_files(src, allow_pickle=False)
-    total = _count_linears(files)
+    shapes = _linear_shapes(files)
+    total = len(shapes)
+    fmt = choose_format(scheme, fmt, shapes)
     if total == 0:
         raise ValueError(f"{src}: found no decoder linear weights (model.layers.N.*_proj.weight)")
     out.parent.mkdir(parents=True, exist_ok=True)
     for stale in out.parent.glob(f".{out.name}.tmp-*"):
         shutil.rmtree(stale, ignore_errors=True)
     t0 = time.perf_counter()
-    calibrated = None
-    if scheme.method == "gptq":
-        if not calib:
-            raise ValueError("GPTQ needs calibration text: pass --calib FILE (e.g. wikitext-2 valid.txt)")
-        from qpage.quantizers.calibrate import gptq_calibrate
-
-        cbar = _progress(_num_layers(src), progress, "gptq layers")
-        calibrated = gptq_calibrate(src, scheme, calib, on_layer=(lambda i, n: cbar.update(1)) if cbar else None)
-        if cbar is not None:
-            cbar.close()
+    calibrated, overrides = _calibrate(src, scheme, calib, progress)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     tmp.mkdir()
     try:
@@ -130,15 +166,9 @@ def quantize_checkpoint(src: Path, out: Path, scheme: QuantScheme, shard_bytes: 
         for name, t in _tensors(files):
             m = LINEAR.match(name)
             if m is None:
-                writer.add(name, t)
+                writer.add(name, overrides[name].to(t.dtype) if name in overrides else t)
                 continue
-            if calibrated is not None:
-                q, scales, zeros, g_idx = calibrated[m.group(1)]
-            else:
-                q, scales, zeros = quantize_rtn(t, scheme.bits, scheme.group_size, scheme.sym)
-                g_idx = None
-            for key, packed in pack_linear(m.group(1), q, scales, zeros, scheme.bits, scheme.group_size,
-                                           g_idx).items():
+            for key, packed in _quantize_linear(m.group(1), t, scheme, calibrated, fmt).items():
                 writer.add(key, packed)
             done += 1
             if bar is not None:
@@ -146,7 +176,10 @@ def quantize_checkpoint(src: Path, out: Path, scheme: QuantScheme, shard_bytes: 
         if bar is not None:
             bar.close()
         writer.finish()
-        config["quantization_config"] = quantization_config(scheme)
+        config["quantization_config"] = {
+            "compressed-tensors": lambda: fp8_format.quantization_config(scheme.block),
+            "awq": lambda: awq_format.quantization_config(scheme), "gptq": lambda: quantization_config(scheme),
+        }[fmt]()
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         for f in src.iterdir():  # tokenizer, generation config, chat template
             if f.is_file() and f.name != "config.json" and f.suffix not in (".safetensors", ".bin", ".pt") \
@@ -156,8 +189,44 @@ def quantize_checkpoint(src: Path, out: Path, scheme: QuantScheme, shard_bytes: 
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return QuantizeReport(out, scheme.describe(), done, time.perf_counter() - t0, _size(files),
+    return QuantizeReport(out, f"{scheme.describe()} ({fmt} format)", done, time.perf_counter() - t0, _size(files),
                           _size(list(out.glob("*.safetensors"))), _peak_rss())
+
+
+def _calibrate(src: Path, scheme: QuantScheme, calib: list[list[int]] | None, progress: bool
+               ) -> tuple[dict[str, Any] | None, dict[str, torch.Tensor]]:
+    """GPTQ/AWQ results by projection prefix (None for RTN/FP8), and tensors AWQ rewrote (norms)."""
+    if scheme.method not in ("gptq", "awq"):
+        return None, {}
+    if not calib:
+        raise ValueError(f"{scheme.method.upper()} needs calibration text: pass --calib FILE "
+                         "(e.g. wikitext-2 valid.txt)")
+    from qpage.quantizers import calibrate
+
+    bar = _progress(_num_layers(src), progress, f"{scheme.method} layers")
+    step = (lambda i, n: bar.update(1)) if bar is not None else None
+    try:
+        if scheme.method == "gptq":
+            return calibrate.gptq_calibrate(src, scheme, calib, on_layer=step), {}
+        return calibrate.awq_calibrate(src, scheme, calib, on_layer=step)
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def _quantize_linear(prefix: str, w: torch.Tensor, scheme: QuantScheme,
+                     calibrated: dict[str, Any] | None, fmt: str) -> dict[str, torch.Tensor]:
+    """The checkpoint tensors of one linear in format ``fmt``."""
+    if scheme.is_fp8:
+        return fp8_format.pack_linear(prefix, *quantize_fp8(w, scheme.block))
+    if calibrated is not None:
+        q, scales, zeros, g_idx = calibrated[prefix]
+    else:
+        q, scales, zeros = quantize_rtn(w, scheme.bits, scheme.group_size, scheme.sym)
+        g_idx = None
+    if fmt == "awq":
+        return awq_format.pack_linear(prefix, q, scales, zeros, scheme.group_size)
+    return pack_linear(prefix, q, scales, zeros, scheme.bits, scheme.group_size, g_idx)
 
 
 def _num_layers(src: Path) -> int:

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-SCHEMES = ("int4-rtn", "int8-rtn", "int4-gptq", "int8-gptq")
-"""What ``qpage quantize --scheme`` accepts today (AWQ and FP8 are not built yet)."""
+SCHEMES = ("int4-rtn", "int8-rtn", "int4-gptq", "int8-gptq", "int4-awq", "int8-awq", "fp8", "fp8-block")
+"""What ``qpage quantize --scheme`` accepts. ``fp8``: E4M3 with per-channel scales;
+``fp8-block``: 128x128 block scales."""
 
 
 @dataclass(frozen=True)
@@ -23,14 +24,24 @@ class QuantScheme:
     method: str = "rtn"
     """The algorithm that chose the integers (recorded, not needed to run the model)."""
     act_order: bool = False
+    block: int | None = None
+    """FP8 only: scale block edge (128), or None for per-channel scales."""
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.method == "fp8"
 
     def __post_init__(self) -> None:
+        if self.is_fp8:
+            if self.bits != 8 or self.group_size is not None or self.act_order or self.block not in (None, 128):
+                raise ValueError("fp8 takes no group size or act-order: per-channel or 128x128 block scales")
+            return
         if self.bits not in (4, 8):
             raise ValueError(f"bits={self.bits} is not supported; use 4 or 8")
         if self.group_size is not None and self.group_size not in (32, 64, 128):
             raise ValueError(f"group_size={self.group_size} is not supported; use 32, 64, 128 or per-channel")
-        if self.act_order and self.method == "rtn":
-            raise ValueError("act_order needs GPTQ (RTN has no column order); drop --act-order")
+        if self.act_order and self.method != "gptq":
+            raise ValueError(f"act_order needs GPTQ ({self.method.upper()} has no column order); drop --act-order")
 
     @classmethod
     def parse(cls, name: str, group_size: int | None = 128, sym: bool = True, act_order: bool = False
@@ -38,14 +49,22 @@ class QuantScheme:
         """``int4-rtn`` style names (see SCHEMES)."""
         if name not in SCHEMES:
             raise ValueError(f"scheme {name!r} is not supported yet; choose one of {', '.join(SCHEMES)}")
+        if name.startswith("fp8"):
+            if act_order:
+                raise ValueError("fp8 has no act-order; drop --act-order")
+            return cls(bits=8, group_size=None, sym=True, method="fp8", block=128 if name == "fp8-block" else None)
         kind, method = name.split("-")
         return cls(bits=int(kind[3:]), group_size=group_size, sym=sym, method=method, act_order=act_order)
 
     def bits_per_weight(self, in_features: int) -> float:
         """Average stored bits per weight: the integer plus its group's fp16 scale and packed zero."""
+        if self.is_fp8:
+            return 8 + 32 / (self.block * self.block if self.block else in_features)
         g = self.group_size or in_features
         return self.bits + (16 + (0 if self.sym else self.bits)) / g
 
     def describe(self) -> str:
+        if self.is_fp8:
+            return f"fp8 e4m3 {'128x128 block' if self.block else 'per-channel'}"
         group = f"g{self.group_size}" if self.group_size else "per-channel"
         return f"int{self.bits} {self.method} {group} {'sym' if self.sym else 'asym'}"

@@ -34,8 +34,12 @@ def test_scheme_parsing_and_errors() -> None:
     s = QuantScheme.parse("int4-rtn", group_size=64, sym=False)
     assert (s.bits, s.group_size, s.sym, s.method) == (4, 64, False, "rtn")
     assert s.bits_per_weight(576) == pytest.approx(4 + 20 / 64)
-    with pytest.raises(ValueError, match="scheme 'int4-awq' is not supported yet"):
-        QuantScheme.parse("int4-awq")
+    with pytest.raises(ValueError, match="scheme 'int3-awq' is not supported yet"):
+        QuantScheme.parse("int3-awq")
+    fp8 = QuantScheme.parse("fp8-block")
+    assert fp8.is_fp8 and fp8.block == 128 and fp8.bits_per_weight(576) == pytest.approx(8 + 32 / 128**2)
+    with pytest.raises(ValueError, match="fp8 has no act-order"):
+        QuantScheme.parse("fp8", act_order=True)
     assert QuantScheme.parse("int4-gptq", act_order=True).act_order
     with pytest.raises(ValueError, match="group_size=100"):
         QuantScheme(4, 100, True)

@@ -1,0 +1,25 @@
+"""Which quantized-linear format a checkpoint's ``quantization_config`` describes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from qpage.formats.awq import AwqConfig
+from qpage.formats.fp8 import Fp8Config
+from qpage.formats.gptq import GptqConfig
+
+LinearConfig = GptqConfig | AwqConfig | Fp8Config
+SUPPORTED = ("gptq", "awq (GEMM)", "compressed-tensors (FP8)", "fp8")
+
+
+def linear_config(qc: dict[str, Any], where: str) -> LinearConfig:
+    """Parse and check ``qc``; the error names the setting and what qpage reads instead."""
+    method = qc.get("quant_method") if isinstance(qc, dict) else None
+    if method == "gptq":
+        return GptqConfig.from_json(qc, where)
+    if method == "awq":
+        return AwqConfig.from_json(qc, where)
+    if method in ("compressed-tensors", "fp8"):
+        return Fp8Config.from_json(qc, where)
+    raise ValueError(f"{where}: quantization_config quant_method={method!r} is not supported yet; qpage reads "
+                     f"{', '.join(SUPPORTED)} checkpoints")

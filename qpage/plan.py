@@ -1,0 +1,159 @@
+"""``qpage plan``: what fits on one card, for each weight scheme x KV-cache dtype (DESIGN 9).
+
+Weights: every linear of the decoder at the scheme's bits plus its scales (and zeros,
+``g_idx``) in the layout qpage loads; embeddings, the LM head, norms and biases in FP16.
+KV bytes per token: the engine's own formula (``KVCacheSpec.bytes_per_token``), FP8 per-token
+scales included. Token capacity: what is left of the card after the weights and a fixed
+allowance for activations and the runtime, in whole 16-token blocks.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from qpage.config import BLOCK_SIZE, parse_size
+from qpage.layers.kv_format import KVCacheSpec
+from qpage.models.arch import ArchConfig, parse_arch_config
+
+CONFIG_DIR = Path(__file__).parent / "data" / "configs"
+DEFAULT_OVERHEAD = "1.5GiB"
+
+
+@dataclass(frozen=True)
+class WeightScheme:
+    name: str
+    bits: int
+    group_size: int | None
+    """Input features per scale group; None = one scale per output channel."""
+    scale_bytes: int
+    zero_bits: int
+    g_idx: bool
+
+
+WEIGHT_SCHEMES = (
+    WeightScheme("FP16", 16, None, 0, 0, False),
+    WeightScheme("INT8 g128", 8, 128, 2, 8, True),
+    WeightScheme("INT4 g128", 4, 128, 2, 4, True),
+    WeightScheme("FP8", 8, None, 4, 0, False),
+)
+KV_DTYPES = (("FP16", "auto"), ("FP8", "fp8"))
+
+
+def bundled_configs() -> list[str]:
+    return sorted(p.stem for p in CONFIG_DIR.glob("*.json"))
+
+
+def load_arch(model_or_config: str) -> tuple[str, ArchConfig]:
+    """A bundled name (``Llama-3-8B``), a config.json path, or a model folder."""
+    p = Path(model_or_config).expanduser()
+    if p.is_dir():
+        p = p / "config.json"
+    if not p.is_file():
+        bundled = CONFIG_DIR / f"{model_or_config}.json"
+        if not bundled.is_file():
+            raise FileNotFoundError(
+                f"{model_or_config!r} is neither a config.json, a model folder, nor a bundled config; "
+                f"bundled: {', '.join(bundled_configs())}"
+            )
+        p = bundled
+    try:
+        cfg = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{p} is not valid JSON ({e})") from None
+    name = p.stem if p.parent == CONFIG_DIR else p.parent.name
+    return name, parse_arch_config(cfg, str(p))
+
+
+def linear_shapes(a: ArchConfig) -> list[tuple[int, int]]:
+    """(in_features, out_features) of every decoder linear."""
+    per_layer = [
+        (a.hidden_size, a.q_size), (a.hidden_size, a.kv_size), (a.hidden_size, a.kv_size), (a.q_size, a.hidden_size),
+        (a.hidden_size, a.intermediate_size), (a.hidden_size, a.intermediate_size),
+        (a.intermediate_size, a.hidden_size),
+    ]
+    return per_layer * a.num_layers
+
+
+def fp16_params(a: ArchConfig) -> int:
+    """Parameters kept in FP16 under every scheme: embeddings, head, norms, biases."""
+    n = a.vocab_size * a.hidden_size * (1 if a.tie_word_embeddings else 2)
+    n += a.hidden_size * (2 * a.num_layers + 1)
+    if a.qk_norm:
+        n += 2 * a.head_dim * a.num_layers
+    if a.qkv_bias:
+        n += (a.q_size + 2 * a.kv_size) * a.num_layers
+    return n
+
+
+def weight_bytes(a: ArchConfig, s: WeightScheme) -> int:
+    total = 2 * fp16_params(a)
+    for k, n in linear_shapes(a):
+        total += k * n * s.bits // 8
+        groups = -(-k // s.group_size) if s.group_size else 1
+        total += groups * n * s.scale_bytes + groups * n * s.zero_bits // 8
+        if s.g_idx:
+            total += 4 * k
+    return total
+
+
+def num_params(a: ArchConfig) -> int:
+    return fp16_params(a) + sum(k * n for k, n in linear_shapes(a))
+
+
+@dataclass(frozen=True)
+class PlanRow:
+    weights: str
+    kv: str
+    weight_bytes: int
+    kv_bytes_per_token: int
+    tokens: int
+    concurrent: int
+    fits: bool
+
+
+def plan(a: ArchConfig, gpu_memory: int, overhead: int, context_len: int) -> list[PlanRow]:
+    rows = []
+    for s in WEIGHT_SCHEMES:
+        wb = weight_bytes(a, s)
+        for kv_name, kv_dtype in KV_DTYPES:
+            spec = KVCacheSpec.from_config(kv_dtype, "per_token", torch.float16)
+            per_tok = spec.bytes_per_token(a.num_layers, a.num_kv_heads, a.head_dim)
+            free = gpu_memory - overhead - wb
+            blocks = max(free, 0) // (per_tok * BLOCK_SIZE)
+            tokens = blocks * BLOCK_SIZE
+            per_req = -(-context_len // BLOCK_SIZE)
+            rows.append(PlanRow(s.name, kv_name, wb, per_tok, tokens, blocks // per_req, tokens >= context_len))
+    return rows
+
+
+def format_table(name: str, a: ArchConfig, rows: list[PlanRow], gpu_memory: int, overhead: int, ctx: int) -> str:
+    gb = 1e9
+    head = (f"{name}: {num_params(a) / 1e9:.2f} B parameters, {a.num_layers} layers, {a.num_kv_heads} KV heads x "
+            f"{a.head_dim}; card {gpu_memory / 2**30:.1f} GiB, {overhead / 2**30:.1f} GiB kept for activations "
+            f"and runtime; requests of {ctx} tokens")
+    lines = [head, "",
+             "| weights | KV cache | weights GB | KV bytes/token | KV tokens | concurrent @ ctx | fits |",
+             "|---|---|---:|---:|---:|---:|---|"]
+    for r in rows:
+        fits = "yes" if r.fits else ("no: weights too big" if r.tokens == 0 else "no: context too long")
+        lines.append(f"| {r.weights} | {r.kv} | {r.weight_bytes / gb:.2f} | {r.kv_bytes_per_token:,} "
+                     f"({r.kv_bytes_per_token / 1024:.1f} KiB) | {r.tokens:,} | {r.concurrent} | {fits} |")
+    return "\n".join(lines)
+
+
+def run_plan(model_or_config: str, gpu_memory: str, overhead: str, context_len: int | None,
+             as_json: bool = False) -> str:
+    name, a = load_arch(model_or_config)
+    mem, over = parse_size(gpu_memory, "gpu_memory"), parse_size(overhead, "overhead")
+    ctx = context_len or min(a.max_position_embeddings, 8192)
+    if ctx < 1:
+        raise ValueError(f"context_len={ctx} must be at least 1")
+    rows = plan(a, mem, over, ctx)
+    if as_json:
+        return json.dumps({"model": name, "gpu_memory": mem, "overhead": over, "context_len": ctx,
+                           "params": num_params(a), "rows": [r.__dict__ for r in rows]}, indent=2)
+    return format_table(name, a, rows, mem, over, ctx)
