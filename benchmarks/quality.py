@@ -1,9 +1,10 @@
 """Quantization quality on the default model: perplexity, size and time of each qpage scheme.
 
 Protocol (issue 3): calibration windows of ``--seq-len`` tokens from wikitext-2
-``valid.txt`` (GPTQ), perplexity on the first ``--windows`` windows of ``test.txt``, every
-scheme scored on the same windows in one run, next to the unquantized model. Peer tools
-(GPTQModel, llm-compressor) are not run here yet.
+``valid.txt`` (GPTQ, AWQ), perplexity on the first ``--windows`` windows of ``test.txt``, every
+scheme scored on the same windows in one run, next to the unquantized model, and next to
+the peer GPTQ tool that runs here (GPTQModel 7.7, quantizing on the same windows in its own
+process; its checkpoint is scored by qpage's engine like every other row).
 
     python benchmarks/quality.py [--samples 128] [--seq-len 512] [--windows 40]
 """
@@ -21,9 +22,21 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT.parent / "shared" / "data" / "wikitext2"
-SCHEMES = [("int4-rtn g128", "int4-rtn", 128, False), ("int4-gptq g128", "int4-gptq", 128, False),
-           ("int4-gptq g128 act-order", "int4-gptq", 128, True), ("int8-rtn channel", "int8-rtn", None, False),
-           ("int8-gptq channel", "int8-gptq", None, False)]
+# (label, scheme, group size, act-order, symmetric)
+SCHEMES = [
+    ("int4-rtn g128", "int4-rtn", 128, False, True),
+    ("int4-gptq g128 act-order", "int4-gptq", 128, True, True),
+    ("int4-awq g128", "int4-awq", 128, False, True),
+    ("int4-rtn g128 asym", "int4-rtn", 128, False, False),
+    ("int4-gptq g128 asym act-order", "int4-gptq", 128, True, False),
+    ("int4-awq g128 asym", "int4-awq", 128, False, False),
+    ("int8-rtn channel", "int8-rtn", None, False, True),
+    ("int8-gptq channel", "int8-gptq", None, False, True),
+    ("fp8 channel", "fp8", None, False, True),
+    ("fp8 block 128x128", "fp8-block", None, False, True),
+]
+# Peer tools, run on the same calibration windows (label, extra arguments of the peer script).
+PEERS = [("GPTQModel 7.7 int4 g128 (its defaults)", [])]
 
 
 def parse_args() -> argparse.Namespace:
@@ -33,7 +46,40 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--windows", type=int, default=40)
     p.add_argument("--data", default=str(DATA))
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "quality.json"))
+    p.add_argument("--only", nargs="*", default=None, help="run only the schemes whose label contains one of these")
+    p.add_argument("--no-peers", action="store_true", help="skip the peer tools (GPTQModel)")
     return p.parse_args()
+
+
+def run_peers(args: argparse.Namespace, src: Path, work: Path, ppl: Any, base: float) -> list[dict[str, Any]]:
+    """Each peer quantizes in its own process on the same windows; qpage scores its checkpoint."""
+    import importlib.util
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("gptqmodel") is None:
+        print("GPTQModel is not installed: peer rows skipped (pip install --no-deps gptqmodel==7.7.0, "
+              "see DESIGN 7b)", flush=True)
+        return []
+    rows = []
+    for label, extra in PEERS:
+        out = work / "peer"
+        cmd = [sys.executable, str(ROOT / "benchmarks/peers/gptqmodel_quantize.py"), str(src), str(out),
+               "--calib", str(Path(args.data) / "valid.txt"), "--samples", str(args.samples),
+               "--seq-len", str(args.seq_len), "--group-size", "128", *extra]
+        t = time.perf_counter()
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        secs = time.perf_counter() - t
+        if r.returncode != 0:
+            print(f"{label}: failed ({r.stderr.strip().splitlines()[-1:]})", flush=True)
+            rows.append(dict(scheme=label, error=r.stderr[-2000:]))
+            continue
+        p = ppl(str(out))
+        size = sum(f.stat().st_size for f in out.glob("*.safetensors"))
+        rows.append(dict(scheme=label, perplexity=p, size_bytes=size, quantize_seconds=secs, peer=True))
+        print(f"{label}: {p:.4f} ({100 * (p / base - 1):+.2f}%), {secs:.0f} s", flush=True)
+        shutil.rmtree(out)
+    return rows
 
 
 def main() -> None:
@@ -65,18 +111,22 @@ def main() -> None:
     print(f"unquantized: {rows[0]['perplexity']:.4f}", flush=True)
     work = Path(tempfile.mkdtemp(prefix="qpage-quality-"))
     try:
-        for label, name, group, act in SCHEMES:
+        for label, name, group, act, sym in SCHEMES:
+            if args.only and not any(o in label for o in args.only):
+                continue
             out = work / label.replace(" ", "_")
             t = time.perf_counter()
-            scheme = QuantScheme.parse(name, group_size=group, sym=True, act_order=act)
+            scheme = QuantScheme.parse(name, group_size=group, sym=sym, act_order=act)
             r = quantize_checkpoint(src, out, scheme, progress=False,
-                                    calib=calib if scheme.method == "gptq" else None)
+                                    calib=calib if scheme.method in ("gptq", "awq") else None)
             secs = time.perf_counter() - t
             p = ppl(str(out))
             rows.append(dict(scheme=label, perplexity=p, size_bytes=r.bytes_out, quantize_seconds=secs,
                              peak_rss_bytes=r.peak_rss_bytes))
             print(f"{label}: {p:.4f} ({100 * (p / rows[0]['perplexity'] - 1):+.2f}%), {secs:.0f} s", flush=True)
             shutil.rmtree(out)
+        if not args.no_peers:
+            rows += run_peers(args, src, work, ppl, rows[0]["perplexity"])
     finally:
         shutil.rmtree(work, ignore_errors=True)
     res = dict(samples=args.samples, seq_len=args.seq_len, windows=len(test), rows=rows)
@@ -86,9 +136,12 @@ def main() -> None:
     base = rows[0]["perplexity"]
     print(f"\ncalibration {args.samples} x {args.seq_len} (valid.txt); perplexity on {len(test)} x {args.seq_len} "
           "(test.txt)")
-    print(f"{'scheme':<28} {'perplexity':>11} {'vs fp32':>8} {'size MB':>8} {'time s':>7}")
+    print(f"{'scheme':<32} {'perplexity':>11} {'vs fp32':>8} {'size MB':>8} {'time s':>7}")
     for r in rows:
-        print(f"{r['scheme']:<28} {r['perplexity']:>11.4f} {100 * (r['perplexity'] / base - 1):>+7.2f}% "
+        if "perplexity" not in r:
+            print(f"{r['scheme']:<32} failed")
+            continue
+        print(f"{r['scheme']:<32} {r['perplexity']:>11.4f} {100 * (r['perplexity'] / base - 1):>+7.2f}% "
               f"{r['size_bytes'] / 1e6:>8.1f} {r.get('quantize_seconds', 0):>7.0f}")
     print(f"wrote {path}")
 

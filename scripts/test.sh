@@ -3,5 +3,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
+bash scripts/install_peers.sh
 python -m ruff check qpage tests benchmarks
 python -m pytest -q "$@"

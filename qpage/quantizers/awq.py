@@ -10,7 +10,8 @@ post-attention norm, down after up; o after v only without GQA), with calibratio
 3. clip search (optional): per output channel and group, shrink the quantization range to
    the ratio in [0.5, 1] that minimizes that group's share of the output error;
 4. RTN with the usual GPTQ-compatible scale/zero convention.
-X is subsampled (``max_tokens`` rows, fixed seed) for the searches; mean|X| uses every row.
+The errors are computed from H = E[x x^T] of every calibration token (d H d^T for a weight
+error d), so the searches see all tokens at the cost of one [in, in] matrix per input.
 """
 
 from __future__ import annotations
@@ -21,33 +22,31 @@ from qpage.quantizers.rtn import dequantize_rtn, quantize_rtn
 
 
 class InputRecorder:
-    """Per-channel mean |x| over all rows and a reservoir of up to ``max_tokens`` rows."""
+    """What the searches need from a linear's inputs X: per-channel mean |x| and H = X^T X / n."""
 
-    def __init__(self, n: int, max_tokens: int, seed: int = 0) -> None:
+    def __init__(self, n: int) -> None:
         self.abs_sum = torch.zeros(n, dtype=torch.float64)
+        self.h = torch.zeros(n, n, dtype=torch.float64)
         self.count = 0
-        self.rows: list[torch.Tensor] = []
-        self.max_tokens = max_tokens
-        self.gen = torch.Generator().manual_seed(seed)
 
     def add(self, x: torch.Tensor) -> None:
-        x = x.reshape(-1, x.shape[-1]).float()
+        x = x.reshape(-1, x.shape[-1])
         self.abs_sum += x.abs().sum(0).double()
+        xd = x.double().numpy()
+        self.h += torch.from_numpy(xd.T @ xd)  # NumPy's BLAS (multi-threaded; torch is on one here)
         self.count += x.shape[0]
-        self.rows.append(x.clone())
-        kept = sum(r.shape[0] for r in self.rows)
-        if kept > 2 * self.max_tokens:  # keep memory bounded: subsample what we hold
-            self.rows = [self.sample()]
 
     def mean_abs(self) -> torch.Tensor:
         return (self.abs_sum / max(self.count, 1)).float()
 
-    def sample(self) -> torch.Tensor:
-        x = torch.cat(self.rows)
-        if x.shape[0] <= self.max_tokens:
-            return x
-        idx = torch.randperm(x.shape[0], generator=self.gen)[: self.max_tokens]
-        return x[idx.sort().values]
+    def hessian(self) -> torch.Tensor:
+        return (self.h / max(self.count, 1)).float()
+
+
+def output_error(d: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """Mean squared output error per output channel of a weight error d [out, in]:
+    mean over inputs x of (d x)^2 = d H d^T (diagonal), H = E[x x^T]."""
+    return ((d @ h) * d).sum(1)
 
 
 def fake_quant(w: torch.Tensor, bits: int, group_size: int | None, sym: bool) -> torch.Tensor:
@@ -68,44 +67,40 @@ def _group_mean_abs_w(w: torch.Tensor, group_size: int | None) -> torch.Tensor:
 
 
 @torch.no_grad()
-def search_scale(x: torch.Tensor, x_mean: torch.Tensor, w: torch.Tensor, bits: int, group_size: int | None,
+def search_scale(h: torch.Tensor, x_mean: torch.Tensor, w: torch.Tensor, bits: int, group_size: int | None,
                  sym: bool, n_grid: int = 20) -> tuple[torch.Tensor, float, float]:
-    """Best per-input-channel scales for w [out, in] given inputs x [T, in].
-    Returns (scales [in], best ratio, error ratio best/plain-RTN)."""
-    ref = x @ w.t()
+    """Best per-input-channel scales for w [out, in] given the inputs' H = E[x x^T] [in, in] and
+    mean |x| [in]. The output error of scales s is that of Q(w s) / s against w over every
+    calibration token. Returns (scales [in], best ratio, error ratio best / plain RTN)."""
     w_mean = _group_mean_abs_w(w, group_size)
-    best = (float("inf"), torch.ones_like(x_mean), 0.0)
-    plain = None
+    plain = float(output_error(fake_quant(w, bits, group_size, sym) - w, h).sum())
+    best = (plain, torch.ones_like(x_mean), -1.0)  # no scaling stays a candidate: never worse than RTN
     for i in range(n_grid):
         a = i / n_grid
         s = (x_mean.clamp_min(1e-8) ** a / w_mean.clamp_min(1e-8) ** (1 - a)).clamp_min(1e-4)
         s = s / (s.max() * s.min()).sqrt()
-        err = float(((x / s) @ fake_quant(w * s, bits, group_size, sym).t() - ref).pow(2).mean())
-        if i == 0:
-            plain = float((x @ fake_quant(w, bits, group_size, sym).t() - ref).pow(2).mean())
+        err = float(output_error(fake_quant(w * s, bits, group_size, sym) / s - w, h).sum())
         if err < best[0]:
             best = (err, s, a)
-    return best[1], best[2], best[0] / max(plain or best[0], 1e-30)
+    return best[1], best[2], best[0] / max(plain, 1e-30)
 
 
 @torch.no_grad()
-def search_clip(x: torch.Tensor, w: torch.Tensor, bits: int, group_size: int | None, sym: bool,
+def search_clip(h: torch.Tensor, w: torch.Tensor, bits: int, group_size: int | None, sym: bool,
                 n_grid: int = 20, max_shrink: float = 0.5) -> torch.Tensor:
-    """w [out, in] clipped per (output channel, group) to the range that minimizes the group's
-    output error on x [T, in]."""
+    """w [out, in] clipped per (output channel, group) to the range that minimizes that group's
+    output error (H's diagonal block for the group; cross-group terms ignored, as AWQ does)."""
     out_f, in_f = w.shape
     g = group_size or in_f
     best_w = w.clone()
     for lo in range(0, in_f, g):
-        xg, wg = x[:, lo : lo + g], w[:, lo : lo + g]
-        ref = xg @ wg.t()  # [T, out]
+        wg, hg = w[:, lo : lo + g], h[lo : lo + g, lo : lo + g]
         amax = wg.abs().amax(dim=1, keepdim=True)
         best_err = torch.full((out_f,), float("inf"))
         for i in range(int(max_shrink * n_grid)):
             mx = amax * (1 - i / n_grid)
             cand = torch.maximum(torch.minimum(wg, mx), -mx)
-            qg = fake_quant(cand, bits, None, sym)  # one group: per-row scale over these columns
-            err = (xg @ qg.t() - ref).pow(2).mean(0)
+            err = output_error(fake_quant(cand, bits, None, sym) - wg, hg)  # one group: per-row scale
             better = err < best_err
             best_err = torch.where(better, err, best_err)
             best_w[better, lo : lo + g] = cand[better]

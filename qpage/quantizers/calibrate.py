@@ -125,19 +125,19 @@ def _run_layer(model: Any, layer: Any, hidden: list[torch.Tensor], backend: Any,
 
 @torch.inference_mode()
 def awq_calibrate(src: Path, scheme: QuantScheme, windows: list[list[int]], clip: bool = True,
-                  max_tokens: int = 4096, on_layer: Callable[[int, int], None] | None = None,
+                  on_layer: Callable[[int, int], None] | None = None,
                   ) -> tuple[dict[str, Result], dict[str, torch.Tensor]]:
     """AWQ every decoder linear of ``src``: (prefix -> (q, scales, zeros, None), and the norm
     weights that absorbed the scales, by checkpoint name)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # see gptq_calibrate
     try:
-        return _awq(src, scheme, windows, clip, max_tokens, on_layer)
+        return _awq(src, scheme, windows, clip, on_layer)
     finally:
         torch.set_num_threads(threads)
 
 
-def _awq(src: Path, scheme: QuantScheme, windows: list[list[int]], clip: bool, max_tokens: int,
+def _awq(src: Path, scheme: QuantScheme, windows: list[list[int]], clip: bool,
          on_layer: Callable[[int, int], None] | None) -> tuple[dict[str, Result], dict[str, torch.Tensor]]:
     from qpage.quantizers.awq import InputRecorder, search_clip, search_scale
 
@@ -153,7 +153,7 @@ def _awq(src: Path, scheme: QuantScheme, windows: list[list[int]], clip: bool, m
     bits, g, sym = scheme.bits, scheme.group_size, scheme.sym
     for li, layer in enumerate(model.layers):
         linears = {fused: layer.get_submodule(fused) for fused in parts}
-        rec = {k: InputRecorder(m.in_features, max_tokens, seed=li) for k, m in linears.items()}
+        rec = {k: InputRecorder(m.in_features) for k, m in linears.items()}
         _run_layer(model, layer, hidden, backend, c, record=(linears, rec))  # type: ignore[arg-type]
         inter, v0 = c.intermediate_size, c.q_size + c.kv_size
         # (fused linear, what absorbs 1/s: a norm weight or rows of an earlier linear)
@@ -164,20 +164,18 @@ def _awq(src: Path, scheme: QuantScheme, windows: list[list[int]], clip: bool, m
         ]
         if c.kv_size == c.q_size:  # o after v only without GQA (a v row feeds one o column)
             plan.append(("self_attn.o_proj", linears["self_attn.qkv_proj"].weight.data[v0 : v0 + c.kv_size]))
-        inputs = {}
+        hess = {k: r.hessian() for k, r in rec.items()}
         for key, prev in plan:
             w = linears[key].weight.data
-            x = rec[key].sample()
-            s, _, _ = search_scale(x, rec[key].mean_abs(), w, bits, g, sym)
+            s, _, _ = search_scale(hess[key], rec[key].mean_abs(), w, bits, g, sym)
             prev.div_(s if prev.dim() == 1 else s[:, None])
             w.mul_(s)
-            inputs[key] = x / s
+            hess[key] = hess[key] / (s[:, None] * s[None, :])  # the inputs are now x / s
         pre = f"model.layers.{li}."
         for key, mod in linears.items():
             w = mod.weight.data
             if clip and key != "self_attn.qkv_proj":  # q/k feed a softmax: AWQ leaves them unclipped
-                x = inputs.get(key, rec[key].sample())
-                w.copy_(search_clip(x, w.clone(), bits, g, sym))
+                w.copy_(search_clip(hess[key], w.clone(), bits, g, sym))
             q, s, z = quantize_rtn(w, bits, g, sym)
             for name, off, rows in parts[key]:
                 out[pre + name] = (q[:, off : off + rows].contiguous(), s[:, off : off + rows].contiguous(),
