@@ -102,7 +102,7 @@ def test_queue_bound_gives_503_then_recovers(server: Server) -> None:
 
     async def one(c: Any) -> int:
         try:
-            await c.completions.create(model=MODEL, prompt="Count: 1 2 3", max_tokens=24, temperature=0,
+            await c.completions.create(model=MODEL, prompt="Count: 1 2 3", max_tokens=64, temperature=0,
                                        extra_body={"ignore_eos": True})
             return 200
         except openai.APIStatusError as e:
@@ -110,16 +110,23 @@ def test_queue_bound_gives_503_then_recovers(server: Server) -> None:
             assert set(body["error"]) >= {"message", "type", "param", "code"}
             return e.status_code
 
-    async def burst() -> list[int]:
+    async def burst() -> tuple[list[int], float]:
         c = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=300)
         try:
-            return await asyncio.gather(*(one(c) for _ in range(30)))
+            jobs = asyncio.gather(*(one(c) for _ in range(30)))
+            most_waiting = 0.0
+            while not jobs.done():  # the waiting gauge, scraped while the burst runs
+                m = await asyncio.to_thread(metrics, server.url)
+                most_waiting = max(most_waiting, m["qpage:num_requests_waiting"])
+                await asyncio.sleep(0.05)
+            return await jobs, most_waiting
         finally:
             await c.close()
 
-    codes = asyncio.run(burst())
+    codes, most_waiting = asyncio.run(burst())
     assert set(codes) == {200, 503}, codes
     assert codes.count(200) >= 8
+    assert most_waiting > 0  # the gauge moved
     wait_idle(server)
     assert_still_serving(server)
 
