@@ -31,7 +31,6 @@ SCHEMES = [
     ("int4-gptq g128 asym act-order", "int4-gptq", 128, True, False),
     ("int4-awq g128 asym", "int4-awq", 128, False, False),
     ("int8-rtn channel", "int8-rtn", None, False, True),
-    ("int8-gptq channel", "int8-gptq", None, False, True),
     ("fp8 channel", "fp8", None, False, True),
     ("fp8 block 128x128", "fp8-block", None, False, True),
 ]

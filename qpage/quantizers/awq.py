@@ -32,8 +32,8 @@ class InputRecorder:
     def add(self, x: torch.Tensor) -> None:
         x = x.reshape(-1, x.shape[-1])
         self.abs_sum += x.abs().sum(0).double()
-        xd = x.double().numpy()
-        self.h += torch.from_numpy(xd.T @ xd)  # NumPy's BLAS (multi-threaded; torch is on one here)
+        xf = x.float().numpy()
+        self.h += torch.from_numpy(xf.T @ xf).double()  # as calibrate._Hessian: fp32 products, fp64 sum
         self.count += x.shape[0]
 
     def mean_abs(self) -> torch.Tensor:
