@@ -5,11 +5,12 @@ from __future__ import annotations
 from typing import Any
 
 from qpage.formats.awq import AwqConfig
+from qpage.formats.compressed_tensors import CtIntConfig
 from qpage.formats.fp8 import Fp8Config
 from qpage.formats.gptq import GptqConfig
 
-LinearConfig = GptqConfig | AwqConfig | Fp8Config
-SUPPORTED = ("gptq", "awq (GEMM)", "compressed-tensors (FP8)", "fp8")
+LinearConfig = GptqConfig | AwqConfig | CtIntConfig | Fp8Config
+SUPPORTED = ("gptq", "awq (GEMM)", "compressed-tensors (pack-quantized INT4/INT8, FP8)", "fp8")
 
 
 def linear_config(qc: dict[str, Any], where: str) -> LinearConfig:
@@ -19,6 +20,13 @@ def linear_config(qc: dict[str, Any], where: str) -> LinearConfig:
         return GptqConfig.from_json(qc, where)
     if method == "awq":
         return AwqConfig.from_json(qc, where)
+    if method == "compressed-tensors":
+        groups = qc.get("config_groups") or {}
+        if len(groups) == 1:
+            (group,) = groups.values()
+            weights = group.get("weights") or {}
+            if weights.get("type") == "int":
+                return CtIntConfig.from_weights(weights, group.get("format") or qc.get("format"), where)
     if method in ("compressed-tensors", "fp8"):
         return Fp8Config.from_json(qc, where)
     raise ValueError(f"{where}: quantization_config quant_method={method!r} is not supported yet; qpage reads "

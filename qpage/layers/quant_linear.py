@@ -17,6 +17,8 @@ from torch import nn
 
 from qpage.formats.awq import AwqConfig
 from qpage.formats.awq import check_linear as awq_check_linear
+from qpage.formats.compressed_tensors import CtIntConfig
+from qpage.formats.compressed_tensors import check_linear as ct_check_linear
 from qpage.formats.gptq import GptqConfig, check_linear
 from qpage.kernels import cpu_matmul
 from qpage.kernels.quant_matmul import dequantize_ref, int_matmul
@@ -24,14 +26,17 @@ from qpage.kernels.triton_utils import triton_unavailable_reason
 
 
 class IntLinear(nn.Module):
-    def __init__(self, in_features: int, out_features: int, bias: bool, cfg: GptqConfig | AwqConfig) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool,
+                 cfg: GptqConfig | AwqConfig | CtIntConfig) -> None:
         super().__init__()
         self.in_features, self.out_features, self.cfg = in_features, out_features, cfg
         pack = 32 // cfg.bits
         groups = -(-in_features // (cfg.group_size or in_features))
         self.register_buffer("qweight", torch.zeros(-(-in_features // pack), out_features, dtype=torch.int32))
         self.register_buffer("qzeros", torch.zeros(groups, out_features // pack, dtype=torch.int32))
-        self.register_buffer("scales", torch.zeros(groups, out_features, dtype=torch.float16))
+        # GPTQ and AWQ store fp16 scales; compressed-tensors often fp32/bf16, kept exactly.
+        scale_dtype = torch.float32 if isinstance(cfg, CtIntConfig) else torch.float16
+        self.register_buffer("scales", torch.zeros(groups, out_features, dtype=scale_dtype))
         self.g_idx: torch.Tensor | None = None
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self._dense: torch.Tensor | None = None
@@ -42,12 +47,16 @@ class IntLinear(nn.Module):
 
     def wants(self, parts: dict[str, torch.Tensor]) -> bool:
         """Whether one projection's tensors are all there (GPTQ has g_idx, AWQ has not)."""
+        if isinstance(self.cfg, CtIntConfig):
+            return self.cfg.wants(parts)
         return len(parts) == (3 if isinstance(self.cfg, AwqConfig) else 4)
 
     def load_part(self, prefix: str, parts: dict[str, torch.Tensor], offset: int, cols: int, file: str) -> None:
         """Copy one projection's tensors into output columns [offset, offset + cols)."""
         if isinstance(self.cfg, AwqConfig):
             t = awq_check_linear(prefix, parts, self.cfg, self.in_features, cols, file)
+        elif isinstance(self.cfg, CtIntConfig):
+            t = ct_check_linear(prefix, parts, self.cfg, self.in_features, cols, file)
         else:
             t = check_linear(prefix, parts, self.cfg, self.in_features, cols, file)
         pack = 32 // self.cfg.bits

@@ -29,7 +29,8 @@ from qpage.models.arch import ArchConfig
 KVCache = LayerKV
 QuantLinear = IntLinear | Fp8Linear
 QUANT_LINEARS = (IntLinear, Fp8Linear)
-QUANT_SUFFIXES = ("qweight", "qzeros", "scales", "g_idx", "weight", "weight_scale", "weight_scale_inv", "input_scale")
+QUANT_SUFFIXES = ("qweight", "qzeros", "scales", "g_idx", "weight", "weight_scale", "weight_scale_inv", "input_scale",
+                  "weight_packed", "weight_shape", "weight_zero_point", "weight_g_idx")
 _KV_SCALE = re.compile(r"^model\.layers\.(\d+)\.self_attn\.([kv])_scale$")
 
 

@@ -1,0 +1,115 @@
+"""compressed-tensors ``pack-quantized`` INT4/INT8 checkpoints written by the compressed-tensors
+package itself (its PackedQuantizationCompressor and calculate_qparams, as llm-compressor
+uses them) load in qpage and give the logits of the package's own decompression run as a dense
+transformers model, and, for symmetric ones, of transformers loading the folder directly.
+Both sides fp32 on the same weights, so the bound is the architecture tests' 2e-4."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import save_file
+
+from tests.helpers import RunnerHarness
+
+ct = pytest.importorskip("compressed_tensors")
+IDS = [3, 17, 99, 140, 7, 250, 31, 64, 5, 201, 88, 12]
+
+
+def _write(tmp: Path, bits: int, sym: bool, strategy: str) -> tuple[Path, Any]:
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    args = QuantizationArgs(num_bits=bits, type="int", symmetric=sym, strategy=strategy,
+                            group_size=64 if strategy == "group" else None)
+    scheme = QuantizationScheme(targets=["Linear"], weights=args)
+    state: dict[str, torch.Tensor] = {}
+    for name, t in model.state_dict().items():
+        if not (name.endswith("_proj.weight") and ".layers." in name):
+            state[name] = t.contiguous()
+            continue
+        g = 64 if strategy == "group" else t.shape[1]
+        grouped = t.view(t.shape[0], -1, g)
+        scale, zp = calculate_qparams(grouped.amin(-1), grouped.amax(-1), args)
+        parts = {"weight": t, "weight_scale": scale, "weight_zero_point": zp}
+        prefix = name.removesuffix(".weight")
+        for k, v in PackedQuantizationCompressor.compress(parts, scheme).items():
+            state[f"{prefix}.{k}"] = v.contiguous()
+    out = tmp / f"ct-w{bits}-{'sym' if sym else 'asym'}-{strategy}"
+    out.mkdir()
+    save_file(state, out / "model.safetensors")
+    config = cfg.to_dict()
+    config["architectures"] = ["LlamaForCausalLM"]
+    config["quantization_config"] = QuantizationConfig(
+        config_groups={"group_0": scheme}, format="pack-quantized", quantization_status="compressed",
+        ignore=["lm_head"]).model_dump(mode="json")
+    (out / "config.json").write_text(json.dumps(config))
+    return out, state
+
+
+def _decompressed(state: dict[str, torch.Tensor], bits: int, sym: bool, strategy: str) -> dict[str, torch.Tensor]:
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    args = QuantizationArgs(num_bits=bits, type="int", symmetric=sym, strategy=strategy,
+                            group_size=64 if strategy == "group" else None)
+    scheme = QuantizationScheme(targets=["Linear"], weights=args)
+    out = {k: v for k, v in state.items() if not k.rsplit(".", 1)[-1].startswith("weight_")}
+    for k in state:
+        if k.endswith(".weight_packed"):
+            prefix = k.removesuffix(".weight_packed")
+            parts = {n.rsplit(".", 1)[-1]: v for n, v in state.items() if n.startswith(prefix + ".weight_")}
+            out[prefix + ".weight"] = PackedQuantizationCompressor.decompress(parts, scheme)["weight"].float()
+    return out
+
+
+@pytest.mark.parametrize("bits,sym,strategy", [(4, True, "group"), (4, False, "group"), (8, True, "channel")])
+def test_peer_written_pack_quantized_loads(tmp_path: Path, bits: int, sym: bool, strategy: str) -> None:
+    folder, state = _write(tmp_path, bits, sym, strategy)
+    assert "model.layers.0.mlp.down_proj.weight_packed" in state
+    assert ("model.layers.0.mlp.down_proj.weight_zero_point" in state) == (not sym)
+    h = RunnerHarness(folder, num_blocks=16, max_len=256)
+    ours = h.step([(h.request("r", IDS), len(IDS))])["r"]
+    # Reference 1: the package's own decompress of every module, run as a dense transformers model.
+    ref_model: Any = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{
+        k: v for k, v in json.loads((folder / "config.json").read_text()).items()
+        if k not in ("quantization_config", "architectures")})).eval()
+    ref_model.load_state_dict(_decompressed(state, bits, sym, strategy), strict=True)
+    with torch.no_grad():
+        ref = ref_model(torch.tensor([IDS])).logits[0]
+    assert (ours - ref).abs().max() < 2e-4
+    if sym:  # Reference 2: transformers loading the folder itself (its asymmetric load path
+        # expects unpacked zero points in this version and refuses the package's own files).
+        direct: Any = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        with torch.no_grad():
+            assert (direct(torch.tensor([IDS])).logits[0] - ours).abs().max() < 2e-4
+
+
+def test_bad_pack_quantized(tmp_path: Path) -> None:
+    from qpage.formats.detect import linear_config
+
+    folder, _ = _write(tmp_path, 4, True, "group")
+    qc = json.loads((folder / "config.json").read_text())["quantization_config"]
+    qc["config_groups"]["group_0"]["weights"]["num_bits"] = 2
+    with pytest.raises(ValueError, match="compressed-tensors int2 is not supported"):
+        linear_config(qc, "config.json")
+    from safetensors.torch import load_file
+
+    t = load_file(folder / "model.safetensors")
+    t["model.layers.1.self_attn.k_proj.weight_scale"] = t["model.layers.1.self_attn.k_proj.weight_scale"][:, :1].clone()
+    save_file(t, folder / "model.safetensors")
+    with pytest.raises(ValueError, match=r"k_proj\.weight_scale has shape \(64, 1\), expected \(64, 2\)"):
+        RunnerHarness(folder, num_blocks=16, max_len=256)
