@@ -50,6 +50,13 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
+def save(args: argparse.Namespace, rows: list[dict[str, Any]], windows: int) -> Path:
+    path = Path(args.out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(dict(samples=args.samples, seq_len=args.seq_len, windows=windows, rows=rows), indent=1))
+    return path
+
+
 def run_peers(args: argparse.Namespace, src: Path, work: Path, ppl: Any, base: float) -> list[dict[str, Any]]:
     """Each peer quantizes in its own process on the same windows; qpage scores its checkpoint."""
     import importlib.util
@@ -124,14 +131,12 @@ def main() -> None:
                              peak_rss_bytes=r.peak_rss_bytes))
             print(f"{label}: {p:.4f} ({100 * (p / rows[0]['perplexity'] - 1):+.2f}%), {secs:.0f} s", flush=True)
             shutil.rmtree(out)
+            save(args, rows, len(test))  # after every row: a stopped run keeps what it measured
         if not args.no_peers:
             rows += run_peers(args, src, work, ppl, rows[0]["perplexity"])
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    res = dict(samples=args.samples, seq_len=args.seq_len, windows=len(test), rows=rows)
-    path = Path(args.out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(res, indent=1))
+    path = save(args, rows, len(test))
     base = rows[0]["perplexity"]
     print(f"\ncalibration {args.samples} x {args.seq_len} (valid.txt); perplexity on {len(test)} x {args.seq_len} "
           "(test.txt)")
