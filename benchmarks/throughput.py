@@ -93,16 +93,17 @@ def run_hf(work: list[tuple[list[int], int]], args: argparse.Namespace, model_di
 
 
 def decode_b1(gen: Any, n: int = 128) -> float:
-    """Decode tokens/s at batch 1: (time for 1+n tokens - time for 1 token) / n, best of 3."""
-    best = float("inf")
+    """Decode tokens/s at batch 1: n / (best time for 1+n tokens - best time for 1 token), best of 3
+    each (a difference of minima: one slow short run cannot make the difference negative)."""
+    short, long = float("inf"), float("inf")
     for _ in range(3):
         t = time.perf_counter()
         gen(1)
-        t1 = time.perf_counter() - t
+        short = min(short, time.perf_counter() - t)
         t = time.perf_counter()
         gen(n + 1)
-        best = min(best, time.perf_counter() - t - t1)
-    return n / best
+        long = min(long, time.perf_counter() - t)
+    return n / (long - short) if long > short else float("nan")
 
 
 def child(args: argparse.Namespace) -> None:

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_throughput_script_b1_smoke(tmp_path: Path) -> None:
     out = tmp_path / "tp.json"
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "throughput.py"), "--b1-only",
-                        "--b1-tokens", "4", "--requests", "2", "--kv-cache-memory", "64MiB", "--out", str(out)],
+                        "--b1-tokens", "8", "--requests", "2", "--kv-cache-memory", "64MiB", "--out", str(out)],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "batch-1 decode tokens/s" in r.stdout
