@@ -12,27 +12,21 @@ boundaries do not fall on a 128-row block (q/k/v of small models) still load. Fo
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 from qpage.formats.fp8 import Fp8Config, check_linear
-from qpage.kernels import cpu_matmul
 from qpage.kernels.triton_utils import triton_unavailable_reason
+from qpage.layers.quant_base import QuantLinearBase
 
 
-class Fp8Linear(nn.Module):
+class Fp8Linear(QuantLinearBase):
     def __init__(self, in_features: int, out_features: int, bias: bool, cfg: Fp8Config) -> None:
-        super().__init__()
-        self.in_features, self.out_features, self.cfg = in_features, out_features, cfg
+        super().__init__(in_features, out_features, bias)
+        self.cfg = cfg
         self.register_buffer("codes", torch.zeros(out_features, in_features, dtype=torch.uint8))
         scale_shape = (out_features, -(-in_features // cfg.block)) if cfg.block else (out_features,)
         self.register_buffer("scale", torch.ones(scale_shape, dtype=torch.float32))
-        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.offsets: list[int] = []
-        self.kernel_path = "unprepared"
         self._kernel_scale: torch.Tensor | None = None
-        self._dense: torch.Tensor | None = None
-        self._w_t = None
 
     def wants(self, parts: dict[str, torch.Tensor]) -> bool:
         """Whether one projection's tensors are all there."""
@@ -62,21 +56,10 @@ class Fp8Linear(nn.Module):
             if self._kernel_scale is not None:
                 self.kernel_path = "triton-fused"
                 return
-        self.kernel_path = "cpu-dequantized" if dev.type == "cpu" else "dequantized-fallback"
-        w = self.dequantized()
-        if cpu_matmul.supports(dtype, dev):
-            self._w_t = w.t().to(dtype).contiguous().numpy()
-        else:
-            self._dense = w.to(dtype).contiguous()
+        self.use_dense(self.dequantized().t(), dtype)
         self.codes = torch.empty(0, dtype=torch.uint8)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._w_t is not None:
-            y = cpu_matmul.matmul_wt(x, self._w_t)
-        elif self._dense is not None:
-            y = F.linear(x, self._dense)
-        else:
-            from qpage.kernels.fp8_matmul import fp8_matmul
+    def fused(self, x: torch.Tensor) -> torch.Tensor:
+        from qpage.kernels.fp8_matmul import fp8_matmul
 
-            y = fp8_matmul(x, self.codes, self._kernel_scale)
-        return y + self.bias if self.bias is not None else y
+        return fp8_matmul(x, self.codes, self._kernel_scale)

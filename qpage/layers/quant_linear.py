@@ -12,24 +12,22 @@ to the kernels' convention). Forward:
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 from qpage.formats.awq import AwqConfig
 from qpage.formats.awq import check_linear as awq_check_linear
 from qpage.formats.compressed_tensors import CtIntConfig
 from qpage.formats.compressed_tensors import check_linear as ct_check_linear
 from qpage.formats.gptq import GptqConfig, check_linear
-from qpage.kernels import cpu_matmul
 from qpage.kernels.quant_matmul import dequantize_ref, int_matmul
 from qpage.kernels.triton_utils import triton_unavailable_reason
+from qpage.layers.quant_base import QuantLinearBase
 
 
-class IntLinear(nn.Module):
+class IntLinear(QuantLinearBase):
     def __init__(self, in_features: int, out_features: int, bias: bool,
                  cfg: GptqConfig | AwqConfig | CtIntConfig) -> None:
-        super().__init__()
-        self.in_features, self.out_features, self.cfg = in_features, out_features, cfg
+        super().__init__(in_features, out_features, bias)
+        self.cfg = cfg
         pack = 32 // cfg.bits
         groups = -(-in_features // (cfg.group_size or in_features))
         self.register_buffer("qweight", torch.zeros(-(-in_features // pack), out_features, dtype=torch.int32))
@@ -38,12 +36,7 @@ class IntLinear(nn.Module):
         scale_dtype = torch.float32 if isinstance(cfg, CtIntConfig) else torch.float16
         self.register_buffer("scales", torch.zeros(groups, out_features, dtype=scale_dtype))
         self.g_idx: torch.Tensor | None = None
-        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
-        self._dense: torch.Tensor | None = None
-        self._w_t = None
         self._g_idx_set = False
-        self.kernel_path = "unprepared"
-        """How forward runs: triton-fused (CUDA), cpu-dequantized (CPU design), dequantized-fallback."""
 
     def wants(self, parts: dict[str, torch.Tensor]) -> bool:
         """Whether one projection's tensors are all there (GPTQ has g_idx, AWQ has not)."""
@@ -76,25 +69,14 @@ class IntLinear(nn.Module):
             return
         # CPU by design; on CUDA without Triton a slow fallback (dense memory), which the
         # server's doctor reports through the kernel-path metric.
-        self.kernel_path = "cpu-dequantized" if dev.type == "cpu" else "dequantized-fallback"
-        w = dequantize_ref(self.qweight, self.scales, self.qzeros, self.g_idx, bits=self.cfg.bits,
-                           group_size=self.cfg.group_size or self.in_features, in_features=self.in_features)
-        if cpu_matmul.supports(dtype, dev):
-            self._w_t = w.to(dtype).contiguous().numpy()  # [in, out]
-        else:
-            self._dense = w.t().to(dtype).contiguous()
-        # The packed tensors are not needed any more on this path.
-        self.qweight = self.qzeros = self.scales = torch.empty(0)
+        self.use_dense(dequantize_ref(self.qweight, self.scales, self.qzeros, self.g_idx, bits=self.cfg.bits,
+                                      group_size=self.cfg.group_size or self.in_features,
+                                      in_features=self.in_features), dtype)
+        self.qweight = self.qzeros = self.scales = torch.empty(0)  # not needed on this path
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._w_t is not None:
-            y = cpu_matmul.matmul_wt(x, self._w_t)
-        elif self._dense is not None:
-            y = F.linear(x, self._dense)
-        else:
-            y = int_matmul(x, self.qweight, self.scales, self.qzeros, self.g_idx, bits=self.cfg.bits,
-                           group_size=self.cfg.group_size or self.in_features)
-        return y + self.bias if self.bias is not None else y
+    def fused(self, x: torch.Tensor) -> torch.Tensor:
+        return int_matmul(x, self.qweight, self.scales, self.qzeros, self.g_idx, bits=self.cfg.bits,
+                          group_size=self.cfg.group_size or self.in_features)
 
 
 def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
