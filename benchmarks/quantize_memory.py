@@ -1,4 +1,5 @@
-"""Peak memory of ``qpage quantize`` (RTN) on a 1.1B-parameter Llama of random weights.
+"""Peak memory of ``qpage quantize`` (RTN, or GPTQ/AWQ with ``--calib``) on a 1.1B-parameter
+Llama of random weights.
 
 The model (TinyLlama-1.1B shapes: hidden 2048, 22 layers, intermediate 5632, vocab 32000,
 fp32, ~4.4 GB) is generated tensor by tensor into several safetensors shards, so the
@@ -6,7 +7,12 @@ generator itself never holds the model. Then ``qpage quantize`` runs in a child 
 under ``/usr/bin/time -v``; its maximum resident set size is compared with the model's fp32
 size (the target: under 40%). Prints a table and writes JSON.
 
+With ``--calib FILE`` (GPTQ, AWQ) the model gets the default model's tokenizer and vocabulary
+(49152, so 1.17B parameters) and calibrates on ``--samples`` windows of ``--seq-len`` tokens:
+calibration reads one decoder layer at a time and spills each layer's results to disk.
+
     python benchmarks/quantize_memory.py [--scheme int4-rtn] [--shard-size 256MiB] [--keep DIR]
+    python benchmarks/quantize_memory.py --scheme int4-gptq --calib ../shared/data/wikitext2/valid.txt
 """
 
 from __future__ import annotations
@@ -28,12 +34,12 @@ CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_
           "rope_theta": 10000.0, "tie_word_embeddings": False, "hidden_act": "silu", "torch_dtype": "float32"}
 
 
-def make_model(folder: Path, shard_bytes: int) -> int:
+def make_model(folder: Path, shard_bytes: int, config: dict) -> int:
     """Write the random checkpoint; return its fp32 size in bytes."""
     import torch
     from safetensors.torch import save_file
 
-    c = CONFIG
+    c = config
     h, i, kv = c["hidden_size"], c["intermediate_size"], c["num_key_value_heads"] * (c["hidden_size"] // 32)
     shapes: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (c["vocab_size"], h))]
     for n in range(c["num_hidden_layers"]):
@@ -59,7 +65,7 @@ def make_model(folder: Path, shard_bytes: int) -> int:
     if buf:
         shard += 1
         save_file(buf, str(folder / f"model-{shard:05d}.safetensors"))
-    (folder / "config.json").write_text(json.dumps(CONFIG, indent=1))
+    (folder / "config.json").write_text(json.dumps(config, indent=1))
     return total
 
 
@@ -68,15 +74,28 @@ def main() -> None:
     p.add_argument("--scheme", default="int4-rtn")
     p.add_argument("--shard-size", default="256MiB", help="output shard size given to qpage quantize")
     p.add_argument("--keep", default=None, help="folder to generate the model in (kept); default a temp dir")
+    p.add_argument("--calib", default=None, help="calibration text (GPTQ/AWQ schemes)")
+    p.add_argument("--samples", type=int, default=16)
+    p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "quantize_memory.json"))
     args = p.parse_args()
     work = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="qpage-mem-"))
+    config = dict(CONFIG)
     src = work / "random-1.1b"
+    if args.calib:  # a tokenizer to calibrate with: the default model's, and its vocabulary
+        config["vocab_size"] = 49152
+        src = work / "random-1.1b-v49152"
     try:
         t = time.perf_counter()
         if not (src / "config.json").is_file():
             src.mkdir(parents=True, exist_ok=True)
-            model_bytes = make_model(src, 1 << 30)
+            model_bytes = make_model(src, 1 << 30, config)
+            if args.calib:
+                from qpage.formats.gguf import default_model_dir
+
+                for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+                    if (default_model_dir() / f).is_file():
+                        shutil.copy(default_model_dir() / f, src / f)
         else:
             model_bytes = sum(f.stat().st_size for f in src.glob("*.safetensors"))
         gen_s = time.perf_counter() - t
@@ -84,6 +103,8 @@ def main() -> None:
         shutil.rmtree(out, ignore_errors=True)
         cmd = ["/usr/bin/time", "-v", sys.executable, "-m", "qpage.cli", "quantize", str(src), str(out),
                "--scheme", args.scheme, "--shard-size", args.shard_size]
+        if args.calib:
+            cmd += ["--calib", args.calib, "--samples", str(args.samples), "--seq-len", str(args.seq_len)]
         t = time.perf_counter()
         r = subprocess.run(cmd, capture_output=True, text=True)
         q_s = time.perf_counter() - t
@@ -93,7 +114,8 @@ def main() -> None:
         rss = int(m.group(1)) * 1024 if m else -1
         out_bytes = sum(f.stat().st_size for f in out.glob("*.safetensors"))
         res = dict(params=model_bytes // 4, model_fp32_bytes=model_bytes, scheme=args.scheme,
-                   shard_size=args.shard_size, peak_rss_bytes=rss, peak_rss_fraction=rss / model_bytes,
+                   shard_size=args.shard_size, calib_windows=args.samples if args.calib else 0,
+                   seq_len=args.seq_len if args.calib else 0, peak_rss_bytes=rss, peak_rss_fraction=rss / model_bytes,
                    output_bytes=out_bytes, generate_seconds=gen_s, quantize_seconds=q_s)
     finally:
         if not args.keep:

@@ -21,6 +21,9 @@ def add_parsers(sub: Any) -> None:
     q.add_argument("--group-size", type=int, default=128, help="input features per group; 0 = per channel")
     q.add_argument("--sym", action=argparse.BooleanOptionalAction, default=True, help="symmetric (default) or --no-sym")
     q.add_argument("--act-order", action="store_true", help="GPTQ: quantize columns by decreasing Hessian diagonal")
+    q.add_argument("--static-groups", action="store_true",
+                   help="GPTQ act-order: keep groups in the original column order (no permuted g_idx; "
+                        "always so for --format compressed-tensors)")
     q.add_argument("--calib", default=None, help="calibration text file (GPTQ, AWQ), e.g. wikitext-2 valid.txt")
     q.add_argument("--samples", type=int, default=128, help="calibration windows")
     q.add_argument("--shard-size", default="512MiB", help="output shard size (bounds the writer's buffer)")
@@ -74,7 +77,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     from qpage.quantizers.scheme import QuantScheme
 
     scheme = QuantScheme.parse(args.scheme, group_size=args.group_size or None, sym=args.sym,
-                               act_order=args.act_order)
+                               act_order=args.act_order, static_groups=args.static_groups)
     src = resolve_model_dir(None if args.src == "default" else args.src)
     calib = None
     if args.calib:

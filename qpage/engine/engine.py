@@ -100,9 +100,22 @@ class LLMEngine:
                 f"qpage: {self.model_dir.name} ({self.arch.architecture}, {self.dtype}) on "
                 f"{self.device}; KV cache {self.kv_spec.describe()}, {num_blocks} blocks x {BLOCK_SIZE} = "
                 f"{cap} tokens ({block_bytes // BLOCK_SIZE} B/token); attention {self.runner.backend.name}; "
-                f"max_model_len {self.max_model_len}",
+                f"max_model_len {self.max_model_len}{self._quantized_note()}",
                 flush=True,
             )
+
+    def _quantized_note(self) -> str:
+        """'; quantized linears: ...' for the start line (empty for a dense model)."""
+        mods = [m for m in self.model.modules() if isinstance(getattr(m, "kernel_path", None), str)]
+        if not mods:
+            return ""
+        paths = self.kernel_paths()["quantized_linears"]
+        mib = sum(int(getattr(m, "weight_bytes", 0)) for m in mods) / 2**20
+        note = f"; quantized linears: {', '.join(f'{n} {p}' for p, n in sorted(paths.items()))} ({mib:.0f} MiB)"
+        if paths.get("cpu-dequantized") and self.dtype == torch.float32:
+            note += (" - dequantized to float32 on CPU; dtype='bfloat16' keeps INT4/INT8 weights packed "
+                     "(about 1/7 and 1/4 of this memory)")
+        return note
 
     def _decide_max_model_len(self, capacity: int, block_bytes: int) -> int:
         limit = self.arch.max_position_embeddings

@@ -9,7 +9,9 @@ Per quantized linear ``<prefix>``:
   output axis, [ceil(out*bits/32), groups];
 - ``weight_shape`` int64 [out, in]; ``weight_g_idx`` int32 [in] with ``actorder: group``.
 W = scale * (q - zero). At load the tensors become the GPTQ layout the kernels take: the
-stored unsigned values are GPTQ's q, and the GPTQ zero is zero + 2^(b-1).
+stored unsigned values are GPTQ's q, and the GPTQ zero is zero + 2^(b-1). The writer
+(``pack_linear``) is the same map backwards, so a qpage INT checkpoint in this format holds
+exactly the numbers of its GPTQ twin (scales stored fp16, as in the GPTQ format).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any
 import torch
 
 from qpage.kernels.quant_matmul import pack_cols, pack_rows
+from qpage.quantizers.scheme import QuantScheme
 
 SUFFIXES = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "weight_g_idx")
 
@@ -102,3 +105,41 @@ def check_linear(prefix: str, parts: dict[str, torch.Tensor], cfg: CtIntConfig, 
             else g_idx.to(torch.int32)
     return {"qweight": pack_rows(q.contiguous(), b), "qzeros": pack_cols(z.contiguous(), b),
             "scales": parts["weight_scale"].t().float().contiguous(), "g_idx": g_idx}
+
+
+def quantization_config(scheme: QuantScheme) -> dict[str, Any]:
+    """compressed-tensors ``quantization_config`` for W4A16/W8A16 (what llm-compressor writes)."""
+    weights: dict[str, Any] = {
+        "num_bits": scheme.bits, "type": "int", "symmetric": scheme.sym, "dynamic": False,
+        "strategy": "group" if scheme.group_size else "channel", "group_size": scheme.group_size,
+        "block_structure": None, "actorder": "weight" if scheme.act_order else None, "observer": "minmax",
+    }
+    return {
+        "quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+        "ignore": ["lm_head"], "kv_cache_scheme": None,
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None,
+                                      "output_activations": None, "format": "pack-quantized"}},
+    }
+
+
+def pack_linear(prefix: str, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int, sym: bool,
+                group_size: int | None, g_idx: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """pack-quantized tensors of one linear from GPTQ-convention q [in, out] (unsigned) and
+    scales/zeros [groups, out]. compressed-tensors dropped ``actorder: group`` (a permuted
+    g_idx) in 2026; act-order is written with static groups (``actorder: weight``), so
+    ``g_idx``, if given, must be the plain one."""
+    in_f, out_f = q.shape
+    if g_idx is not None and not torch.equal(g_idx.long(), torch.arange(in_f) // (group_size or in_f)):
+        raise ValueError(f"{prefix}: compressed-tensors cannot store a permuted g_idx; quantize with static "
+                         "groups (--static-groups) or write --format gptq")
+    t = {
+        f"{prefix}.weight_packed": pack_cols(q.t().contiguous(), bits),
+        f"{prefix}.weight_scale": scales.t().half().contiguous(),
+        f"{prefix}.weight_shape": torch.tensor([out_f, in_f], dtype=torch.int64),
+    }
+    if sym:
+        if not bool((zeros == 2 ** (bits - 1)).all()):
+            raise ValueError(f"{prefix}: a symmetric scheme produced zeros other than {2 ** (bits - 1)}")
+    else:
+        t[f"{prefix}.weight_zero_point"] = pack_cols(zeros.contiguous(), bits).t().contiguous()
+    return t

@@ -29,7 +29,8 @@ def quantization_config(scheme: QuantScheme) -> dict[str, Any]:
 
     return {
         "quant_method": "gptq", "bits": scheme.bits, "group_size": scheme.group_size or -1,
-        "desc_act": scheme.act_order, "sym": scheme.sym, "checkpoint_format": "gptq", "pack_dtype": "int32",
+        "desc_act": scheme.act_order, "static_groups": scheme.static_groups,
+        "sym": scheme.sym, "checkpoint_format": "gptq", "pack_dtype": "int32",
         "lm_head": False, "true_sequential": True,
         "meta": {"quantizer": [f"qpage:{__version__}"], "method": scheme.method},
     }

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import os
 import struct
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 
 import torch
@@ -49,12 +49,14 @@ def read_header(path: Path) -> tuple[dict, int]:
     return header, 8 + n
 
 
-def iter_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Each tensor of a file, read into its own buffer (nothing stays mapped)."""
+def iter_tensors(path: Path, names: Collection[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each tensor of a file (or only ``names``), read into its own buffer (nothing stays mapped)."""
     header, base = read_header(path)
     fd = os.open(path, os.O_RDONLY)
     try:
         for name, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+            if names is not None and name not in names:
+                continue
             begin, end = info["data_offsets"]
             buf = bytearray(end - begin)
             view, done = memoryview(buf), 0
@@ -84,4 +86,4 @@ def write_file(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str,
         f.write(struct.pack("<Q", len(raw)))
         f.write(raw)
         for t in tensors.values():
-            f.write(t.contiguous().view(torch.uint8).numpy().data if t.numel() else b"")
+            f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy().data if t.numel() else b"")

@@ -55,6 +55,7 @@ class Fp8Linear(QuantLinearBase):
                 self._kernel_scale = self.scale[::b].contiguous()  # the [ceil(out/b), ceil(in/b)] grid
             if self._kernel_scale is not None:
                 self.kernel_path = "triton-fused"
+                self.weight_bytes = self.codes.numel() + 4 * self._kernel_scale.numel()
                 return
         self.use_dense(self.dequantized().t(), dtype)
         self.codes = torch.empty(0, dtype=torch.uint8)

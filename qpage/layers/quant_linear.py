@@ -3,13 +3,17 @@
 The packed tensors are kept as loaded (``formats.gptq`` validates them and converts zeros
 to the kernels' convention). Forward:
 - CUDA: the Triton dequant-matmul kernels (``kernels.quant_matmul``);
-- CPU: the weight is dequantized once at ``prepare`` into the model dtype and multiplied
-  like a dense layer (NumPy's BLAS for fp32). That is the fastest CPU path for fp32
-  activations (DESIGN 6: torch's int4/int8 packed kernels are fast only with bf16), at the
-  cost of dense memory; the packed tensors are dropped then.
+- CPU with bf16 activations: torch's packed int4/int8 kernels (``kernels.cpu_packed``),
+  the weight staying at 4 or 8 bits in memory;
+- CPU with fp32 (the default dtype there) or fp16 activations: the weight is dequantized once at
+  ``prepare`` and multiplied like a dense layer through NumPy's BLAS. That is the fastest
+  fp32 CPU path (torch's packed kernels run 10-60x slower with fp32 activations,
+  DESIGN 6), at the cost of dense memory. ``benchmarks/cpu_paths.py`` measures both.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -18,7 +22,8 @@ from qpage.formats.awq import check_linear as awq_check_linear
 from qpage.formats.compressed_tensors import CtIntConfig
 from qpage.formats.compressed_tensors import check_linear as ct_check_linear
 from qpage.formats.gptq import GptqConfig, check_linear
-from qpage.kernels.quant_matmul import dequantize_ref, int_matmul
+from qpage.kernels import cpu_packed
+from qpage.kernels.quant_matmul import dequantize_ref, int_matmul, unpack_cols, unpack_rows
 from qpage.kernels.triton_utils import triton_unavailable_reason
 from qpage.layers.quant_base import QuantLinearBase
 
@@ -37,6 +42,8 @@ class IntLinear(QuantLinearBase):
         self.register_buffer("scales", torch.zeros(groups, out_features, dtype=scale_dtype))
         self.g_idx: torch.Tensor | None = None
         self._g_idx_set = False
+        self.cpu_packed_reason = ""
+        """Why the packed CPU kernel was not used (empty when it was, or off CPU)."""
 
     def wants(self, parts: dict[str, torch.Tensor]) -> bool:
         """Whether one projection's tensors are all there (GPTQ has g_idx, AWQ has not)."""
@@ -66,13 +73,32 @@ class IntLinear(QuantLinearBase):
         dev = self.qweight.device
         if dev.type == "cuda" and triton_unavailable_reason("cuda") is None:
             self.kernel_path = "triton-fused"
+            self.weight_bytes = sum(t.numel() * t.element_size() for t in (self.qweight, self.qzeros, self.scales))
             return
-        # CPU by design; on CUDA without Triton a slow fallback (dense memory), which the
-        # server's doctor reports through the kernel-path metric.
-        self.use_dense(dequantize_ref(self.qweight, self.scales, self.qzeros, self.g_idx, bits=self.cfg.bits,
-                                      group_size=self.cfg.group_size or self.in_features,
-                                      in_features=self.in_features), dtype)
-        self.qweight = self.qzeros = self.scales = torch.empty(0)  # not needed on this path
+        group = self.cfg.group_size or self.in_features
+        if not (dev.type == "cpu" and self._pack_cpu(dtype, group)):
+            # fp32 on CPU by design; on CUDA without Triton a slow fallback (dense memory),
+            # which the server's doctor reports through the kernel-path metric.
+            self.use_dense(dequantize_ref(self.qweight, self.scales, self.qzeros, self.g_idx, bits=self.cfg.bits,
+                                          group_size=group, in_features=self.in_features), dtype)
+        self.qweight = self.qzeros = self.scales = torch.empty(0)  # not needed on these paths
+
+    def _pack_cpu(self, dtype: torch.dtype, group: int) -> bool:
+        """Repack for torch's CPU int4/int8 kernels when they fit (bf16 activations)."""
+        bits = self.cfg.bits
+        why = cpu_packed.packed_reason(bits, group, self.g_idx, self.in_features, self.out_features, dtype)
+        if why is not None:
+            self.cpu_packed_reason = why
+            return False
+        q = unpack_rows(self.qweight, bits, self.in_features)
+        zeros = unpack_cols(self.qzeros, bits, self.out_features)
+        if bits == 4:
+            p4 = cpu_packed.pack_int4(q, self.scales, zeros, self.g_idx, group, dtype)
+            self.use_packed("cpu-int4pack", functools.partial(cpu_packed.int4_mm, p=p4), p4.nbytes())
+        else:
+            p8 = cpu_packed.pack_int8(q, self.scales, zeros, dtype)
+            self.use_packed("cpu-int8pack", functools.partial(cpu_packed.int8_mm, p=p8), p8.nbytes())
+        return True
 
     def fused(self, x: torch.Tensor) -> torch.Tensor:
         return int_matmul(x, self.qweight, self.scales, self.qzeros, self.g_idx, bits=self.cfg.bits,

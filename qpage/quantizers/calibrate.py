@@ -6,8 +6,9 @@ its weights with ``gptq.gptq_quantize``, put the dequantized weights back so the
 layer sees the quantized model's activations, and run the windows through once more.
 q/k/v share one Hessian (one input), as do gate/up.
 
-The model is loaded whole (fine for the models this machine runs); the output is written
-by the same streamed, atomic writer as RTN (``pipeline``).
+Memory stays bounded (``layer_source``): one decoder layer is read from the shards at a
+time, and each layer's results are spilled to the job's temporary folder, from where the
+same streamed, atomic writer as RTN's (``pipeline``) reads them back.
 """
 
 from __future__ import annotations
@@ -21,12 +22,10 @@ import torch
 from qpage.layers.attention import AttentionMetadata, PrefillSeq, TorchPagedAttention
 from qpage.layers.kv_format import KVCacheSpec, make_layer_kv
 from qpage.models.llama import projections
-from qpage.models.loader import load_model, read_arch_config
 from qpage.quantizers.gptq import gptq_quantize
+from qpage.quantizers.layer_source import LayerSource, Result, ResultStore
 from qpage.quantizers.rtn import dequantize_rtn, quantize_rtn
 from qpage.quantizers.scheme import QuantScheme
-
-Result = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]
 
 
 class _Hessian:
@@ -47,32 +46,31 @@ class _Hessian:
 
 
 @torch.inference_mode()
-def gptq_calibrate(src: Path, scheme: QuantScheme, windows: list[list[int]],
-                   on_layer: Callable[[int, int], None] | None = None) -> dict[str, Result]:
-    """Quantize every decoder linear of ``src``; returns prefix -> (q, scales, zeros, g_idx)."""
+def gptq_calibrate(src: Path, scheme: QuantScheme, windows: list[list[int]], store: ResultStore,
+                   on_layer: Callable[[int, int], None] | None = None) -> ResultStore:
+    """Quantize every decoder linear of ``src`` into ``store`` (prefix -> (q, scales, zeros, g_idx))."""
     threads = torch.get_num_threads()
     # NOTE: the fp32 CPU matmuls run on NumPy's BLAS threads; torch's own OpenMP threads
     # would spin against them (see qpage.engine.engine), so torch runs on one thread here.
     torch.set_num_threads(1)
     try:
-        return _calibrate(src, scheme, windows, on_layer)
+        return _calibrate(src, scheme, windows, store, on_layer)
     finally:
         torch.set_num_threads(threads)
 
 
-def _calibrate(src: Path, scheme: QuantScheme, windows: list[list[int]],
-               on_layer: Callable[[int, int], None] | None) -> dict[str, Result]:
-    arch = read_arch_config(src)
-    longest = max(len(w) for w in windows)
-    model: Any = load_model(src, arch, torch.float32, torch.device("cpu"), longest + 1)
+def _calibrate(src: Path, scheme: QuantScheme, windows: list[list[int]], store: ResultStore,
+               on_layer: Callable[[int, int], None] | None) -> ResultStore:
+    source = LayerSource(src, max(len(w) for w in windows) + 1)
+    model, c = source.model, source.arch
     backend = TorchPagedAttention()
-    hidden = [model.embed_tokens(torch.tensor(w)) for w in windows]
-    c = arch
-    out: dict[str, Result] = {}
+    hidden = source.embed(windows)
     parts: dict[str, list[tuple[str, int, int]]] = {}
     for name, fused, off, rows in projections(c):
         parts.setdefault(fused, []).append((name, off, rows))
-    for li, layer in enumerate(model.layers):
+    for li in range(c.num_layers):
+        layer = source.layer(li)
+        out: dict[str, Result] = {}
         linears = {fused: layer.get_submodule(fused) for fused in parts}
         hess = {k: _Hessian(m.in_features) for k, m in linears.items()}
         _run_layer(model, layer, hidden, backend, c, record=(linears, hess))
@@ -82,16 +80,18 @@ def _calibrate(src: Path, scheme: QuantScheme, windows: list[list[int]],
             # pass and split into its projections afterwards.
             w = mod.weight.data
             q, s, z, g_idx = gptq_quantize(w, hess[key].value(), scheme.bits, scheme.group_size, scheme.sym,
-                                           act_order=scheme.act_order)
+                                           act_order=scheme.act_order,
+                                           static_groups=scheme.static_groups)
             for name, off, rows in parts[key]:
                 out[pre + name] = (q[:, off : off + rows].contiguous(), s[:, off : off + rows].contiguous(),
                                    z[:, off : off + rows].contiguous(), g_idx)
             grp = g_idx.long() if g_idx is not None else torch.arange(q.shape[0]) // (scheme.group_size or q.shape[0])
             w.copy_(((q - z[grp]).float() * s[grp]).t())  # also updates the BLAS copy
+        store.put_layer(li, out)
         hidden = _run_layer(model, layer, hidden, backend, c, record=None)
         if on_layer is not None:
             on_layer(li + 1, c.num_layers)
-    return out
+    return store
 
 
 def _run_layer(model: Any, layer: Any, hidden: list[torch.Tensor], backend: Any, c: Any,
@@ -127,34 +127,35 @@ def _run_layer(model: Any, layer: Any, hidden: list[torch.Tensor], backend: Any,
 
 
 @torch.inference_mode()
-def awq_calibrate(src: Path, scheme: QuantScheme, windows: list[list[int]], clip: bool = True,
-                  on_layer: Callable[[int, int], None] | None = None,
-                  ) -> tuple[dict[str, Result], dict[str, torch.Tensor]]:
-    """AWQ every decoder linear of ``src``: (prefix -> (q, scales, zeros, None), and the norm
-    weights that absorbed the scales, by checkpoint name)."""
+def awq_calibrate(src: Path, scheme: QuantScheme, windows: list[list[int]], store: ResultStore,
+                  clip: bool = True, on_layer: Callable[[int, int], None] | None = None,
+                  ) -> tuple[ResultStore, dict[str, torch.Tensor]]:
+    """AWQ every decoder linear of ``src``: (``store``: prefix -> (q, scales, zeros, None), and
+    the norm weights that absorbed the scales, by checkpoint name)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # see gptq_calibrate
     try:
-        return _awq(src, scheme, windows, clip, on_layer)
+        return _awq(src, scheme, windows, store, clip, on_layer)
     finally:
         torch.set_num_threads(threads)
 
 
-def _awq(src: Path, scheme: QuantScheme, windows: list[list[int]], clip: bool,
-         on_layer: Callable[[int, int], None] | None) -> tuple[dict[str, Result], dict[str, torch.Tensor]]:
+def _awq(src: Path, scheme: QuantScheme, windows: list[list[int]], store: ResultStore, clip: bool,
+         on_layer: Callable[[int, int], None] | None) -> tuple[ResultStore, dict[str, torch.Tensor]]:
     from qpage.quantizers.awq import InputRecorder, search_clip, search_scale
 
-    c = read_arch_config(src)
-    model: Any = load_model(src, c, torch.float32, torch.device("cpu"), max(len(w) for w in windows) + 1)
+    source = LayerSource(src, max(len(w) for w in windows) + 1)
+    model, c = source.model, source.arch
     backend = TorchPagedAttention()
-    hidden = [model.embed_tokens(torch.tensor(w)) for w in windows]
+    hidden = source.embed(windows)
     parts: dict[str, list[tuple[str, int, int]]] = {}
     for name, fused, off, rows in projections(c):
         parts.setdefault(fused, []).append((name, off, rows))
-    out: dict[str, Result] = {}
     norms: dict[str, torch.Tensor] = {}
     bits, g, sym = scheme.bits, scheme.group_size, scheme.sym
-    for li, layer in enumerate(model.layers):
+    for li in range(c.num_layers):
+        layer = source.layer(li)
+        out: dict[str, Result] = {}
         linears = {fused: layer.get_submodule(fused) for fused in parts}
         rec = {k: InputRecorder(m.in_features) for k, m in linears.items()}
         _run_layer(model, layer, hidden, backend, c, record=(linears, rec))  # type: ignore[arg-type]
@@ -186,7 +187,8 @@ def _awq(src: Path, scheme: QuantScheme, windows: list[list[int]], clip: bool,
             w.copy_(dequantize_rtn(q, s, z, g))
         norms[pre + "input_layernorm.weight"] = layer.input_layernorm.weight.data.clone()
         norms[pre + "post_attention_layernorm.weight"] = layer.post_attention_layernorm.weight.data.clone()
+        store.put_layer(li, out)
         hidden = _run_layer(model, layer, hidden, backend, c, record=None)
         if on_layer is not None:
             on_layer(li + 1, c.num_layers)
-    return out, norms
+    return store, norms

@@ -14,6 +14,7 @@ first, layer by layer (``calibrate``), and its results go through the same write
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -27,6 +28,7 @@ from typing import Any
 import torch
 
 from qpage.formats import awq as awq_format
+from qpage.formats import compressed_tensors as ct_format
 from qpage.formats import fp8 as fp8_format
 from qpage.formats.gptq import pack_linear, quantization_config
 from qpage.formats.safetensors_io import iter_tensors, read_header, write_file
@@ -78,7 +80,7 @@ def choose_format(scheme: QuantScheme, fmt: str, shapes: dict[str, list[int]]) -
             raise ValueError(f"FP8 weights are written as compressed-tensors, not {fmt}; drop --format")
         return "compressed-tensors"
     if fmt == "compressed-tensors":
-        raise ValueError("INT4/INT8 in compressed-tensors (pack-quantized) is not written yet; use --format gptq")
+        return "compressed-tensors"
     if fmt == "awq" or (fmt == "auto" and scheme.method == "awq"):
         from qpage.formats.awq import check_writable
 
@@ -150,16 +152,19 @@ def quantize_checkpoint(src: Path, out: Path, scheme: QuantScheme, shard_bytes: 
     shapes = _linear_shapes(files)
     total = len(shapes)
     fmt = choose_format(scheme, fmt, shapes)
+    if fmt == "compressed-tensors" and scheme.act_order and not scheme.static_groups:
+        # compressed-tensors keeps no permuted g_idx (its ``actorder: group`` was removed).
+        scheme = dataclasses.replace(scheme, static_groups=True)
     if total == 0:
         raise ValueError(f"{src}: found no decoder linear weights (model.layers.N.*_proj.weight)")
     out.parent.mkdir(parents=True, exist_ok=True)
     for stale in out.parent.glob(f".{out.name}.tmp-*"):
         shutil.rmtree(stale, ignore_errors=True)
     t0 = time.perf_counter()
-    calibrated, overrides = _calibrate(src, scheme, calib, progress)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     tmp.mkdir()
     try:
+        calibrated, overrides = _calibrate(src, scheme, calib, progress, tmp / ".calibration")
         writer = _ShardWriter(tmp, shard_bytes)
         bar = _progress(total, progress)
         done = 0
@@ -176,8 +181,10 @@ def quantize_checkpoint(src: Path, out: Path, scheme: QuantScheme, shard_bytes: 
         if bar is not None:
             bar.close()
         writer.finish()
+        shutil.rmtree(tmp / ".calibration", ignore_errors=True)
         config["quantization_config"] = {
-            "compressed-tensors": lambda: fp8_format.quantization_config(scheme.block),
+            "compressed-tensors": lambda: (fp8_format.quantization_config(scheme.block) if scheme.is_fp8
+                                           else ct_format.quantization_config(scheme)),
             "awq": lambda: awq_format.quantization_config(scheme), "gptq": lambda: quantization_config(scheme),
         }[fmt]()
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
@@ -193,29 +200,31 @@ def quantize_checkpoint(src: Path, out: Path, scheme: QuantScheme, shard_bytes: 
                           _size(list(out.glob("*.safetensors"))), _peak_rss())
 
 
-def _calibrate(src: Path, scheme: QuantScheme, calib: list[list[int]] | None, progress: bool
-               ) -> tuple[dict[str, Any] | None, dict[str, torch.Tensor]]:
-    """GPTQ/AWQ results by projection prefix (None for RTN/FP8), and tensors AWQ rewrote (norms)."""
+def _calibrate(src: Path, scheme: QuantScheme, calib: list[list[int]] | None, progress: bool, spill: Path
+               ) -> tuple[Any, dict[str, torch.Tensor]]:
+    """GPTQ/AWQ results by projection prefix (a ``ResultStore`` spilled under ``spill``; None
+    for RTN/FP8), and tensors AWQ rewrote (norms)."""
     if scheme.method not in ("gptq", "awq"):
         return None, {}
     if not calib:
         raise ValueError(f"{scheme.method.upper()} needs calibration text: pass --calib FILE "
                          "(e.g. wikitext-2 valid.txt)")
     from qpage.quantizers import calibrate
+    from qpage.quantizers.layer_source import ResultStore
 
     bar = _progress(_num_layers(src), progress, f"{scheme.method} layers")
     step = (lambda i, n: bar.update(1)) if bar is not None else None
     try:
         if scheme.method == "gptq":
-            return calibrate.gptq_calibrate(src, scheme, calib, on_layer=step), {}
-        return calibrate.awq_calibrate(src, scheme, calib, on_layer=step)
+            return calibrate.gptq_calibrate(src, scheme, calib, ResultStore(spill), on_layer=step), {}
+        return calibrate.awq_calibrate(src, scheme, calib, ResultStore(spill), on_layer=step)
     finally:
         if bar is not None:
             bar.close()
 
 
 def _quantize_linear(prefix: str, w: torch.Tensor, scheme: QuantScheme,
-                     calibrated: dict[str, Any] | None, fmt: str) -> dict[str, torch.Tensor]:
+                     calibrated: Any, fmt: str) -> dict[str, torch.Tensor]:
     """The checkpoint tensors of one linear in format ``fmt``."""
     if scheme.is_fp8:
         return fp8_format.pack_linear(prefix, *quantize_fp8(w, scheme.block))
@@ -226,6 +235,8 @@ def _quantize_linear(prefix: str, w: torch.Tensor, scheme: QuantScheme,
         g_idx = None
     if fmt == "awq":
         return awq_format.pack_linear(prefix, q, scales, zeros, scheme.group_size)
+    if fmt == "compressed-tensors":
+        return ct_format.pack_linear(prefix, q, scales, zeros, scheme.bits, scheme.sym, scheme.group_size, g_idx)
     return pack_linear(prefix, q, scales, zeros, scheme.bits, scheme.group_size, g_idx)
 
 

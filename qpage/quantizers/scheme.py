@@ -24,6 +24,9 @@ class QuantScheme:
     method: str = "rtn"
     """The algorithm that chose the integers (recorded, not needed to run the model)."""
     act_order: bool = False
+    static_groups: bool = False
+    """GPTQ act-order only: groups keep the original column order (no g_idx permutation),
+    as compressed-tensors' ``actorder: weight`` and GPTQ's ``static_groups``."""
     block: int | None = None
     """FP8 only: scale block edge (128), or None for per-channel scales."""
 
@@ -42,10 +45,12 @@ class QuantScheme:
             raise ValueError(f"group_size={self.group_size} is not supported; use 32, 64, 128 or per-channel")
         if self.act_order and self.method != "gptq":
             raise ValueError(f"act_order needs GPTQ ({self.method.upper()} has no column order); drop --act-order")
+        if self.static_groups and not self.act_order:
+            raise ValueError("static groups only apply with act-order; add --act-order or drop --static-groups")
 
     @classmethod
-    def parse(cls, name: str, group_size: int | None = 128, sym: bool = True, act_order: bool = False
-              ) -> QuantScheme:
+    def parse(cls, name: str, group_size: int | None = 128, sym: bool = True, act_order: bool = False,
+              static_groups: bool = False) -> QuantScheme:
         """``int4-rtn`` style names (see SCHEMES)."""
         if name not in SCHEMES:
             raise ValueError(f"scheme {name!r} is not supported yet; choose one of {', '.join(SCHEMES)}")
@@ -54,7 +59,8 @@ class QuantScheme:
                 raise ValueError("fp8 has no act-order; drop --act-order")
             return cls(bits=8, group_size=None, sym=True, method="fp8", block=128 if name == "fp8-block" else None)
         kind, method = name.split("-")
-        return cls(bits=int(kind[3:]), group_size=group_size, sym=sym, method=method, act_order=act_order)
+        return cls(bits=int(kind[3:]), group_size=group_size, sym=sym, method=method, act_order=act_order,
+                   static_groups=static_groups)
 
     def bits_per_weight(self, in_features: int) -> float:
         """Average stored bits per weight: the integer plus its group's fp16 scale and packed zero."""
@@ -67,4 +73,5 @@ class QuantScheme:
         if self.is_fp8:
             return f"fp8 e4m3 {'128x128 block' if self.block else 'per-channel'}"
         group = f"g{self.group_size}" if self.group_size else "per-channel"
-        return f"int{self.bits} {self.method} {group} {'sym' if self.sym else 'asym'}"
+        order = (" act-order static-groups" if self.static_groups else " act-order") if self.act_order else ""
+        return f"int{self.bits} {self.method} {group} {'sym' if self.sym else 'asym'}{order}"

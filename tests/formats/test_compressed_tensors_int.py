@@ -113,3 +113,63 @@ def test_bad_pack_quantized(tmp_path: Path) -> None:
     save_file(t, folder / "model.safetensors")
     with pytest.raises(ValueError, match=r"k_proj\.weight_scale has shape \(64, 1\), expected \(64, 2\)"):
         RunnerHarness(folder, num_blocks=16, max_len=256)
+
+
+def _dense_folder(tmp: Path) -> Path:
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    src = tmp / "src"
+    model.save_pretrained(src, safe_serialization=True)
+    return src
+
+
+@pytest.mark.parametrize("name,sym,act_order", [("int4-rtn", False, False), ("int4-gptq", True, True),
+                                                ("int8-rtn", True, False)])
+def test_qpage_writes_pack_quantized(tmp_path: Path, name: str, sym: bool, act_order: bool) -> None:
+    """qpage's compressed-tensors output holds the numbers of its GPTQ output (act-order with
+    static groups, compressed-tensors' ``actorder: weight``): the same logits in qpage
+    (exactly); the compressed-tensors package decompresses it to qpage's weights (to the fp16
+    rounding of its arithmetic); transformers runs the symmetric files within 2e-4."""
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+    from safetensors.torch import load_file
+
+    from qpage.quantizers.pipeline import quantize_checkpoint
+    from qpage.quantizers.scheme import QuantScheme
+
+    src = _dense_folder(tmp_path)
+    scheme = QuantScheme.parse(name, group_size=64 if name.startswith("int4") else None, sym=sym,
+                               act_order=act_order, static_groups=act_order)
+    calib = [torch.randint(0, 256, (64,), generator=torch.Generator().manual_seed(i)).tolist() for i in range(8)]
+    outs = {}
+    for fmt in ("gptq", "compressed-tensors"):
+        outs[fmt] = tmp_path / fmt
+        quantize_checkpoint(src, outs[fmt], scheme, progress=False, fmt=fmt,
+                            calib=calib if scheme.method == "gptq" else None)
+    qc = json.loads((outs["compressed-tensors"] / "config.json").read_text())["quantization_config"]
+    assert qc["format"] == "pack-quantized"
+    cfg_group = QuantizationConfig.model_validate(qc).config_groups["group_0"]  # the package parses it
+    runs = {}
+    for fmt, folder in outs.items():
+        h = RunnerHarness(folder, num_blocks=16, max_len=256)
+        runs[fmt] = (h.step([(h.request("r", IDS), len(IDS))])["r"],
+                     torch.from_numpy(h.model.layers[1].mlp.down_proj._w_t).t())
+    assert torch.equal(runs["gptq"][0], runs["compressed-tensors"][0])
+    state = {k: v for f in outs["compressed-tensors"].glob("*.safetensors") for k, v in load_file(f).items()}
+    prefix = "model.layers.1.mlp.down_proj"
+    parts = {k.rsplit(".", 1)[-1]: v for k, v in state.items() if k.startswith(prefix + ".weight_")}
+    assert "weight_g_idx" not in parts and ("weight_zero_point" in parts) == (not sym)
+    assert qc["config_groups"]["group_0"]["weights"]["actorder"] == ("weight" if act_order else None)
+    theirs = PackedQuantizationCompressor.decompress(parts, cfg_group)["weight"].float()
+    torch.testing.assert_close(theirs, runs["compressed-tensors"][1], rtol=2**-10, atol=1e-6)
+    if sym:
+        direct: Any = transformers.AutoModelForCausalLM.from_pretrained(outs["compressed-tensors"],
+                                                                        dtype=torch.float32).eval()
+        with torch.no_grad():
+            lg = direct(torch.tensor([IDS])).logits[0]
+        assert (lg - runs["compressed-tensors"][0]).abs().max() < 2e-4

@@ -1,0 +1,192 @@
+"""Which CPU path is fastest for each quantized scheme (issue 3, item 6).
+
+Part 1, per layer: one quantized weight, y = x @ W at M rows, on every CPU path qpage has:
+- ``fp32 dequant (BLAS)``: dequantized once to fp32, NumPy/OpenBLAS matmul (qpage's fp32 path);
+- ``bf16 dequant (torch)``: dequantized once to bf16, torch matmul;
+- ``bf16 packed``: torch's int4pack / int8pack kernel on the packed weight (qpage's bf16 path);
+- ``fp16 packed``: the same with fp16 activations;
+- ``fp32 packed``: torch's packed kernel with fp32 activations (M=1 only: it is the slow one).
+Shapes: the default model's (576 -> 960 fused qkv, 576 -> 3072 gate/up, 1536 -> 576 down)
+and two of Llama-3-8B (4096 -> 4096, 4096 -> 14336).
+
+Part 2, end to end on the default model: an RTN INT4 (g128, asym) and INT8 (per channel)
+checkpoint, loaded with dtype float32 and bfloat16 (and the dense model for scale): batch-1
+decode tokens/s and the memory the linear weights take. Each configuration runs in its own
+process. FP8 has no CPU kernel (``_scaled_mm`` is 20-50x slower than fp32, DESIGN 6): FP8
+checkpoints dequantize, like the fp32 rows here.
+
+    python benchmarks/cpu_paths.py [--reps 20] [--out benchmarks/results/cpu_paths.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+SHAPES = [("smol qkv", 576, 960), ("smol gate_up", 576, 3072), ("smol down", 1536, 576),
+          ("8B o_proj", 4096, 4096), ("8B gate", 4096, 14336)]
+SCHEMES = [("int4 g128 asym", 4, 128, False), ("int4 g128 act-order", 4, 128, True), ("int8 channel", 8, 0, False)]
+
+
+def best_ms(fn: Callable[[], Any], reps: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return 1000 * best
+
+
+def layer_rows(ms: list[int], reps: int, shapes: list[tuple[str, int, int]]) -> list[dict[str, Any]]:
+    import numpy as np
+
+    from qpage.kernels import cpu_packed
+    from qpage.kernels.quant_matmul import dequantize_ref, pack_cols, pack_rows
+
+    rows = []
+    g = torch.Generator().manual_seed(0)
+    for shape, k, n in shapes:
+        for scheme, bits, group, act in SCHEMES:
+            gs = group or k
+            groups = -(-k // gs)
+            q = torch.randint(0, 2**bits, (k, n), generator=g)
+            z = torch.randint(0, 2**bits, (groups, n), generator=g)
+            s = (torch.rand(groups, n, generator=g) * 0.02 + 0.002).half()
+            g_idx = (torch.randperm(k, generator=g) // gs).int() if act else None
+            dense = dequantize_ref(pack_rows(q, bits), s, pack_cols(z, bits), g_idx, bits=bits, group_size=gs,
+                                   in_features=k)
+            w32 = dense.contiguous().numpy()
+            wbf = dense.t().bfloat16().contiguous()
+            packed = {}
+            for dt in (torch.bfloat16, torch.float16, torch.float32):
+                if bits == 4:
+                    p4 = cpu_packed.pack_int4(q, s, z, g_idx, gs, dt)
+                    packed[dt] = (lambda x, p=p4: cpu_packed.int4_mm(x, p)), p4.nbytes()
+                else:
+                    p8 = cpu_packed.pack_int8(q, s, z, dt)
+                    packed[dt] = (lambda x, p=p8: cpu_packed.int8_mm(x, p)), p8.nbytes()
+            for m in ms:
+                x = torch.randn(m, k)
+                xb, xh = x.bfloat16(), x.half()
+                r: dict[str, Any] = dict(shape=shape, k=k, n=n, scheme=scheme, m=m)
+                r["fp32 dequant (BLAS)"] = best_ms(lambda x=x: np.matmul(x.numpy(), w32), reps)
+                r["bf16 dequant (torch)"] = best_ms(lambda xb=xb: torch.nn.functional.linear(xb, wbf), reps)
+                r["bf16 packed"] = best_ms(lambda xb=xb: packed[torch.bfloat16][0](xb), reps)
+                r["fp16 packed"] = best_ms(lambda xh=xh: packed[torch.float16][0](xh), reps)
+                r["fp32 packed"] = best_ms(lambda x=x: packed[torch.float32][0](x), 3) if m == 1 else None
+                r["bytes"] = {"fp32 dequant": w32.nbytes, "bf16 dequant": 2 * k * n,
+                              "packed": packed[torch.bfloat16][1]}
+                rows.append(r)
+                print(_layer_line(r), flush=True)
+    return rows
+
+
+PATHS = ["fp32 dequant (BLAS)", "bf16 dequant (torch)", "bf16 packed", "fp16 packed", "fp32 packed"]
+
+
+def _layer_line(r: dict[str, Any]) -> str:
+    cells = "".join(f"{r[p]:>12.3f}" if r[p] is not None else f"{'-':>12}" for p in PATHS)
+    fastest = min((p for p in PATHS if r[p] is not None), key=lambda p: r[p])
+    return f"{r['shape']:<13}{r['scheme']:<21}{r['m']:>4}{cells}   {fastest}"
+
+
+def e2e_child(model: str, dtype: str, tokens: int) -> dict[str, Any]:
+    from qpage import LLM, SamplingParams
+
+    llm = LLM(model=model or None, dtype=dtype, kv_cache_memory="256MiB", log_stats=False)
+    eng = llm.llm_engine
+    prompt = {"prompt_token_ids": list(range(1000, 1128))}
+
+    def gen(k: int) -> None:
+        llm.generate(prompt, SamplingParams(temperature=0, max_tokens=k, ignore_eos=True), use_tqdm=False)
+
+    gen(4)
+    short = long = float("inf")
+    for _ in range(3):  # difference of minima, as benchmarks/throughput.py
+        t = time.perf_counter()
+        gen(1)
+        short = min(short, time.perf_counter() - t)
+        t = time.perf_counter()
+        gen(tokens + 1)
+        long = min(long, time.perf_counter() - t)
+    linear_bytes = 0
+    for mod in eng.model.modules():
+        if hasattr(mod, "weight_bytes"):
+            linear_bytes += mod.weight_bytes
+        elif hasattr(mod, "_w_t") and mod._w_t is not None:
+            linear_bytes += mod._w_t.nbytes
+        elif type(mod).__name__ == "Linear":
+            linear_bytes += mod.weight.numel() * mod.weight.element_size()
+    return dict(decode_tokens_per_s=tokens / (long - short), linear_weight_bytes=linear_bytes,
+                paths=eng.kernel_paths()["quantized_linears"])
+
+
+def e2e_rows(tokens: int) -> list[dict[str, Any]]:
+    from qpage.formats.gguf import default_model_dir
+    from qpage.quantizers.pipeline import quantize_checkpoint
+    from qpage.quantizers.scheme import QuantScheme
+
+    work = Path(tempfile.mkdtemp(prefix="qpage-cpu-paths-"))
+    models = {"dense": ""}
+    for name, scheme in (("int4 g128 asym", QuantScheme(4, 128, False)), ("int8 channel", QuantScheme(8, None, True))):
+        out = work / name.replace(" ", "_")
+        quantize_checkpoint(default_model_dir(), out, scheme, progress=False)
+        models[name] = str(out)
+    rows = []
+    for name, path in models.items():
+        for dtype in ("float32", "bfloat16"):
+            cmd = [sys.executable, __file__, "--child", path, dtype, str(tokens)]
+            proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+            line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+            if line is None:
+                raise SystemExit(f"{name} {dtype} failed:\n{proc.stderr[-3000:]}")
+            r = dict(model=name, dtype=dtype, **json.loads(line[7:]))
+            rows.append(r)
+            print(f"{name:<16}{dtype:<10}{r['decode_tokens_per_s']:>10.1f}{r['linear_weight_bytes'] / 2**20:>12.1f}"
+                  f"   {r['paths']}", flush=True)
+    import shutil
+
+    shutil.rmtree(work, ignore_errors=True)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--m", type=int, nargs="*", default=[1, 16, 128])
+    ap.add_argument("--small", action="store_true", help="default-model shapes only (a quick check)")
+    ap.add_argument("--tokens", type=int, default=64, help="tokens decoded for the end-to-end figure")
+    ap.add_argument("--no-e2e", action="store_true")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "cpu_paths.json"))
+    ap.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        print("RESULT " + json.dumps(e2e_child(args.child[0], args.child[1], int(args.child[2]))), flush=True)
+        return
+    print(f"per layer, best of {args.reps}, ms (torch threads {torch.get_num_threads()})")
+    print(f"{'shape':<13}{'scheme':<21}{'M':>4}" + "".join(f"{p[:11]:>12}" for p in PATHS) + "   fastest")
+    shapes = SHAPES[:3] if args.small else SHAPES
+    result: dict[str, Any] = {"layers": layer_rows(args.m, args.reps, shapes)}
+    if not args.no_e2e:
+        print(f"\nend to end, default model, batch-1 decode of {args.tokens} tokens")
+        print(f"{'model':<16}{'dtype':<10}{'tokens/s':>10}{'linears MiB':>12}   quantized linear paths")
+        result["e2e"] = e2e_rows(args.tokens)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    print(f"\nwrote {out}")
+
+
+if __name__ == "__main__":
+    main()
