@@ -4,8 +4,8 @@ Part 1, per layer: one quantized weight, y = x @ W at M rows, on every CPU path 
 - ``fp32 dequant (BLAS)``: dequantized once to fp32, NumPy/OpenBLAS matmul (qpage's fp32 path);
 - ``bf16 dequant (torch)``: dequantized once to bf16, torch matmul;
 - ``bf16 packed``: torch's int4pack / int8pack kernel on the packed weight (qpage's bf16 path);
-- ``fp16 packed``: the same with fp16 activations;
-- ``fp32 packed``: torch's packed kernel with fp32 activations (M=1 only: it is the slow one).
+- ``fp16 packed``, ``fp32 packed``: torch's packed kernels with fp16 / fp32 activations
+  (M=1 only: they are the slow ones).
 Shapes: the default model's (576 -> 960 fused qkv, 576 -> 3072 gate/up, 1536 -> 576 down)
 and two of Llama-3-8B (4096 -> 4096, 4096 -> 14336).
 
@@ -49,13 +49,19 @@ def best_ms(fn: Callable[[], Any], reps: int) -> float:
 
 
 def layer_rows(ms: list[int], reps: int, shapes: list[tuple[str, int, int]]) -> list[dict[str, Any]]:
+    """Every weight is prepared first; then each path is timed over all of them in turn.
+
+    NOTE: one path at a time, because NumPy's BLAS threads and torch's OpenMP threads spin
+    for a while after their calls and steal the two cores from each other: interleaving
+    them per call produced 5-8 ms stalls in the first version of this benchmark.
+    """
     import numpy as np
 
     from qpage.kernels import cpu_packed
     from qpage.kernels.quant_matmul import dequantize_ref, pack_cols, pack_rows
 
-    rows = []
     g = torch.Generator().manual_seed(0)
+    cases = []
     for shape, k, n in shapes:
         for scheme, bits, group, act in SCHEMES:
             gs = group or k
@@ -66,30 +72,35 @@ def layer_rows(ms: list[int], reps: int, shapes: list[tuple[str, int, int]]) -> 
             g_idx = (torch.randperm(k, generator=g) // gs).int() if act else None
             dense = dequantize_ref(pack_rows(q, bits), s, pack_cols(z, bits), g_idx, bits=bits, group_size=gs,
                                    in_features=k)
-            w32 = dense.contiguous().numpy()
-            wbf = dense.t().bfloat16().contiguous()
-            packed = {}
+            w32, wbf = dense.contiguous().numpy(), dense.t().bfloat16().contiguous()
+            packed: dict[torch.dtype, Any] = {}
             for dt in (torch.bfloat16, torch.float16, torch.float32):
-                if bits == 4:
-                    p4 = cpu_packed.pack_int4(q, s, z, g_idx, gs, dt)
-                    packed[dt] = (lambda x, p=p4: cpu_packed.int4_mm(x, p)), p4.nbytes()
-                else:
-                    p8 = cpu_packed.pack_int8(q, s, z, dt)
-                    packed[dt] = (lambda x, p=p8: cpu_packed.int8_mm(x, p)), p8.nbytes()
+                packed[dt] = (cpu_packed.pack_int4(q, s, z, g_idx, gs, dt) if bits == 4
+                              else cpu_packed.pack_int8(q, s, z, dt))
+            mm = cpu_packed.int4_mm if bits == 4 else cpu_packed.int8_mm
+            fns: dict[str, Callable[[torch.Tensor], Any]] = {
+                "fp32 dequant (BLAS)": lambda x, w=w32: np.matmul(x.numpy(), w),
+                "bf16 dequant (torch)": lambda x, w=wbf: torch.nn.functional.linear(x.bfloat16(), w),
+                "bf16 packed": lambda x, p=packed[torch.bfloat16], f=mm: f(x, p),
+                "fp16 packed": lambda x, p=packed[torch.float16], f=mm: f(x, p),
+                "fp32 packed": lambda x, p=packed[torch.float32], f=mm: f(x, p),
+            }
             for m in ms:
                 x = torch.randn(m, k)
-                xb, xh = x.bfloat16(), x.half()
-                r: dict[str, Any] = dict(shape=shape, k=k, n=n, scheme=scheme, m=m)
-                r["fp32 dequant (BLAS)"] = best_ms(lambda x=x: np.matmul(x.numpy(), w32), reps)
-                r["bf16 dequant (torch)"] = best_ms(lambda xb=xb: torch.nn.functional.linear(xb, wbf), reps)
-                r["bf16 packed"] = best_ms(lambda xb=xb: packed[torch.bfloat16][0](xb), reps)
-                r["fp16 packed"] = best_ms(lambda xh=xh: packed[torch.float16][0](xh), reps)
-                r["fp32 packed"] = best_ms(lambda x=x: packed[torch.float32][0](x), 3) if m == 1 else None
-                r["bytes"] = {"fp32 dequant": w32.nbytes, "bf16 dequant": 2 * k * n,
-                              "packed": packed[torch.bfloat16][1]}
-                rows.append(r)
-                print(_layer_line(r), flush=True)
-    return rows
+                inputs = {"fp32 dequant (BLAS)": x, "bf16 dequant (torch)": x.bfloat16(), "bf16 packed": x.bfloat16(),
+                          "fp16 packed": x.half(), "fp32 packed": x}
+                row: dict[str, Any] = dict(shape=shape, k=k, n=n, scheme=scheme, m=m, bytes={
+                    "fp32 dequant": w32.nbytes, "bf16 dequant": 2 * k * n, "packed": packed[torch.bfloat16].nbytes()})
+                cases.append((row, fns, inputs))
+    for path in PATHS:
+        for row, fns, inputs in cases:
+            # torch's fp16 and fp32 packed paths are the slow ones (10-60x): timed at M=1 only
+            slow = path in ("fp16 packed", "fp32 packed")
+            row[path] = None if slow and row["m"] != 1 else best_ms(
+                lambda f=fns[path], x=inputs[path]: f(x), 3 if slow else reps)
+    for row, _, _ in cases:
+        print(_layer_line(row), flush=True)
+    return [row for row, _, _ in cases]
 
 
 PATHS = ["fp32 dequant (BLAS)", "bf16 dequant (torch)", "bf16 packed", "fp16 packed", "fp32 packed"]

@@ -3,8 +3,10 @@
 Protocol (issue 3): calibration windows of ``--seq-len`` tokens from wikitext-2
 ``valid.txt`` (GPTQ, AWQ), perplexity on the first ``--windows`` windows of ``test.txt``, every
 scheme scored on the same windows in one run, next to the unquantized model, and next to
-the peer GPTQ tool that runs here (GPTQModel 7.7, quantizing on the same windows in its own
-process; its checkpoint is scored by qpage's engine like every other row).
+the peer tools that run here: GPTQModel 7.7 (quantizing on the same windows in its own
+process; its checkpoint is scored by qpage's engine like every other row) and bitsandbytes
+NF4 (quantized at load by transformers, no calibration; scored by transformers on the same
+windows, next to transformers' score of the unquantized model, which must equal qpage's).
 
     python benchmarks/quality.py [--samples 128] [--seq-len 512] [--windows 40]
 """
@@ -46,7 +48,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--data", default=str(DATA))
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "quality.json"))
     p.add_argument("--only", nargs="*", default=None, help="run only the schemes whose label contains one of these")
-    p.add_argument("--no-peers", action="store_true", help="skip the peer tools (GPTQModel)")
+    p.add_argument("--peers", nargs="*", default=["gptqmodel", "bnb"], choices=["gptqmodel", "bnb"],
+                   help="peer tools to run (none: --peers with no names)")
+    p.add_argument("--only-peers", action="store_true", help="only the unquantized row and the peer tools")
     return p.parse_args()
 
 
@@ -55,6 +59,32 @@ def save(args: argparse.Namespace, rows: list[dict[str, Any]], windows: int) -> 
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(dict(samples=args.samples, seq_len=args.seq_len, windows=windows, rows=rows), indent=1))
     return path
+
+
+def run_bnb(src: Path, work: Path, test: list[list[int]], base: float) -> list[dict[str, Any]]:
+    """bitsandbytes NF4 in its own process, scored by transformers on the same test windows."""
+    import importlib.util
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("bitsandbytes") is None:
+        print("bitsandbytes is not installed: NF4 row skipped (scripts/install_peers.sh)", flush=True)
+        return []
+    label = "bitsandbytes NF4 (transformers)"
+    (work / "windows.json").write_text(json.dumps(test))
+    cmd = [sys.executable, str(ROOT / "benchmarks/peers/bnb_nf4_eval.py"), str(src), str(work / "windows.json"),
+           str(work / "bnb.json")]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        print(f"{label}: failed ({r.stderr.strip().splitlines()[-1:]})", flush=True)
+        return [dict(scheme=label, error=r.stderr[-2000:])]
+    res = json.loads((work / "bnb.json").read_text())
+    p = res["perplexity"]
+    print(f"{label} {res['version']}: {p:.4f} ({100 * (p / base - 1):+.2f}%); transformers scores the unquantized "
+          f"model {res['unquantized_perplexity_transformers']:.4f} (qpage: {base:.4f})", flush=True)
+    return [dict(scheme=f"{label} {res['version']}", perplexity=p, size_bytes=res["memory_bytes"],
+                 size_is_memory=True, quantize_seconds=res["quantize_seconds"], peer=True,
+                 scorer_check_unquantized=res["unquantized_perplexity_transformers"])]
 
 
 def run_peers(args: argparse.Namespace, src: Path, work: Path, ppl: Any, base: float) -> list[dict[str, Any]]:
@@ -118,7 +148,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="qpage-quality-"))
     try:
         for label, name, group, act, sym in SCHEMES:
-            if args.only and not any(o in label for o in args.only):
+            if args.only_peers or (args.only and not any(o in label for o in args.only)):
                 continue
             out = work / label.replace(" ", "_")
             t = time.perf_counter()
@@ -132,7 +162,10 @@ def main() -> None:
             print(f"{label}: {p:.4f} ({100 * (p / rows[0]['perplexity'] - 1):+.2f}%), {secs:.0f} s", flush=True)
             shutil.rmtree(out)
             save(args, rows, len(test))  # after every row: a stopped run keeps what it measured
-        if not args.no_peers:
+        if "bnb" in args.peers:
+            rows += run_bnb(src, work, test, rows[0]["perplexity"])
+            save(args, rows, len(test))
+        if "gptqmodel" in args.peers:
             rows += run_peers(args, src, work, ppl, rows[0]["perplexity"])
     finally:
         shutil.rmtree(work, ignore_errors=True)
