@@ -133,11 +133,24 @@ def _describe_quant(qc: dict[str, Any], in_features: int) -> dict[str, Any]:
         per_scale = cfg.block * cfg.block if cfg.block else in_features
         return {"format": cfg.source, "weights": "fp8 e4m3", "scales": f"{cfg.block}x{cfg.block} block" if cfg.block
                 else "per channel", "bits_per_weight": 8 + 32 / per_scale}
+    from qpage.formats.compressed_tensors import CtIntConfig
+
     g = cfg.group_size or in_features
-    fmt = "awq (gemm)" if isinstance(cfg, AwqConfig) else f"gptq ({qc.get('checkpoint_format', 'gptq')})"
+    if isinstance(cfg, AwqConfig):
+        fmt = "awq (gemm)"
+    elif isinstance(cfg, CtIntConfig):
+        fmt = "compressed-tensors (pack-quantized)"
+    else:
+        fmt = f"gptq ({qc.get('checkpoint_format', 'gptq')})"
     sym = cfg.sym and not isinstance(cfg, AwqConfig)
-    return {"format": fmt, "bits": cfg.bits, "group_size": cfg.group_size, "sym": sym, "desc_act": cfg.desc_act,
+    info = {"format": fmt, "bits": cfg.bits, "group_size": cfg.group_size, "sym": sym, "desc_act": cfg.desc_act,
             "bits_per_weight": cfg.bits + (16 + (0 if sym else cfg.bits)) / g}
+    actorder = next(iter(qc.get("config_groups", {}).values()), {}).get("weights", {}).get("actorder")
+    if isinstance(cfg, CtIntConfig) and actorder:
+        info["actorder"] = actorder  # "weight": act-order with static groups (no g_idx)
+    elif qc.get("static_groups"):
+        info["static_groups"] = True
+    return info
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
