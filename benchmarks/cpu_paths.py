@@ -113,6 +113,8 @@ def _layer_line(r: dict[str, Any]) -> str:
 
 
 def e2e_child(model: str, dtype: str, tokens: int) -> dict[str, Any]:
+    from throughput import decode_b1  # this folder is on sys.path when run as a script
+
     from qpage import LLM, SamplingParams
 
     llm = LLM(model=model or None, dtype=dtype, kv_cache_memory="256MiB", log_stats=False)
@@ -123,14 +125,7 @@ def e2e_child(model: str, dtype: str, tokens: int) -> dict[str, Any]:
         llm.generate(prompt, SamplingParams(temperature=0, max_tokens=k, ignore_eos=True), use_tqdm=False)
 
     gen(4)
-    short = long = float("inf")
-    for _ in range(3):  # difference of minima, as benchmarks/throughput.py
-        t = time.perf_counter()
-        gen(1)
-        short = min(short, time.perf_counter() - t)
-        t = time.perf_counter()
-        gen(tokens + 1)
-        long = min(long, time.perf_counter() - t)
+    tokens_per_s = decode_b1(gen, tokens)  # difference of minima, as in benchmarks/throughput.py
     linear_bytes = 0
     for mod in eng.model.modules():
         if hasattr(mod, "weight_bytes"):
@@ -139,7 +134,7 @@ def e2e_child(model: str, dtype: str, tokens: int) -> dict[str, Any]:
             linear_bytes += mod._w_t.nbytes
         elif type(mod).__name__ == "Linear":
             linear_bytes += mod.weight.numel() * mod.weight.element_size()
-    return dict(decode_tokens_per_s=tokens / (long - short), linear_weight_bytes=linear_bytes,
+    return dict(decode_tokens_per_s=tokens_per_s, linear_weight_bytes=linear_bytes,
                 paths=eng.kernel_paths()["quantized_linears"])
 
 

@@ -21,11 +21,8 @@ ct = pytest.importorskip("compressed_tensors")
 IDS = [3, 17, 99, 140, 7, 250, 31, 64, 5, 201, 88, 12]
 
 
-def _write(tmp: Path, bits: int, sym: bool, strategy: str) -> tuple[Path, Any]:
-    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
-    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
-    from compressed_tensors.quantization.utils import calculate_qparams
-
+def _tiny_model() -> Any:
+    """A 2-layer random Llama (GQA), weights spread so quantization has work to do."""
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
@@ -33,6 +30,16 @@ def _write(tmp: Path, bits: int, sym: bool, strategy: str) -> tuple[Path, Any]:
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
+    return model
+
+
+def _write(tmp: Path, bits: int, sym: bool, strategy: str) -> tuple[Path, Any]:
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    model = _tiny_model()
+    cfg = model.config
     args = QuantizationArgs(num_bits=bits, type="int", symmetric=sym, strategy=strategy,
                             group_size=64 if strategy == "group" else None)
     scheme = QuantizationScheme(targets=["Linear"], weights=args)
@@ -116,15 +123,8 @@ def test_bad_pack_quantized(tmp_path: Path) -> None:
 
 
 def _dense_folder(tmp: Path) -> Path:
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-    model = transformers.LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
     src = tmp / "src"
-    model.save_pretrained(src, safe_serialization=True)
+    _tiny_model().save_pretrained(src, safe_serialization=True)
     return src
 
 
