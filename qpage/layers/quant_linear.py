@@ -14,6 +14,7 @@ to the kernels' convention). Forward:
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
 
@@ -26,6 +27,8 @@ from qpage.kernels import cpu_packed
 from qpage.kernels.quant_matmul import dequantize_ref, int_matmul, unpack_cols, unpack_rows
 from qpage.kernels.triton_utils import triton_unavailable_reason
 from qpage.layers.quant_base import QuantLinearBase
+
+logger = logging.getLogger("qpage")
 
 
 class IntLinear(QuantLinearBase):
@@ -42,8 +45,6 @@ class IntLinear(QuantLinearBase):
         self.register_buffer("scales", torch.zeros(groups, out_features, dtype=scale_dtype))
         self.g_idx: torch.Tensor | None = None
         self._g_idx_set = False
-        self.cpu_packed_reason = ""
-        """Why the packed CPU kernel was not used (empty when it was, or off CPU)."""
 
     def wants(self, parts: dict[str, torch.Tensor]) -> bool:
         """Whether one projection's tensors are all there (GPTQ has g_idx, AWQ has not)."""
@@ -88,7 +89,8 @@ class IntLinear(QuantLinearBase):
         bits = self.cfg.bits
         why = cpu_packed.packed_reason(bits, group, self.g_idx, self.in_features, self.out_features, dtype)
         if why is not None:
-            self.cpu_packed_reason = why
+            logger.debug("int%d linear [%d -> %d] dequantized on CPU: %s", bits, self.in_features,
+                         self.out_features, why)
             return False
         q = unpack_rows(self.qweight, bits, self.in_features)
         zeros = unpack_cols(self.qzeros, bits, self.out_features)
