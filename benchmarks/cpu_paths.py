@@ -10,8 +10,9 @@ Shapes: the default model's (576 -> 960 fused qkv, 576 -> 3072 gate/up, 1536 -> 
 and two of Llama-3-8B (4096 -> 4096, 4096 -> 14336).
 
 Part 2, end to end on the default model: an RTN INT4 (g128, asym) and INT8 (per channel)
-checkpoint, loaded with dtype float32 and bfloat16 (and the dense model for scale): batch-1
-decode tokens/s and the memory the linear weights take. Each configuration runs in its own
+checkpoint, loaded with dtype float32 (with and without qpage's C kernels, ``QPAGE_NATIVE=0``)
+and bfloat16 (and the dense model for scale): batch-1 decode tokens/s, the attention backend
+and the memory the linear weights take. Each configuration runs in its own
 process. FP8 has no CPU kernel (``_scaled_mm`` is 20-50x slower than fp32, DESIGN 6): FP8
 checkpoints dequantize, like the fp32 rows here.
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -135,7 +137,7 @@ def e2e_child(model: str, dtype: str, tokens: int) -> dict[str, Any]:
         elif type(mod).__name__ == "Linear":
             linear_bytes += mod.weight.numel() * mod.weight.element_size()
     return dict(decode_tokens_per_s=tokens_per_s, linear_weight_bytes=linear_bytes,
-                paths=eng.kernel_paths()["quantized_linears"])
+                paths=eng.kernel_paths()["quantized_linears"], attention=eng.runner.backend.name)
 
 
 def e2e_rows(tokens: int) -> list[dict[str, Any]]:
@@ -150,17 +152,20 @@ def e2e_rows(tokens: int) -> list[dict[str, Any]]:
         quantize_checkpoint(default_model_dir(), out, scheme, progress=False)
         models[name] = str(out)
     rows = []
+    # fp32 twice: with qpage's C kernels (attention, norms, activations) and without
+    # (QPAGE_NATIVE=0: BLAS attention, torch ops). bf16 does not use them.
     for name, path in models.items():
-        for dtype in ("float32", "bfloat16"):
+        for dtype, native in (("float32", "1"), ("float32", "0"), ("bfloat16", "1")):
             cmd = [sys.executable, __file__, "--child", path, dtype, str(tokens)]
-            proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+            proc = subprocess.run(cmd, capture_output=True, text=True, check=False,
+                                  env={**os.environ, "QPAGE_NATIVE": native})
             line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
             if line is None:
                 raise SystemExit(f"{name} {dtype} failed:\n{proc.stderr[-3000:]}")
-            r = dict(model=name, dtype=dtype, **json.loads(line[7:]))
+            r = dict(model=name, dtype=dtype, native=native == "1", **json.loads(line[7:]))
             rows.append(r)
-            print(f"{name:<16}{dtype:<10}{r['decode_tokens_per_s']:>10.1f}{r['linear_weight_bytes'] / 2**20:>12.1f}"
-                  f"   {r['paths']}", flush=True)
+            print(f"{name:<16}{dtype:<10}{r['attention']:<12}{r['decode_tokens_per_s']:>10.1f}"
+                  f"{r['linear_weight_bytes'] / 2**20:>12.1f}   {r['paths']}", flush=True)
     import shutil
 
     shutil.rmtree(work, ignore_errors=True)
@@ -186,7 +191,8 @@ def main() -> None:
     result: dict[str, Any] = {"layers": layer_rows(args.m, args.reps, shapes)}
     if not args.no_e2e:
         print(f"\nend to end, default model, batch-1 decode of {args.tokens} tokens")
-        print(f"{'model':<16}{'dtype':<10}{'tokens/s':>10}{'linears MiB':>12}   quantized linear paths")
+        print(f"{'model':<16}{'dtype':<10}{'attention':<12}{'tokens/s':>10}{'linears MiB':>12}   "
+              "quantized linear paths")
         result["e2e"] = e2e_rows(args.tokens)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

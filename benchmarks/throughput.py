@@ -60,7 +60,8 @@ def run_qpage(work: list[tuple[list[int], int]], args: argparse.Namespace) -> di
     b1 = decode_b1(lambda k: llm.generate(prompts[0], SamplingParams(temperature=0, max_tokens=k,
                                                                     ignore_eos=True), use_tqdm=False),
                    args.b1_tokens)
-    return {"seconds": dt, "output_tokens": n_out, "tokens_per_s": n_out / dt, "b1_decode_tokens_per_s": b1}
+    return {"seconds": dt, "output_tokens": n_out, "tokens_per_s": n_out / dt, "b1_decode_tokens_per_s": b1,
+            "attention_backend": llm.llm_engine.runner.backend.name}
 
 
 def run_hf(work: list[tuple[list[int], int]], args: argparse.Namespace, model_dir: Path) -> dict[str, float]:

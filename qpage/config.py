@@ -45,7 +45,7 @@ def parse_size(value: int | float | str, what: str = "size") -> int:
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 KV_CACHE_SCALES = ("per_token", "per_tensor")
-ATTENTION_BACKENDS = ("auto", "triton", "cpu-blas", "torch")
+ATTENTION_BACKENDS = ("auto", "triton", "cpu-native", "cpu-blas", "torch")
 
 
 @dataclass
@@ -65,7 +65,8 @@ class ModelConfig:
     device: str = "cpu"
     """torch device to run on."""
     attention_backend: str = "auto"
-    """Attention kernels: auto (Triton on CUDA, BLAS on CPU fp32, else torch), triton, cpu-blas, torch."""
+    """Attention kernels: auto (Triton on CUDA; on CPU fp32 the C kernels, else BLAS; else torch), triton,
+    cpu-native, cpu-blas, torch."""
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ATTENTION_BACKENDS:

@@ -18,7 +18,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from qpage.kernels import cpu_attention
+from qpage.kernels import cpu_attention, cpu_native
 from qpage.layers.kv_format import LayerKV, gather_kv
 
 
@@ -188,3 +188,18 @@ class CpuBlasPagedAttention(TorchPagedAttention):
             keys, values = gather_kv(cache, p.block_ids[None], p.context_len)
             keys, values = keys[0], values[0]
         return cpu_attention.prefill_attention(q[q_offset + p.start : q_offset + p.end], keys, values, scale)
+
+
+class CpuNativePagedAttention(CpuBlasPagedAttention):
+    """fp32 cache on CPU: decode attention and the cache write in C (``kernels.cpu_native``),
+    reading the blocks in place; prefill as ``CpuBlasPagedAttention``."""
+
+    name = "cpu-native"
+
+    def write_cache(self, k: torch.Tensor, v: torch.Tensor, cache: LayerKV, slot_mapping: torch.Tensor) -> None:
+        cpu_native.write_kv(k, v, cache.k, cache.v, slot_mapping)
+
+    @staticmethod
+    def _decode(q: torch.Tensor, cache: LayerKV, d: DecodeGroup, scale: float) -> torch.Tensor:
+        seq_lens = d.seq_lens if d.seq_lens is not None else d.mask.view(d.mask.shape[0], -1).sum(-1)
+        return cpu_native.paged_decode(q, cache.k, cache.v, d.block_table, seq_lens, scale)

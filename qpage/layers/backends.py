@@ -33,6 +33,8 @@ class AttentionCapabilities:
     auto: bool
     """Whether ``auto`` may pick it (the interpreter is for tests: only by name)."""
     make: Callable[[], object]
+    unavailable: Callable[[], str | None] | None = None
+    """Why it cannot run in this process (e.g. its native code did not build), or None."""
 
     def reject(self, device: torch.device, spec: KVCacheSpec, head_dim: int, by_name: bool) -> str | None:
         """Why this backend does not fit, or None."""
@@ -50,7 +52,7 @@ class AttentionCapabilities:
             return f"head_dim {head_dim} > {self.max_head_dim}"
         if not by_name and not self.auto:
             return "picked only by name"
-        return None
+        return self.unavailable() if self.unavailable is not None else None
 
 
 def _triton() -> object:
@@ -65,6 +67,18 @@ def _cpu_blas() -> object:
     return CpuBlasPagedAttention()
 
 
+def _cpu_native() -> object:
+    from qpage.layers.attention import CpuNativePagedAttention
+
+    return CpuNativePagedAttention()
+
+
+def _native_unavailable() -> str | None:
+    from qpage.kernels import cpu_native
+
+    return cpu_native.unavailable_reason()
+
+
 def _torch() -> object:
     from qpage.layers.attention import TorchPagedAttention
 
@@ -75,6 +89,8 @@ ALL_KV = (None, "e4m3", "e5m2")
 ATTENTION_CAPABILITIES = (
     AttentionCapabilities("triton", ("cuda",), (torch.float16, torch.bfloat16, torch.float32), ALL_KV, 256,
                           needs_triton=True, auto=True, make=_triton),
+    AttentionCapabilities("cpu-native", ("cpu",), (torch.float32,), (None,), 1024, needs_triton=False, auto=True,
+                          make=_cpu_native, unavailable=_native_unavailable),
     AttentionCapabilities("cpu-blas", ("cpu",), (torch.float32,), ALL_KV, 1024,
                           needs_triton=False, auto=True, make=_cpu_blas),
     AttentionCapabilities("torch", ("cpu", "cuda", "mps"), (torch.float16, torch.bfloat16, torch.float32), ALL_KV,

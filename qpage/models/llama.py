@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from qpage.formats.detect import LinearConfig, linear_config
-from qpage.kernels import cpu_matmul
+from qpage.kernels import cpu_matmul, cpu_native
 from qpage.layers.attention import AttentionBackend, AttentionMetadata
 from qpage.layers.fp8_linear import Fp8Linear
 from qpage.layers.kv_format import LayerKV
@@ -60,6 +60,8 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
         self.scale = c.head_dim**-0.5
+        self.native = False
+        """fp32 on CPU with the C kernels: rotary in place (set by the model's ``prepare``)."""
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
@@ -72,6 +74,10 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(qkv[:, :nq]), self.k_norm(qkv[:, nq : nq + c.num_kv_heads])
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        elif self.native:
+            # In place on the projection's output (q and k heads are its first nq + kvh heads).
+            cpu_native.rope_(qkv, cos.view(t, -1), sin.view(t, -1), nq + c.num_kv_heads)
+            q, k = qkv[:, :nq], qkv[:, nq : nq + c.num_kv_heads]
         else:
             # One rotary call over the q and k heads together.
             qk = apply_rotary(qkv[:, : nq + c.num_kv_heads], cos, sin)
@@ -94,9 +100,14 @@ class MLP(nn.Module):
         q = _quant(c)
         self.gate_up_proj = make_linear(c.hidden_size, 2 * c.intermediate_size, c.mlp_bias, q)
         self.down_proj = make_linear(c.intermediate_size, c.hidden_size, c.mlp_bias, q)
+        self.native = False
+        """fp32 on CPU with the C kernels: SiLU-and-mul in one call (set by the model's ``prepare``)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj.forward(x).split([self.inter, self.inter], dim=-1)
+        gate_up = self.gate_up_proj.forward(x)
+        if self.native:
+            return self.down_proj.forward(cpu_native.silu_mul(gate_up))
+        gate, up = gate_up.split([self.inter, self.inter], dim=-1)
         return self.down_proj.forward(F.silu(gate) * up)
 
 
@@ -112,10 +123,26 @@ class DecoderLayer(nn.Module):
         self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
         meta: AttentionMetadata, backend: AttentionBackend,
     ) -> torch.Tensor:
+        """The layer on its own (calibration): input hidden states -> output hidden states."""
+        out, residual = self.step(h.clone(), None, cos, sin, cache, meta, backend)
+        return out + residual
+
+    def step(
+        self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+        cache: KVCache, meta: AttentionMetadata, backend: AttentionBackend,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """vLLM's residual form: the layer's output is ``h_out + residual_out``, and the add is
+        fused into the next norm. ``residual`` None: ``h`` is the input of the first layer (and,
+        on the native path, is updated in place as the residual)."""
         # NOTE: submodules are called through .forward: nn.Module.__call__'s hook handling
         # costs ~1 ms per token at batch 1 over 240 calls, and qpage registers no hooks.
-        h = h + self.self_attn.forward(self.input_layernorm.forward(h), cos, sin, cache, meta, backend)
-        return h + self.mlp.forward(self.post_attention_layernorm.forward(h))
+        if residual is None:
+            residual, h = h, self.input_layernorm.forward(h)  # type: ignore[assignment]
+        else:
+            h, residual = self.input_layernorm.forward(h, residual)  # type: ignore[misc]
+        h = self.self_attn.forward(h, cos, sin, cache, meta, backend)
+        h, residual = self.post_attention_layernorm.forward(h, residual)  # type: ignore[misc]
+        return self.mlp.forward(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -145,6 +172,11 @@ class LlamaForCausalLM(nn.Module):
             elif isinstance(m, QUANT_LINEARS):
                 m.prepare(dtype)
         e = self.embed_tokens.weight.data
+        native = cpu_matmul.supports(e.dtype, e.device) and cpu_native.load() is not None
+        self.norm.native = native
+        for layer in self.layers:
+            layer.input_layernorm.native = layer.post_attention_layernorm.native = native
+            layer.self_attn.native = layer.mlp.native = native
         if self.lm_head is None and cpu_matmul.supports(e.dtype, e.device):
             # NOTE: a transposed copy of the tied embedding ([hidden, vocab]) costs its size in
             # memory but makes the head ~25% faster than reading the embedding in place.
@@ -158,9 +190,10 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states after the final norm, [num_tokens, hidden]."""
         h = self.embed_tokens(input_ids)
         cos, sin = self.rotary.lookup(positions)
+        residual = None
         for layer, cache in zip(self.layers, caches, strict=True):
-            h = layer.forward(h, cos, sin, cache, meta, backend)
-        return self.norm(h)
+            h, residual = layer.step(h, residual, cos, sin, cache, meta, backend)
+        return self.norm.forward(h) if residual is None else self.norm.forward(h, residual)[0]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

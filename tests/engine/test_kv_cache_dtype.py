@@ -14,6 +14,7 @@ from safetensors.torch import save_file
 from qpage import LLM, SamplingParams
 from qpage.config import BLOCK_SIZE
 from qpage.eval.perplexity import kl_rows, score_window
+from qpage.kernels import cpu_native
 from qpage.layers import backends
 from qpage.layers.backends import select_attention_backend
 from qpage.layers.kv_format import KVCacheSpec
@@ -115,7 +116,9 @@ def test_bad_cache_options(kwargs: dict, match: str) -> None:
 
 def test_backend_selection(monkeypatch: pytest.MonkeyPatch) -> None:
     cpu = torch.device("cpu")
-    assert select_attention_backend(cpu, KVCacheSpec(torch.float32), 64).name == "cpu-blas"
+    native = "cpu-native" if cpu_native.load() is not None else "cpu-blas"
+    assert select_attention_backend(cpu, KVCacheSpec(torch.float32), 64).name == native
+    assert select_attention_backend(cpu, KVCacheSpec(torch.float32, "e4m3"), 64).name == "cpu-blas"
     assert select_attention_backend(cpu, KVCacheSpec(torch.bfloat16, "e4m3"), 64).name == "torch"
     assert select_attention_backend(cpu, KVCacheSpec(torch.float32), 64, "torch").name == "torch"
     # Outside the interpreter, asking for Triton on CPU names the reason and the fix.
@@ -124,3 +127,7 @@ def test_backend_selection(monkeypatch: pytest.MonkeyPatch) -> None:
         select_attention_backend(cpu, KVCacheSpec(torch.float32), 64, "triton")
     with pytest.raises(ValueError, match=r"cpu-blas: supports dtypes float32, not torch\.bfloat16"):
         select_attention_backend(cpu, KVCacheSpec(torch.bfloat16), 64, "cpu-blas")
+    with pytest.raises(ValueError, match=r"cpu-native: does not read a kv cache of fp8_e4m3"):
+        select_attention_backend(cpu, KVCacheSpec(torch.float32, "e4m3"), 64, "cpu-native")
+    monkeypatch.setattr(cpu_native, "load", lambda: None)
+    assert select_attention_backend(cpu, KVCacheSpec(torch.float32), 64).name == "cpu-blas"

@@ -10,7 +10,7 @@ from qpage.server.doctor import diagnose, parse_prometheus, quantile
 from qpage.server.prometheus import render
 
 INFO: dict[str, Any] = {"max_num_seqs": 8, "max_num_batched_tokens": 1024, "kv_cache_dtype": "auto",
-                        "attention_backend": "cpu-blas", "device": "cpu", "quantized_linears": {}}
+                        "attention_backend": "cpu-native", "device": "cpu", "quantized_linears": {}}
 
 
 def snapshots() -> tuple[EngineMetrics, dict[str, Any]]:
@@ -68,6 +68,11 @@ def test_kernel_fallback() -> None:
             "quantized_linears": {"dequantized-fallback": 210}}
     f = checks(diagnose(before, m.snapshot(), 10, info))["kernel_fallback"]
     assert "210 quantized linear layers" in f.evidence and "Triton" in f.fix
+    f = checks(diagnose(before, m.snapshot(), 10, {**INFO, "attention_backend": "cpu-blas"}))["kernel_fallback"]
+    assert "without qpage's C kernels" in f.evidence and "C compiler" in f.fix
+    # An FP8 cache on CPU is read by the BLAS path by design: no finding.
+    fp8 = {**INFO, "attention_backend": "cpu-blas", "kv_cache_dtype": "fp8"}
+    assert "kernel_fallback" not in checks(diagnose(before, m.snapshot(), 10, fp8))
 
 
 def test_quantile_interpolates_like_prometheus() -> None:

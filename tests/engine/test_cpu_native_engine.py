@@ -1,0 +1,37 @@
+"""The default model on the fp32 CPU path with the C kernels (decode attention, cache write,
+norms, SiLU, rotary) against the same engine without them (BLAS attention, torch ops)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from qpage import LLM, SamplingParams
+from qpage.kernels import cpu_native
+
+if cpu_native.load() is None:  # pragma: no cover
+    pytest.skip(f"native CPU kernels unavailable: {cpu_native.unavailable_reason()}", allow_module_level=True)
+
+PROMPTS = ["The capital of France is", "请用一句话介绍长城。", "def fibonacci(n):\n    "]
+
+
+def test_native_path_matches_torch_path(llm_factory: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Small chunks so later prefill chunks read the paged cache; three prompts decode as a batch.
+    kw: dict[str, Any] = dict(max_num_batched_tokens=8, enable_prefix_caching=False, kv_cache_memory="32MiB")
+    p = SamplingParams(temperature=0, max_tokens=24, logprobs=0, prompt_logprobs=0)
+    native = llm_factory(**kw)
+    assert native.llm_engine.runner.backend.name == "cpu-native"
+    assert native.llm_engine.model.layers[0].mlp.native
+    out_native = native.generate(PROMPTS, p, use_tqdm=False)
+    monkeypatch.setattr(cpu_native, "load", lambda: None)
+    plain = LLM(**kw, log_stats=False)
+    assert plain.llm_engine.runner.backend.name == "cpu-blas"
+    assert not plain.llm_engine.model.layers[0].mlp.native
+    for a, b in zip(out_native, plain.generate(PROMPTS, p, use_tqdm=False), strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        lp_a = [next(iter(d.values())).logprob for d in a.prompt_logprobs[1:]]
+        lp_b = [next(iter(d.values())).logprob for d in b.prompt_logprobs[1:]]
+        # Same math up to fp32 rounding (summation order, the C exp).
+        assert max(abs(x - y) for x, y in zip(lp_a, lp_b, strict=True)) < 2e-4
+        assert abs(a.outputs[0].cumulative_logprob - b.outputs[0].cumulative_logprob) < 1e-3

@@ -1,0 +1,142 @@
+"""The C kernels of the fp32 CPU path (``kernels.cpu_native``) against their torch references.
+
+References: ``TorchPagedAttention._decode`` (SDPA over gathered blocks), ``write_kv_cache_ref``,
+``F.rms_norm``, ``F.silu(gate) * up`` and ``apply_rotary``. Tolerances (fp32): the cache
+write is bit-exact (a copy); the others differ by summation order and by the C exp
+(< 2e-7 relative), so they are held to 2e-6 relative to the reference's norm.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from qpage.config import BLOCK_SIZE
+from qpage.kernels import cpu_native
+from qpage.kernels.cache_write import write_kv_cache_ref
+from qpage.layers.attention import DecodeGroup, TorchPagedAttention
+from qpage.layers.kv_format import LayerKV
+from qpage.layers.rotary import RotaryEmbedding, apply_rotary
+from tests.kernels.conftest import rel_err
+
+if cpu_native.load() is None:  # pragma: no cover
+    pytest.skip(f"native CPU kernels unavailable: {cpu_native.unavailable_reason()}", allow_module_level=True)
+
+TOL = 2e-6
+
+
+def paged_case(lens: list[int], kvh: int, group: int, hd: int, seed: int = 0) -> tuple:
+    """A cache with random contents, a padded block table of distinct random blocks per
+    sequence, and q as a strided view (rows of a fused qkv output, as the model passes it)."""
+    g = torch.Generator().manual_seed(seed)
+    width = max(-(-n // BLOCK_SIZE) for n in lens) + 1
+    nb = len(lens) * width + 3
+    shape = (nb, BLOCK_SIZE, kvh, hd)
+    cache = LayerKV(torch.randn(shape, generator=g), torch.randn(shape, generator=g))
+    ids = torch.randperm(nb, generator=g)
+    table = torch.zeros(len(lens), width, dtype=torch.long)
+    for i, n in enumerate(lens):
+        used = -(-n // BLOCK_SIZE)
+        table[i, :used] = ids[i * width : i * width + used]
+    h = kvh * group
+    q = torch.randn(len(lens), h + 2 * kvh, hd, generator=g)[:, :h] * 2
+    seq_lens = torch.tensor(lens)
+    mask = (torch.arange(width * BLOCK_SIZE)[None, :] < seq_lens[:, None])[:, None, None, :]
+    return q, cache, DecodeGroup(0, len(lens), table, mask, max(lens), seq_lens)
+
+
+@pytest.mark.parametrize(("kvh", "group", "hd"), [(3, 3, 64), (2, 4, 128), (4, 1, 64), (1, 7, 80), (2, 2, 24)])
+@pytest.mark.parametrize("lens", [[1], [16], [300, 17, 15, 1, 33]])
+def test_paged_decode(kvh: int, group: int, hd: int, lens: list[int]) -> None:
+    q, cache, d = paged_case(lens, kvh, group, hd)
+    out = cpu_native.paged_decode(q, cache.k, cache.v, d.block_table, d.seq_lens, hd**-0.5)
+    ref = TorchPagedAttention._decode(q, cache, d, hd**-0.5)
+    assert rel_err(out, ref) < TOL
+
+
+def test_paged_decode_peaked_scores() -> None:
+    """Scores hundreds apart: most probabilities underflow to exactly 0 (the C exp's floor)."""
+    q, cache, d = paged_case([200], 2, 2, 64, seed=1)
+    q = q * 40
+    out = cpu_native.paged_decode(q, cache.k, cache.v, d.block_table, d.seq_lens, 0.125)
+    assert rel_err(out, TorchPagedAttention._decode(q, cache, d, 0.125)) < TOL
+
+
+def test_paged_decode_rejects_bad_tables() -> None:
+    q, cache, d = paged_case([40], 3, 3, 64)
+    bad = d.block_table.clone()
+    bad[0, 1] = cache.k.shape[0]  # one past the last block
+    with pytest.raises(ValueError, match="block id outside"):
+        cpu_native.paged_decode(q, cache.k, cache.v, bad, d.seq_lens, 0.125)
+    with pytest.raises(ValueError, match="seq_len < 1"):
+        cpu_native.paged_decode(q, cache.k, cache.v, d.block_table, torch.tensor([0]), 0.125)
+    with pytest.raises(ValueError, match="unsupported layout"):
+        cpu_native.paged_decode(q.double(), cache.k, cache.v, d.block_table, d.seq_lens, 0.125)
+
+
+def test_write_kv_is_exact() -> None:
+    g = torch.Generator().manual_seed(0)
+    kv = torch.randn(5, 2 + 2 + 4, 16, generator=g)  # fused rows: k heads at 4:6, v heads at 6:8
+    k, v = kv[:, 4:6], kv[:, 6:8]
+    slots = torch.tensor([3, 40, -1, 17, 0])
+    caches = [torch.zeros(4, BLOCK_SIZE, 2, 16) for _ in range(4)]
+    cpu_native.write_kv(k, v, caches[0], caches[1], slots)
+    write_kv_cache_ref(k, v, caches[2], caches[3], slots)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    with pytest.raises(ValueError, match="slot outside"):
+        cpu_native.write_kv(k, v, caches[0], caches[1], torch.tensor([3, 40, 64, 17, 0]))
+
+
+@pytest.mark.parametrize("dim", [576, 100])
+def test_rms_norms(dim: int) -> None:
+    g = torch.Generator().manual_seed(0)
+    x, res = torch.randn(7, dim, generator=g), torch.randn(7, dim, generator=g)
+    w = torch.randn(dim, generator=g)
+    assert rel_err(cpu_native.rms_norm(x, w, 1e-5), F.rms_norm(x, (dim,), w, 1e-5)) < TOL
+    wide = torch.randn(7, dim + 9, generator=g)  # a strided view: rows dim + 9 apart
+    assert rel_err(cpu_native.rms_norm(wide[:, :dim], w, 1e-5), F.rms_norm(wide[:, :dim], (dim,), w, 1e-5)) < TOL
+    x2, res2 = x.clone(), res.clone()
+    cpu_native.add_rms_norm_(x2, res2, w, 1e-5)
+    assert torch.equal(res2, x + res)
+    assert rel_err(x2, F.rms_norm(x + res, (dim,), w, 1e-5)) < TOL
+
+
+def test_silu_mul() -> None:
+    g = torch.Generator().manual_seed(0)
+    gate_up = torch.randn(6, 2 * 1536, generator=g) * 4
+    gate_up[0, :8] = torch.tensor([0.0, -0.0, 30.0, -30.0, 90.0, -90.0, 1e-8, -1e-8])  # saturation, underflow
+    gate, up = gate_up.split(1536, dim=-1)
+    out = cpu_native.silu_mul(gate_up)
+    assert rel_err(out, F.silu(gate) * up) < TOL
+    assert torch.allclose(out[0, :8], (F.silu(gate) * up)[0, :8], rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("hd", [64, 128])
+def test_rope_in_place(hd: int) -> None:
+    rot = RotaryEmbedding(hd, 4096, 10000.0, None, torch.float32)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 9 + 2 * 3, hd, generator=g)
+    pos = torch.tensor([0, 1, 77, 4000, 2])
+    cos, sin = rot.lookup(pos)
+    ref = apply_rotary(x[:, :12], cos, sin)
+    out = x.clone()
+    cpu_native.rope_(out, cos.view(5, hd), sin.view(5, hd), 12)
+    assert rel_err(out[:, :12], ref) < TOL
+    assert torch.equal(out[:, 12:], x[:, 12:])  # the v heads are left alone
+
+
+def test_unavailable_compiler_falls_back() -> None:
+    """No compiler: a clear reason, and the engine's CPU backend falls back to BLAS."""
+    code = ("import os; from qpage.kernels import cpu_native as c; from qpage.layers.backends import "
+            "select_attention_backend as s; from qpage.layers.kv_format import KVCacheSpec; import torch;"
+            "print(c.unavailable_reason()); print(s(torch.device('cpu'), KVCacheSpec(torch.float32), 64).name)")
+    env = {"PATH": "/nonexistent", "CC": "/nonexistent/cc", "QPAGE_CACHE": "/nonexistent-cache"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, **env}, check=True)
+    reason, backend = proc.stdout.strip().splitlines()
+    assert "no C compiler" in reason and backend == "cpu-blas"
