@@ -94,7 +94,7 @@ def load() -> ctypes.CDLL | None:
     else:
         try:
             lib = ctypes.CDLL(str(_build(cc)))
-            lib.qp_paged_decode_f32.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr,
+            lib.qp_paged_decode_f32.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _ptr, _ptr,
                                                 _int, _int, _int, _int, _int, _float, _i64]
             lib.qp_paged_decode_f32.restype = _int
             lib.qp_write_kv_f32.argtypes = [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _int, _i64, _i64]
@@ -140,12 +140,12 @@ def paged_decode(
             or block_table.shape[0] != n or not (k_cache.is_contiguous() and v_cache.is_contiguous())):
         raise ValueError(f"paged_decode: unsupported layout q {tuple(q.shape)}/{q.stride()} {q.dtype}, "
                          f"cache {tuple(k_cache.shape)} {k_cache.dtype}")
-    bt = block_table if block_table.dtype == torch.int64 and block_table.stride(1) == 1 else \
-        block_table.to(torch.int64).contiguous()
+    bt = block_table.to(torch.int64).contiguous()
     lens = seq_lens.to(torch.int64).contiguous()
     out = torch.empty(n, h, hd, dtype=torch.float32)
     rc = lib.qp_paged_decode_f32(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), bt.data_ptr(),
-                                 bt.stride(0), lens.data_ptr(), out.data_ptr(), n, h, kvh, hd, bs, scale, nb)
+                                 bt.stride(0), bt.shape[1], lens.data_ptr(), out.data_ptr(), n, h, kvh, hd, bs, scale,
+                                 nb)
     if rc == -2:
         raise ValueError(f"paged_decode: a seq_len < 1 or a block id outside [0, {nb}) in the block table")
     if rc != 0:

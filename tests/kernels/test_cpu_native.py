@@ -73,6 +73,9 @@ def test_paged_decode_rejects_bad_tables() -> None:
     bad[0, 1] = cache.k.shape[0]  # one past the last block
     with pytest.raises(ValueError, match="block id outside"):
         cpu_native.paged_decode(q, cache.k, cache.v, bad, d.seq_lens, 0.125)
+    narrow = d.block_table[:, :2]  # a view whose rows are further apart than its 2 columns
+    with pytest.raises(ValueError, match="block id outside"):
+        cpu_native.paged_decode(q, cache.k, cache.v, narrow, torch.tensor([40]), 0.125)  # needs 3 blocks
     with pytest.raises(ValueError, match="seq_len < 1"):
         cpu_native.paged_decode(q, cache.k, cache.v, d.block_table, torch.tensor([0]), 0.125)
     with pytest.raises(ValueError, match="unsupported layout"):

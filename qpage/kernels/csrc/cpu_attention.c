@@ -92,17 +92,17 @@ static inline __attribute__((always_inline)) void attend_seq(
 
 /* Decode attention: one query token per sequence over its paged context.
  * q: [num_seqs, num_heads, head_dim], rows q_seq_stride floats apart (heads contiguous);
- * block_table: int64 [num_seqs, table_stride]; seq_lens: int64 [num_seqs] (>= 1, this step's
- * token included); out: [num_seqs, num_heads, head_dim] contiguous.
+ * block_table: int64 [num_seqs, table_cols], rows table_stride apart; seq_lens: int64 [num_seqs]
+ * (>= 1, this step's token included); out: [num_seqs, num_heads, head_dim] contiguous.
  * Returns 0; -1 when the scratch cannot be allocated; -2 when a seq_len is < 1 or a block id
  * it reaches is outside [0, num_blocks) (nothing is read then). */
 int qp_paged_decode_f32(const float *q, int64_t q_seq_stride, const float *k_cache, const float *v_cache,
-                        const int64_t *block_table, int64_t table_stride, const int64_t *seq_lens, float *out,
-                        int num_seqs, int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,
-                        int64_t num_blocks) {
+                        const int64_t *block_table, int64_t table_stride, int64_t table_cols,
+                        const int64_t *seq_lens, float *out, int num_seqs, int num_heads, int num_kv_heads,
+                        int head_dim, int block_size, float scale, int64_t num_blocks) {
     int64_t longest = 1;
     for (int s = 0; s < num_seqs; s++) {
-        if (seq_lens[s] < 1 || (seq_lens[s] + block_size - 1) / block_size > table_stride) return -2;
+        if (seq_lens[s] < 1 || (seq_lens[s] + block_size - 1) / block_size > table_cols) return -2;
         for (int64_t b = 0; b < (seq_lens[s] + block_size - 1) / block_size; b++)
             if (block_table[s * table_stride + b] < 0 || block_table[s * table_stride + b] >= num_blocks) return -2;
         if (seq_lens[s] > longest) longest = seq_lens[s];
