@@ -7,12 +7,19 @@ here changes everywhere.
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 BLOCK_SIZE = 16
 """Tokens per KV-cache block (DESIGN section 4)."""
+
+
+def cache_root() -> Path:
+    """qpage's cache (converted models, built C kernels): $QPAGE_CACHE, else ~/.cache/qpage."""
+    return Path(os.environ.get("QPAGE_CACHE", Path.home() / ".cache" / "qpage"))
 
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
 _UNITS = {

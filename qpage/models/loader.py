@@ -31,7 +31,8 @@ def resolve_model_dir(model: str | None) -> Path:
             "(config.json + *.safetensors), or leave --model out for the default model"
         )
     if path.is_file() and path.suffix == ".gguf":
-        from qpage.formats.gguf import cache_root, convert_gguf
+        from qpage.config import cache_root
+        from qpage.formats.gguf import convert_gguf
 
         out = cache_root() / "models" / f"{path.stem}-{path.stat().st_size:x}"
         return out if (out / "model.safetensors").is_file() else convert_gguf(path, out)
