@@ -26,6 +26,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +42,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--interpret", action="store_true", help="CPU dry run under TRITON_INTERPRET=1, tiny shapes")
     p.add_argument("--quick", action="store_true", help="fewer M values and no tuning sweep")
     p.add_argument("--no-e2e", action="store_true", help="skip the end-to-end decode figure")
-    p.add_argument("--sections", default="", help="comma-separated subset: cache_write,attention,linears,tune,e2e")
+    p.add_argument("--sections", default="", help="comma-separated subset: cache_write,attention,linears,e2e")
+    p.add_argument("--tune", action="store_true",
+                   help="first sweep kernel configurations (benchmarks/kernel_tune.py), write this GPU's table to "
+                        "<out dir>/configs/ and time the other sections with it")
+    p.add_argument("--tune-budget", type=float, default=240.0, help="seconds the sweep may take (default 240)")
     return p.parse_args()
 
 
@@ -144,11 +149,22 @@ def make_fp8(k: int, n: int, device: Any, block: bool) -> dict[str, Any]:
     return dict(weight=w, scale=scale * 0.001)
 
 
+ONLY: dict[str, Callable[[int], bool]] = {
+    "int4-dot": lambda m: m == 1, "int4-atomic": lambda m: m <= 16, "int4-fused": lambda m: m >= 64}
+"""Variants timed only at some M: the tl.dot kernel at M=1 (the GEMV's alternative), the atomic
+split-K reduction where K is split, the fused kernel where cuBLAS on a dequantized copy is the default."""
+
+
+def fused_config(cfg: Any) -> Any:
+    """``cfg`` without the dequantize path (the fused tl.dot kernel, 128x128 tiles if it had none)."""
+    return replace(cfg, dequant=False)
+
+
 def bench_linears(args: argparse.Namespace, device: Any, timer: Timer, peak: float) -> list[dict[str, Any]]:
     import torch
 
     from qpage.kernels.fp8_matmul import fp8_matmul, fp8_matmul_ref
-    from qpage.kernels.quant_matmul import default_config, int_matmul, int_matmul_ref
+    from qpage.kernels.quant_matmul import choose_config, default_config, int_matmul, int_matmul_ref
 
     dtype = torch.float16 if device.type == "cuda" else torch.float32
     shapes = LLAMA3_8B_LINEARS if not args.interpret else [(256, 128), (128, 384)]
@@ -171,6 +187,16 @@ def bench_linears(args: argparse.Namespace, device: Any, timer: Timer, peak: flo
             x, p["qweight"], p["scales"], None, None, bits=4, group_size=128,
             config=default_config(1, n, k, x.device, gemv=False, group_size=128)),
             variants["int4-g128"][2], variants["int4-g128"][3])
+        # The chosen config with the atomic split-K reduction (zero-fill + atomics + cast), and
+        # with the fused kernel where the dequantize-then-cuBLAS path would be chosen.
+        variants["int4-atomic"] = (i4, lambda x, p: int_matmul(
+            x, p["qweight"], p["scales"], None, None, bits=4, group_size=128,
+            config=replace(choose_config(x.device, "int4-g128", x.shape[0], n, k, 128), serial=False)),
+            variants["int4-g128"][2], variants["int4-g128"][3])
+        variants["int4-fused"] = (i4, lambda x, p: int_matmul(
+            x, p["qweight"], p["scales"], None, None, bits=4, group_size=128,
+            config=fused_config(choose_config(x.device, "int4-g128", x.shape[0], n, k, 128))),
+            variants["int4-g128"][2], variants["int4-g128"][3])
         for name, block in (("fp8-chan", False), ("fp8-block", True)):
             f8 = make_fp8(k, n, device, block)
             variants[name] = (f8, lambda x, p: fp8_matmul(x, p["weight"], p["scale"]),
@@ -184,7 +210,7 @@ def bench_linears(args: argparse.Namespace, device: Any, timer: Timer, peak: flo
             t16 = timer.time([lambda w=w: x @ w.T for w in ws])
             row: dict[str, Any] = dict(K=k, N=n, M=m, fp16_us=t16 * 1e6, fp16_gbs=fp16_bytes / t16 / 1e9)
             for name, (params, fn, ref, wbytes) in variants.items():
-                if name == "int4-dot" and m != 1:
+                if not ONLY.get(name, lambda _: True)(m):
                     continue
                 err = rel_err(fn(x, params), ref(x, params))
                 nbytes = wbytes + io_bytes
@@ -202,34 +228,6 @@ def bench_linears(args: argparse.Namespace, device: Any, timer: Timer, peak: flo
                   flush=True)
         torch.cuda.empty_cache() if device.type == "cuda" else None
     return rows
-
-
-def tune_int4_m1(device: Any, timer: Timer) -> list[dict[str, Any]]:
-    """A small sweep of INT4 GEMV tile settings at M=1, 4096x14336 (to choose defaults)."""
-    import torch
-
-    from qpage.kernels.quant_matmul import MatmulConfig, int_matmul
-
-    k, n = 4096, 14336
-    p = make_int4(k, n, 128, device)
-    x = torch.randn(1, k, device=device, dtype=torch.float16)
-    copies = [p] + [{key: v.clone() for key, v in p.items()} for _ in range(timer.copies(k * n // 2) - 1)]
-    out = []
-    grid = [(True, bn, 128, split, warps) for bn in (64, 128, 256) for split in (2, 4, 8) for warps in (2, 4, 8)]
-    for gemv, bn, bk, split, warps in grid:
-        cfg = MatmulConfig(block_m=16, block_n=bn, block_k=bk, split_k=split, num_warps=warps, num_stages=3,
-                           gemv=gemv)
-        try:
-            t = timer.time([lambda q=q: int_matmul(x, q["qweight"], q["scales"], None, None, bits=4,
-                                                   group_size=128, config=cfg) for q in copies])
-        except Exception as e:  # a config the compiler rejects (e.g. shared memory)
-            print(f"  tune {cfg}: {type(e).__name__}", flush=True)
-            continue
-        out.append(dict(gemv=gemv, block_n=bn, block_k=bk, split_k=split, num_warps=warps, us=t * 1e6))
-    out.sort(key=lambda r: r["us"])
-    for r in out[:5]:
-        print(f"  tune int4 M=1 4096x14336: {r}", flush=True)
-    return out
 
 
 # ---------------------------------------------------------------------------- attention
@@ -306,19 +304,6 @@ def bench_attention(args: argparse.Namespace, device: Any, timer: Timer, peak: f
                          pct_datasheet=100 * kv_bytes / t / 1e9 / sheet, relerr=err))
         print(f"  decode paged {label}: {t * 1e6:.1f} us, {kv_bytes / t / 1e9:.0f} GB/s, relerr {err:.1e}",
               flush=True)
-        if fmt and per_token and device.type == "cuda" and not args.quick:
-            sweep = [(b_, w_, s_) for b_ in (64, 128) for w_ in (4, 8) for s_ in (2, 3, 4)]
-            for bn, warps, stages in sweep:
-                try:
-                    tt = timer.time([lambda: paged_attention_decode(
-                        q, c["k_cache"], c["v_cache"], c["block_tables"], lens, scale, max_seq_len=ctx,
-                        block_n=bn, num_warps=warps, num_stages=stages, **kw)])
-                except Exception as e:
-                    print(f"  tune attention {bn}/{warps}/{stages}: {type(e).__name__}", flush=True)
-                    continue
-                rows.append(dict(kernel=f"decode paged {label} bn={bn} warps={warps} stages={stages}",
-                                 us=tt * 1e6, gbs=kv_bytes / tt / 1e9,
-                                 pct_measured_peak=100 * kv_bytes / tt / 1e9 / peak))
         # Prefill: one sequence's last chunk of 512 (or 2048) tokens over its whole context.
         qlen = 2048 if device.type == "cuda" else 20
         qp = torch.randn(qlen, heads, dim, device=device, dtype=dtype)
@@ -382,7 +367,8 @@ def bench_cache_write(args: argparse.Namespace, device: Any, timer: Timer) -> li
 
 def bench_e2e(args: argparse.Namespace, device: Any, timer: Timer) -> list[dict[str, Any]]:
     """Decode steps/s of a synthetic Llama-3-8B-shaped stack: FP16 (cuBLAS + paged FP16 KV)
-    vs qpage INT4 g128 + FP8 per-token KV, batch 1 and 32, context 4096, CUDA graphs."""
+    vs qpage INT4 g128 with the FP16 cache and with the FP8 per-token cache, batch 1 and 32,
+    context 4096, CUDA graphs."""
     import torch
 
     from qpage.kernels.cache_write import write_kv_cache
@@ -396,8 +382,8 @@ def bench_e2e(args: argparse.Namespace, device: Any, timer: Timer) -> list[dict[
     dtype = torch.float16 if device.type == "cuda" else torch.float32
     rows = []
     for batch in (1, 32) if device.type == "cuda" else (1, 2):
-        for mode in ("fp16", "int4+fp8kv"):
-            fmt = "e4m3" if mode != "fp16" else None
+        for mode in ("fp16", "int4", "int4+fp8kv"):
+            fmt = "e4m3" if mode.endswith("fp8kv") else None
             caches = [fill_cache(batch, ctx, kvh, dim, dtype, fmt, True, device) for _ in range(layers)]
             shapes = [(hidden, (heads + 2 * kvh) * dim), (heads * dim, hidden), (hidden, 2 * inter), (inter, hidden)]
             if mode == "fp16":
@@ -475,8 +461,11 @@ def main() -> None:
         ("attention", lambda: bench_attention(args, device, timer, peak)),
         ("linears", lambda: bench_linears(args, device, timer, peak)),
     ]
-    if device.type == "cuda" and not args.quick:
-        sections.append(("tune_int4_m1", lambda: tune_int4_m1(device, timer)))
+    if args.tune:
+        from kernel_tune import tune
+
+        sections.insert(0, ("tune", lambda: tune(device, name, timer, args.tune_budget, args.interpret,
+                                                   Path(args.out).parent)))
     if not args.no_e2e:
         sections.append(("e2e", lambda: bench_e2e(args, device, timer)))
     wanted = {x.strip() for x in args.sections.split(",") if x.strip()}
@@ -505,13 +494,14 @@ def print_tables(result: dict[str, Any], peak: float) -> None:
           f"(datasheet {result['datasheet_gbs']:.0f})")
     lin = result.get("linears")
     if isinstance(lin, list):
-        names = ["int4-g128", "int4-dot", "int8-chan", "fp8-chan", "fp8-block"]
+        names = ["int4-g128", "int4-dot", "int4-atomic", "int4-fused", "int8-chan", "fp8-chan", "fp8-block"]
         print(f"{'K':>6} {'N':>7} {'M':>4} {'fp16 us':>8} " + " ".join(f"{n + ' us (x, GB/s)':>28}" for n in names))
         for r in lin:
             cells = [f"{r[n + '_us']:8.1f} ({r[n + '_speedup']:4.2f}x {r[n + '_gbs']:5.0f})" if n + "_us" in r else "-"
                      for n in names]
             print(f"{r['K']:>6} {r['N']:>7} {r['M']:>4} {r['fp16_us']:8.1f} " + " ".join(f"{c:>28}" for c in cells))
-        worst = {n: max(r[n + "_relerr"] for r in lin if n + "_relerr" in r) for n in names}
+        worst = {n: max(r[n + "_relerr"] for r in lin if n + "_relerr" in r) for n in names
+                 if any(n + "_relerr" in r for r in lin)}
         print("max relative error vs *_ref: " + ", ".join(f"{n} {e:.1e}" for n, e in worst.items()))
     for key in ("attention", "cache_write", "e2e"):
         rows = result.get(key)
@@ -522,9 +512,16 @@ def print_tables(result: dict[str, Any], peak: float) -> None:
             extra = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()
                              if k not in ("kernel", "us"))
             print(f"{r['kernel']:<64} {r['us']:10.1f} us  {extra}")
-    tune = result.get("tune_int4_m1")
-    if isinstance(tune, list) and tune:
-        print(f"\nbest int4 M=1 4096x14336 config: {tune[0]}")
+    tune = result.get("tune")
+    if isinstance(tune, dict):
+        print(f"\ntuning sweep (table written to {tune['path']}):")
+        for r in tune["rows"]:
+            if "skipped" in r:
+                continue
+            label = r["kind"] if "M" not in r else f"{r['kind']} M={r['M']} {r['K']}x{r['N']}"
+            fp16 = f"fp16 {r['fp16_us']:7.1f} us  " if "fp16_us" in r else ""
+            ratio = f" ({r['fp16_us'] / r['best_us']:4.2f}x fp16)" if "fp16_us" in r else ""
+            print(f"  {label:<40} {fp16}heuristic {r['heuristic_us']:7.1f} us  best {r['best_us']:7.1f} us{ratio}")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ Cache layout and FP8 scale modes: see ``cache_write``. ``block_tables`` int32
 [seqs, max_blocks] maps a sequence's logical block to a physical one.
 
 - **Decode** (``paged_attention_decode``): one query token per sequence, q [B, H, D].
-  A program owns (sequence, kv head, partition of PARTITION tokens) and all H / kv_heads
+  A program owns (sequence, kv head, partition of ``partition`` tokens) and all H / kv_heads
   query heads of that kv head (GQA: each K/V byte is read once, padded to 16 query rows for
   ``tl.dot``). With several partitions (flash-decoding) a second kernel merges the partial
   softmaxes; long contexts thus fill the GPU even at batch 1.
@@ -25,15 +25,16 @@ import torch
 from qpage.config import BLOCK_SIZE
 from qpage.kernels.fp8_codec import decode_fp8_ref, fp8_to_f16, fp8_unit, hardware_fp8
 from qpage.kernels.triton_utils import INTERPRET, tl, triton
+from qpage.kernels.tuned import decode_key, table_for
 
 LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _kv_offsets(bt_ptr, offs_n, n_mask, offs_d, head, stride_cb, stride_ct, stride_ch, PAGE: tl.constexpr):
-    """Element offsets of the K or V rows of positions ``offs_n`` of one sequence."""
-    blk = tl.load(bt_ptr + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
-    return (blk * stride_cb + (offs_n % PAGE) * stride_ct + head * stride_ch)[:, None] + offs_d[None, :]
+def _blocks(bt_ptr, offs_n, n_mask, PAGE: tl.constexpr):
+    """Physical block (int64) of each position ``offs_n`` of one sequence: read once per tile
+    and shared by the K, V and scale loads."""
+    return tl.load(bt_ptr + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
 
 
 @triton.jit
@@ -48,21 +49,20 @@ def _to_dot(raw, FP8: tl.constexpr, IS_E5M2: tl.constexpr, HW_FP8: tl.constexpr,
 
 @triton.jit
 def _load_kv_tile(
-    c_ptr, bt_ptr, offs_n, n_mask, offs_d, d_mask, head, stride_cb, stride_ct, stride_ch,
+    c_ptr, blk, offs_n, n_mask, offs_d, d_mask, head, stride_cb, stride_ct, stride_ch,
     PAGE: tl.constexpr, FP8: tl.constexpr, IS_E5M2: tl.constexpr, HW_FP8: tl.constexpr, DOT_DTYPE: tl.constexpr,
 ):
-    """K or V rows of positions ``offs_n`` of one sequence, [BLOCK_N, DIM_PAD] in DOT_DTYPE."""
-    offs = _kv_offsets(bt_ptr, offs_n, n_mask, offs_d, head, stride_cb, stride_ct, stride_ch, PAGE)
+    """K or V rows of positions ``offs_n`` (in blocks ``blk``), [BLOCK_N, DIM_PAD] in DOT_DTYPE."""
+    offs = (blk * stride_cb + (offs_n % PAGE) * stride_ct + head * stride_ch)[:, None] + offs_d[None, :]
     raw = tl.load(c_ptr + offs, mask=n_mask[:, None] & d_mask[None, :], other=0)
     return _to_dot(raw, FP8, IS_E5M2, HW_FP8, DOT_DTYPE)
 
 
 @triton.jit
-def _token_scale(s_ptr, bt_ptr, offs_n, n_mask, head, unit,
+def _token_scale(s_ptr, blk, offs_n, n_mask, head, unit,
                  KV_HEADS: tl.constexpr, PAGE: tl.constexpr, PER_TOKEN: tl.constexpr):
     """[BLOCK_N] fp32 multiplier of each position's decoded row (1 where there is none)."""
     if PER_TOKEN:
-        blk = tl.load(bt_ptr + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
         s = tl.load(s_ptr + (blk * PAGE + offs_n % PAGE) * KV_HEADS + head, mask=n_mask, other=0.0)
         return s.to(tl.float32) * unit
     else:
@@ -72,11 +72,11 @@ def _token_scale(s_ptr, bt_ptr, offs_n, n_mask, head, unit,
 @triton.jit
 def _decode_kernel(
     q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, lens_ptr, out_ptr, m_ptr, l_ptr,
-    qk_scale, unit,
+    qk_scale, unit, partition,
     stride_qb, stride_qh, stride_cb, stride_ct, stride_ch, stride_bt,
     stride_ob, stride_oh, stride_op,
     KV_HEADS: tl.constexpr, QPK: tl.constexpr, Q_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-    DIM_PAD: tl.constexpr, PAGE: tl.constexpr, PARTITION: tl.constexpr, SPLIT: tl.constexpr,
+    DIM_PAD: tl.constexpr, PAGE: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_N: tl.constexpr, FP8: tl.constexpr, IS_E5M2: tl.constexpr, PER_TOKEN: tl.constexpr,
     HW_FP8: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
 ):
@@ -101,28 +101,29 @@ def _decode_kernel(
     m_i = tl.full((Q_PAD,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((Q_PAD,), dtype=tl.float32)
     acc = tl.zeros((Q_PAD, DIM_PAD), dtype=tl.float32)
-    start = part * PARTITION
-    end = start + PARTITION
+    start = part * partition
+    end = start + partition
     if end > seq_len:
         end = seq_len
     bt = bt_ptr + b * stride_bt
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < end
-        k = _load_kv_tile(kc_ptr, bt, offs_n, n_mask, offs_d, d_mask, h, stride_cb, stride_ct, stride_ch,
+        blk = _blocks(bt, offs_n, n_mask, PAGE)
+        k = _load_kv_tile(kc_ptr, blk, offs_n, n_mask, offs_d, d_mask, h, stride_cb, stride_ct, stride_ch,
                           PAGE, FP8, IS_E5M2, HW_FP8, DOT_DTYPE)
-        v = _load_kv_tile(vc_ptr, bt, offs_n, n_mask, offs_d, d_mask, h, stride_cb, stride_ct, stride_ch,
+        v = _load_kv_tile(vc_ptr, blk, offs_n, n_mask, offs_d, d_mask, h, stride_cb, stride_ct, stride_ch,
                           PAGE, FP8, IS_E5M2, HW_FP8, DOT_DTYPE)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         if PER_TOKEN:
-            s = s * _token_scale(ks_ptr, bt, offs_n, n_mask, h, unit, KV_HEADS, PAGE, PER_TOKEN)[None, :]
+            s = s * _token_scale(ks_ptr, blk, offs_n, n_mask, h, unit, KV_HEADS, PAGE, PER_TOKEN)[None, :]
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if PER_TOKEN:
-            pv_in = p * _token_scale(vs_ptr, bt, offs_n, n_mask, h, unit, KV_HEADS, PAGE, PER_TOKEN)[None, :]
+            pv_in = p * _token_scale(vs_ptr, blk, offs_n, n_mask, h, unit, KV_HEADS, PAGE, PER_TOKEN)[None, :]
         else:
             pv_in = p
         pv = tl.dot(pv_in.to(DOT_DTYPE), v, input_precision=PRECISION)
@@ -182,20 +183,35 @@ def paged_attention_decode(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, scale: float, k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None, fp8_format: str | None = None, partition: int | None = None,
-    max_seq_len: int | None = None, block_n: int | None = None, num_warps: int | None = None, num_stages: int = 2,
+    max_seq_len: int | None = None, block_n: int | None = None, num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """q [B, H, D] -> out [B, H, D]. ``partition`` (tokens, a multiple of ``block_n``) enables
-    split-KV; None picks one from ``max_seq_len`` (defaults to the longest of ``seq_lens``)."""
+    split-KV; None picks one from ``max_seq_len`` (defaults to the longest of ``seq_lens``).
+    Settings left None come from this GPU's tuned table (``tuned``), else the defaults.
+
+    ``partition`` is a runtime argument, not a compile-time one: decode's max_seq_len grows
+    every step, and a constexpr would compile a new kernel each time."""
     bsz, heads, dim = q.shape
     kvh = k_cache.shape[2]
     qpk = heads // kvh
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max())
+    per_token = fp8_format is not None and k_scale is not None and k_scale.dim() == 3
+    tuned = table_for(q.device).get("paged_decode", {}).get(decode_key(fp8_format, per_token, dim, qpk), {})
+    block_n = block_n or tuned.get("block_n") or (32 if INTERPRET else 64)
+    num_warps = num_warps or tuned.get("num_warps")
+    num_stages = num_stages or tuned.get("num_stages") or 2
     if partition is None:
-        partition = 512 if (max_seq_len > 1024 and not INTERPRET) else max(BLOCK_SIZE, max_seq_len)
+        split_from = tuned.get("partition", 512)
+        if max_seq_len > 2 * split_from and not INTERPRET:
+            partition = split_from
+        else:  # one partition: the whole sequence, rounded up to whole tiles
+            partition = triton.cdiv(max(max_seq_len, 1), block_n) * block_n
+    if partition % block_n:
+        raise ValueError(f"partition ({partition}) must be a multiple of block_n ({block_n})")
     parts = triton.cdiv(max_seq_len, partition)
     dim_pad = triton.next_power_of_2(dim)
-    block_n = 64 if not INTERPRET else 32
     q = q if q.stride(-1) == 1 else q.contiguous()
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     split = parts > 1
@@ -212,11 +228,11 @@ def paged_attention_decode(
     scalars, flags = _launch_args(q, k_scale, fp8_format, scale)
     _decode_kernel[(bsz, kvh, parts)](
         q, k_cache, v_cache, ks, vs, block_tables, seq_lens, dst, m, lsum,
-        *scalars,
+        *scalars, partition,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         *strides,
         KV_HEADS=kvh, QPK=qpk, Q_PAD=max(16, triton.next_power_of_2(qpk)),
-        HEAD_DIM=dim, DIM_PAD=dim_pad, PAGE=BLOCK_SIZE, PARTITION=partition, SPLIT=split, BLOCK_N=block_n,
+        HEAD_DIM=dim, DIM_PAD=dim_pad, PAGE=BLOCK_SIZE, SPLIT=split, BLOCK_N=block_n,
         **flags,
         num_warps=num_warps, num_stages=num_stages,
     )

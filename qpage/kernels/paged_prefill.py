@@ -13,6 +13,7 @@ import torch
 from qpage.config import BLOCK_SIZE
 from qpage.kernels.paged_attention import (
     _attend_ref,
+    _blocks,
     _context_ref,
     _launch_args,
     _load_kv_tile,
@@ -63,13 +64,14 @@ def _prefill_kernel(
         for n0 in range(0, end, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             n_mask = offs_n < end
-            k = _load_kv_tile(kc_ptr, bt, offs_n, n_mask, offs_d, d_mask, kvh, stride_cb, stride_ct, stride_ch,
+            blk = _blocks(bt, offs_n, n_mask, PAGE)
+            k = _load_kv_tile(kc_ptr, blk, offs_n, n_mask, offs_d, d_mask, kvh, stride_cb, stride_ct, stride_ch,
                               PAGE, FP8, IS_E5M2, HW_FP8, DOT_DTYPE)
-            v = _load_kv_tile(vc_ptr, bt, offs_n, n_mask, offs_d, d_mask, kvh, stride_cb, stride_ct, stride_ch,
+            v = _load_kv_tile(vc_ptr, blk, offs_n, n_mask, offs_d, d_mask, kvh, stride_cb, stride_ct, stride_ch,
                               PAGE, FP8, IS_E5M2, HW_FP8, DOT_DTYPE)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
             if PER_TOKEN:
-                s = s * _token_scale(ks_ptr, bt, offs_n, n_mask, kvh, unit, KV_HEADS, PAGE, PER_TOKEN)[None, :]
+                s = s * _token_scale(ks_ptr, blk, offs_n, n_mask, kvh, unit, KV_HEADS, PAGE, PER_TOKEN)[None, :]
             allowed = (offs_n[None, :] <= pos[:, None]) & n_mask[None, :]
             s = tl.where(allowed, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -78,7 +80,7 @@ def _prefill_kernel(
             alpha = tl.exp2(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, axis=1)
             if PER_TOKEN:
-                pv_in = p * _token_scale(vs_ptr, bt, offs_n, n_mask, kvh, unit, KV_HEADS, PAGE, PER_TOKEN)[None, :]
+                pv_in = p * _token_scale(vs_ptr, blk, offs_n, n_mask, kvh, unit, KV_HEADS, PAGE, PER_TOKEN)[None, :]
             else:
                 pv_in = p
             pv = tl.dot(pv_in.to(DOT_DTYPE), v, input_precision=PRECISION)

@@ -16,16 +16,17 @@ partial sums, not each weight.
 
 import torch
 
-from qpage.kernels.quant_matmul import MatmulConfig, split_k_range
+from qpage.kernels.quant_matmul import MatmulConfig
+from qpage.kernels.split_k import finish_split_k, split_k_output, split_k_range
 from qpage.kernels.triton_utils import tl, triton
 
 
 @triton.jit
 def _int_gemv_kernel(
-    x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr,
+    x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, lock_ptr,
     N, K, group_size,
     stride_xk, stride_qk, stride_qn, stride_sg, stride_sn, stride_zg, stride_zn,
-    BITS: tl.constexpr, AWQ: tl.constexpr, HAS_ZEROS: tl.constexpr, SPLIT_K: tl.constexpr,
+    BITS: tl.constexpr, AWQ: tl.constexpr, HAS_ZEROS: tl.constexpr, SPLIT_K: tl.constexpr, SERIAL: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     PACK: tl.constexpr = 32 // BITS
@@ -84,13 +85,13 @@ def _int_gemv_kernel(
     if AWQ:
         ptrs = y_ptr + cols
         mask = n2_mask
+        local = tl.arange(0, BLOCK_N // PACK)[:, None] * PACK + j[None, :]
     else:
         ptrs = y_ptr + offs_n
         mask = n_mask
-    if SPLIT_K > 1:
-        tl.atomic_add(ptrs, acc, mask=mask)
-    else:
-        tl.store(ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+        local = tl.arange(0, BLOCK_N)
+    finish_split_k(acc, ptrs, mask, local, ws_ptr, lock_ptr, pid_n, tl.num_programs(0), pid_k,
+                   BLOCK_N, SPLIT_K, SERIAL)
 
 
 def int_gemv(
@@ -101,15 +102,14 @@ def int_gemv(
     k = x.shape[1]
     n = scales.shape[1]
     split = config.split_k
-    y = (torch.zeros if split > 1 else torch.empty)((1, n), dtype=torch.float32 if split > 1 else x.dtype,
-                                                    device=x.device)
-    zeros = qzeros if qzeros is not None else qweight
     grid = (triton.cdiv(n, config.block_n), split)
+    y, ws, locks = split_k_output(1, n, x.dtype, x.device, split, config.serial, grid[0], config.block_n)
+    zeros = qzeros if qzeros is not None else qweight
     _int_gemv_kernel[grid](
-        x, qweight, scales, zeros, y, n, k, group_size,
+        x, qweight, scales, zeros, y, ws, locks, n, k, group_size,
         x.stride(1), qweight.stride(0), qweight.stride(1), scales.stride(0), scales.stride(1),
         zeros.stride(0), zeros.stride(1),
-        BITS=bits, AWQ=awq, HAS_ZEROS=qzeros is not None, SPLIT_K=split,
+        BITS=bits, AWQ=awq, HAS_ZEROS=qzeros is not None, SPLIT_K=split, SERIAL=config.serial,
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.num_warps, num_stages=config.num_stages,
     )
-    return y
+    return y.to(x.dtype)

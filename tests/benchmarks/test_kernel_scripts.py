@@ -13,10 +13,13 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_kernels_benchmark_interpret_dry_run(tmp_path: Path) -> None:
+    """All sections, the tuning sweep first: it writes a usable table that the later sections use."""
+    from qpage.kernels.tuned import problems
+
     out = tmp_path / "kernels.json"
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kernels.py"), "--interpret", "--out", str(out)],
-                       capture_output=True, text=True, timeout=900, env=env)
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kernels.py"), "--interpret", "--tune", "--out",
+                        str(out)], capture_output=True, text=True, timeout=900, env=env)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     res = json.loads(out.read_text())
     for section in ("cache_write", "attention", "linears", "e2e"):
@@ -24,6 +27,10 @@ def test_kernels_benchmark_interpret_dry_run(tmp_path: Path) -> None:
     assert all(row["bit_exact"] for row in res["cache_write"])
     assert max(r[k] for r in res["linears"] for k in r if k.endswith("_relerr")) < 1e-4
     assert all(row["relerr"] < 1e-4 for row in res["attention"] if "relerr" in row)
+    table = json.loads((tmp_path / "configs" / "cpu_triton_interpreter.json").read_text())
+    assert table == res["tune"]["table"] and problems(table) == []
+    assert table["matmul"], "the sweep kept no configuration"
+    assert all(row["best_us"] > 0 for row in res["tune"]["rows"] if "skipped" not in row)
 
 
 def test_kv_cache_benchmark_smoke(tmp_path: Path) -> None:

@@ -94,3 +94,32 @@ def test_decode_ref_is_softmax_attention() -> None:
     dense = torch.einsum("hl,lhd->hd", torch.einsum("hd,lhd->hl", q[0], k).mul(D**-0.5).softmax(-1), v)
     ref = paged_attention_decode_ref(q, block_tables=tables, seq_lens=torch.tensor([50]), scale=D**-0.5, **cache)
     assert torch.allclose(ref[0], dense, atol=1e-6)
+
+
+def test_decode_compiles_once_as_the_context_grows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every compile-time argument of the decode launch is the same for max_seq_len 1..300 (the
+    partition length is a runtime argument): on a GPU a constexpr that followed the context
+    length compiled a new kernel at every decode step."""
+    import inspect
+
+    from qpage.kernels import paged_attention
+
+    kernel = paged_attention._decode_kernel
+    params = inspect.signature(getattr(kernel, "fn", kernel)).parameters
+    launches: list[dict] = []
+
+    class Recorder:
+        def __getitem__(self, grid: tuple) -> object:
+            return lambda *args, **kwargs: launches.append(kwargs)
+
+    monkeypatch.setattr(paged_attention, "_decode_kernel", Recorder())
+    cache, tables = filled_cache([300], torch.float16, "e4m3", True)
+    q = torch.randn(1, H, D, dtype=torch.float16)
+    for length in (1, 15, 16, 17, 64, 100, 255, 300):
+        paged_attention_decode(q, cache["k_cache"], cache["v_cache"], tables, torch.tensor([length], dtype=torch.int32),
+                               D**-0.5, cache["k_scale"], cache["v_scale"], "e4m3", max_seq_len=length)
+    assert len(launches) == 8
+    for name in launches[0]:
+        if name not in ("num_warps", "num_stages"):
+            assert "constexpr" in str(params[name].annotation), name
+    assert all(kw == launches[0] for kw in launches), "a compile-time argument changed with the context length"

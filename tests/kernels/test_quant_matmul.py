@@ -99,13 +99,66 @@ def test_int_matmul_matches_ref(case: tuple, dtype: torch.dtype) -> None:
 @pytest.mark.parametrize(("awq", "bits"), [(False, 4), (True, 4), (False, 8)], ids=["gptq4", "awq4", "gptq8"])
 @pytest.mark.parametrize("sym", [False, True])
 def test_gemv_and_split_k(awq: bool, sym: bool, bits: int) -> None:
-    """M=1 through the GEMV kernel (split K in 2 and 3), and the tl.dot kernel with split K."""
+    """M=1 through the GEMV kernel (split K in 2 and 3) and the tl.dot kernel with split K,
+    each with the serial (last program sums) and the atomic reduction."""
     w = make_weight(320, 96, bits, 64, awq=awq, sym=sym, seed=3)
     x = torch.randn(1, 320, generator=torch.Generator().manual_seed(4)).half()
-    for cfg in (MatmulConfig(16, 32, 64, split_k=2, gemv=True), MatmulConfig(16, 64, 64, split_k=3, gemv=True),
-                MatmulConfig(16, 32, 32, split_k=4)):
-        out, ref = run(x, w, cfg)
-        assert rel_err(out, ref) < TOL[torch.float16], cfg
+    for serial in (True, False):
+        for cfg in (MatmulConfig(16, 32, 64, split_k=2, gemv=True, serial=serial),
+                    MatmulConfig(16, 64, 64, split_k=3, gemv=True, serial=serial),
+                    MatmulConfig(16, 32, 32, split_k=4, serial=serial)):
+            out, ref = run(x, w, cfg)
+            assert out.dtype == torch.float16
+            assert rel_err(out, ref) < TOL[torch.float16], cfg
+
+
+@pytest.mark.parametrize("kernel", ["gemv", "dot", "fp8"])
+def test_serial_split_k_is_deterministic_and_resets_its_counters(kernel: str) -> None:
+    """The serial reduction sums the partials in a fixed order (two calls give the same bits,
+    equal to the unsplit kernel's within fp32 rounding) and leaves every counter at zero, so
+    the next launch (another shape, another grid) starts clean."""
+    from qpage.kernels.fp8_matmul import fp8_matmul
+    from qpage.kernels.split_k import _LOCKS
+
+    w = make_weight(512, 192, 4, 64, seed=5)
+    x = torch.randn(3 if kernel != "gemv" else 1, 512, generator=torch.Generator().manual_seed(6))
+    f8 = (torch.randn(192, 512, generator=torch.Generator().manual_seed(7)) * 50).to(torch.float8_e4m3fn)
+    s8 = torch.rand(192) * 0.01
+
+    def call(split: int) -> torch.Tensor:
+        cfg = MatmulConfig(16, 64, 64, split_k=split, gemv=kernel == "gemv")
+        return fp8_matmul(x, f8, s8, cfg) if kernel == "fp8" else run(x, w, cfg)[0]
+
+    a, b, whole = call(4), call(4), call(1)
+    assert torch.equal(a, b)
+    assert rel_err(a, whole) < 1e-6
+    assert int(_LOCKS[x.device].abs().sum()) == 0
+
+
+@pytest.mark.parametrize(("awq", "act_order", "bits", "sym"),
+                         [(False, False, 4, False), (False, True, 4, False), (True, False, 4, False),
+                          (True, False, 4, True), (False, False, 8, True)],
+                         ids=["gptq", "gptq-actorder", "awq", "awq-sym", "int8"])
+def test_gather_unpack_and_dequant_paths(awq: bool, act_order: bool, bits: int, sym: bool) -> None:
+    """The gather unpack (tl.dot path) and the dequantize-then-matmul path (prefill-sized M),
+    whose dense weight equals ``dequantize_ref`` bit for bit in fp32, built in column chunks."""
+    from qpage.kernels.quant_dequant import dequant_matmul, dequantize_int
+
+    k, n = 256, 200
+    w = make_weight(k, n, bits, 64, awq=awq, sym=sym, act_order=act_order, seed=8)
+    args = (w["qweight"], w["scales"], w["qzeros"], w["g_idx"])
+    dense = dequantize_int(*args, bits=bits, group_size=64, in_features=k, awq=awq, dtype=torch.float32)
+    assert torch.equal(dense, dequantize_ref(*args, bits=bits, group_size=64, in_features=k, awq=awq))
+    part = dequantize_int(*args, bits=bits, group_size=64, in_features=k, awq=awq, dtype=torch.float32,
+                          columns=(64, 136))
+    assert torch.equal(part, dense[:, 64:136])
+    x = torch.randn(20, k, generator=torch.Generator().manual_seed(9))
+    ref = int_matmul_ref(x, *args, bits=bits, group_size=64, awq=awq)
+    for cfg in (MatmulConfig(16, 64, 32, gather=True), MatmulConfig(16, 64, 64, split_k=2, gather=True),
+                MatmulConfig(128, 128, 64, dequant=True)):
+        assert rel_err(run(x, w, cfg)[0], ref) < TOL[torch.float32], cfg
+    chunked = dequant_matmul(x, *args, bits=bits, group_size=64, awq=awq, max_chunk_bytes=k * 4 * 128)
+    assert rel_err(chunked, ref) < TOL[torch.float32]
 
 
 def test_rejects_unsupported_bits() -> None:
