@@ -74,7 +74,7 @@ def _problems(interpret: bool) -> list[tuple[str, int, tuple[int, ...]]]:
 
 def _weights(kind: str, k: int, n: int, device: Any) -> tuple[dict[str, Any], Callable[..., Any], Callable[..., Any]]:
     """(params, fn(x, params, config), ref(x, params)) of one kind."""
-    from kernels import make_fp8, make_int4, make_int8  # type: ignore[import-not-found]
+    from kernel_common import make_fp8, make_int4, make_int8  # type: ignore[import-not-found]
 
     from qpage.kernels.fp8_matmul import fp8_matmul, fp8_matmul_ref
     from qpage.kernels.quant_matmul import int_matmul, int_matmul_ref
@@ -98,7 +98,7 @@ def _weights(kind: str, k: int, n: int, device: Any) -> tuple[dict[str, Any], Ca
 def _best_config(fn: Callable[..., Any], x: Any, params: dict[str, Any], ref: Any, cands: list[Any],
                  timer: Any) -> tuple[Any, float, int]:
     """(best config, its seconds, candidates rejected for their output) for one problem."""
-    from kernels import rel_err  # type: ignore[import-not-found]
+    from kernel_common import rel_err  # type: ignore[import-not-found]
 
     nbytes = sum(v.numel() * v.element_size() for v in params.values())
     copies = [params] + [{key: v.clone() for key, v in params.items()} for _ in range(timer.copies(nbytes) - 1)]
@@ -156,15 +156,16 @@ def tune_matmuls(device: Any, timer: Any, deadline: float, interpret: bool, tabl
 def tune_decode(device: Any, timer: Any, deadline: float, interpret: bool, table: dict[str, Any]
                 ) -> list[dict[str, Any]]:
     import torch
-    from kernels import fill_cache, rel_err  # type: ignore[import-not-found]
+    from kernel_common import fill_cache, rel_err  # type: ignore[import-not-found]
 
     from qpage.kernels.paged_attention import paged_attention_decode, paged_attention_decode_ref
     from qpage.kernels.tuned import decode_key
 
     dtype = torch.float32 if interpret else torch.float16
     nseq, ctx, heads, kvh, dim = (2, 80, 4, 2, 64) if interpret else (32, 4096, 32, 8, 128)
-    grid = [(16, 4, 2, 32)] if interpret else [
-        (bn, w, s, part) for bn in (32, 64, 128) for w in (4, 8) for s in (2, 3, 4) for part in (256, 512, 1024)]
+    grid = [(16, 4, 2, 32, False), (16, 4, 2, 32, True)] if interpret else [
+        (bn, w, s, part, pf) for bn in (32, 64, 128) for w in (4, 8) for s in (2, 3) for part in (256, 512, 1024)
+        for pf in (False, True)]
     q = torch.randn(nseq, heads, dim, device=device, dtype=dtype)
     lens = torch.full((nseq,), ctx, dtype=torch.int32, device=device)
     rows = []
@@ -178,10 +179,12 @@ def tune_decode(device: Any, timer: Any, deadline: float, interpret: bool, table
         best, best_t = None, float("inf")
         t_base = timer.time([lambda: paged_attention_decode(q, c["k_cache"], c["v_cache"], c["block_tables"], lens,
                                                             dim**-0.5, **kw)], reps=10)
-        for bn, warps, stages, part in grid:
+        for bn, warps, stages, part, pf in grid:
             if time.perf_counter() > deadline:
                 break
-            args = dict(block_n=bn, num_warps=warps, num_stages=stages, partition=part, **kw)
+            if pf and fmt is None:  # fp16 tiles go through the async-copy pipeline already
+                continue
+            args = dict(block_n=bn, num_warps=warps, num_stages=stages, partition=part, prefetch=pf, **kw)
             try:
                 out = paged_attention_decode(q, c["k_cache"], c["v_cache"], c["block_tables"], lens, dim**-0.5,
                                              **args)
@@ -192,7 +195,7 @@ def tune_decode(device: Any, timer: Any, deadline: float, interpret: bool, table
             except Exception:
                 continue
             if t < best_t:
-                best, best_t = dict(block_n=bn, num_warps=warps, num_stages=stages, partition=part), t
+                best, best_t = dict(block_n=bn, num_warps=warps, num_stages=stages, partition=part, prefetch=pf), t
         key = decode_key(fmt, per_token, dim, heads // kvh)
         if best is not None and best_t < t_base:
             table["paged_decode"][key] = best

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
@@ -30,10 +29,21 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from kernel_common import (
+    DATASHEET_GBS,
+    Timer,
+    fill_cache,
+    make_fp8,
+    make_int4,
+    make_int8,
+    measure_copy_gbs,
+    rel_err,
+)
+from kernels_attention import bench_attention, bench_cache_write
+
 ROOT = Path(__file__).resolve().parent.parent
 LLAMA3_8B_LINEARS = [(4096, 4096), (4096, 14336), (14336, 4096), (4096, 128256)]
 M_VALUES = [1, 4, 16, 64, 256]
-DATASHEET_GBS = {"H200": 4800.0, "H100": 3350.0, "4090": 1008.0, "3090": 936.0, "A100": 2039.0}
 
 
 def parse_args() -> argparse.Namespace:
@@ -48,105 +58,6 @@ def parse_args() -> argparse.Namespace:
                         "<out dir>/configs/ and time the other sections with it")
     p.add_argument("--tune-budget", type=float, default=240.0, help="seconds the sweep may take (default 240)")
     return p.parse_args()
-
-
-class Timer:
-    """Median time per call of a function, replayed from a CUDA graph (or wall clock on CPU)."""
-
-    def __init__(self, device: Any, l2_bytes: int) -> None:
-        self.device = device
-        self.l2_bytes = l2_bytes
-
-    def copies(self, nbytes: int) -> int:
-        """How many input copies make one graph replay read more than 4x the L2 cache."""
-        if self.device.type != "cuda":
-            return 1
-        return max(1, min(64, math.ceil(4 * self.l2_bytes / max(nbytes, 1))))
-
-    def time(self, calls: list[Callable[[], Any]], reps: int = 20) -> float:
-        import torch
-
-        if self.device.type != "cuda":
-            t = time.perf_counter()
-            for fn in calls:
-                fn()
-            return (time.perf_counter() - t) / len(calls)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for fn in calls:  # warm-up: compile and autotune outside the graph
-                fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for fn in calls:
-                fn()
-        graph.replay()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(reps):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3 / len(calls))
-        del graph
-        return sorted(times)[len(times) // 2]
-
-
-def measure_copy_gbs(device: Any) -> float:
-    """Device-to-device copy of 2 GiB of fp32, bytes read plus written per second."""
-    import torch
-
-    if device.type != "cuda":
-        return float("nan")
-    a = torch.randn(1 << 29, device=device)
-    b = torch.empty_like(a)
-    timer = Timer(device, 0)
-    dt = timer.time([lambda: b.copy_(a)], reps=10)
-    return 2 * a.numel() * 4 / dt / 1e9
-
-
-def device_name(device: Any) -> str:
-    import torch
-
-    return torch.cuda.get_device_properties(device).name if device.type == "cuda" else "cpu"
-
-
-def rel_err(out: Any, ref: Any) -> float:
-    return float((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30))
-
-
-# ------------------------------------------------------------------------------ linears
-
-
-def make_int4(k: int, n: int, group: int, device: Any) -> dict[str, Any]:
-    import torch
-
-    g = math.ceil(k / group)
-    return dict(
-        qweight=torch.randint(-(2**31), 2**31 - 1, (k // 8, n), dtype=torch.int32, device=device),
-        scales=(torch.rand(g, n, device=device) * 0.01 + 0.001).half(),
-    )
-
-
-def make_int8(k: int, n: int, device: Any) -> dict[str, Any]:
-    import torch
-
-    return dict(
-        qweight=torch.randint(-(2**31), 2**31 - 1, (k // 4, n), dtype=torch.int32, device=device),
-        scales=(torch.rand(1, n, device=device) * 0.01 + 0.001).half(),
-    )
-
-
-def make_fp8(k: int, n: int, device: Any, block: bool) -> dict[str, Any]:
-    import torch
-
-    w = (torch.randn(n, k, device=device) * 50).clamp(-448, 448).to(torch.float8_e4m3fn)
-    scale = torch.rand(math.ceil(n / 128), math.ceil(k / 128), device=device) if block else torch.rand(n, device=device)
-    return dict(weight=w, scale=scale * 0.001)
 
 
 ONLY: dict[str, Callable[[int], bool]] = {
@@ -227,138 +138,6 @@ def bench_linears(args: argparse.Namespace, device: Any, timer: Timer, peak: flo
                               if nm + "_us" in row),
                   flush=True)
         torch.cuda.empty_cache() if device.type == "cuda" else None
-    return rows
-
-
-# ---------------------------------------------------------------------------- attention
-
-
-def fill_cache(num_seqs: int, ctx: int, kvh: int, dim: int, dtype: Any, fmt: str | None, per_token: bool,
-               device: Any) -> dict[str, Any]:
-    """A paged cache holding ``num_seqs`` random sequences of ``ctx`` tokens in shuffled blocks."""
-    import torch
-
-    from qpage.kernels.cache_write import write_kv_cache, write_kv_cache_ref
-
-    # Filling is setup, not what is measured: on CPU (interpreter) the torch writer is faster.
-    writer = write_kv_cache if device.type == "cuda" else write_kv_cache_ref
-    blocks_per_seq = math.ceil(ctx / 16)
-    nb = num_seqs * blocks_per_seq
-    cdt = torch.uint8 if fmt else dtype
-    kc = torch.empty(nb, 16, kvh, dim, dtype=cdt, device=device)
-    vc = torch.empty_like(kc)
-    if fmt and per_token:
-        ks = torch.empty(nb, 16, kvh, dtype=torch.float16, device=device)
-        vs = torch.empty_like(ks)
-    elif fmt:
-        ks, vs = torch.tensor([0.01], device=device), torch.tensor([0.01], device=device)
-    else:
-        ks = vs = None
-    bt = torch.randperm(nb, device=device).to(torch.int32).view(num_seqs, blocks_per_seq)
-    for s in range(num_seqs):
-        slots = (bt[s].long()[:, None] * 16 + torch.arange(16, device=device)).flatten()[:ctx]
-        k = torch.randn(ctx, kvh, dim, device=device, dtype=dtype)
-        writer(k, torch.randn_like(k), kc, vc, slots.to(torch.int32), ks, vs, fmt)
-    return dict(k_cache=kc, v_cache=vc, k_scale=ks, v_scale=vs, fp8_format=fmt, block_tables=bt)
-
-
-def bench_attention(args: argparse.Namespace, device: Any, timer: Timer, peak: float) -> list[dict[str, Any]]:
-    import torch
-    import torch.nn.functional as F
-
-    from qpage.kernels.paged_attention import paged_attention_decode, paged_attention_decode_ref
-    from qpage.kernels.paged_prefill import paged_attention_prefill, paged_attention_prefill_ref
-
-    dtype = torch.float16 if device.type == "cuda" else torch.float32
-    nseq, ctx, heads, kvh, dim = (32, 4096, 32, 8, 128) if not args.interpret else (3, 100, 4, 2, 64)
-    scale = dim**-0.5
-    rows = []
-    q = torch.randn(nseq, heads, dim, device=device, dtype=dtype)
-    lens = torch.full((nseq,), ctx, dtype=torch.int32, device=device)
-    # SDPA over contiguous fp16 K/V (no paging): the FP16 reference point.
-    kd = torch.randn(nseq, kvh, ctx, dim, device=device, dtype=dtype)
-    vd = torch.randn_like(kd)
-    t_sdpa = timer.time([lambda: F.scaled_dot_product_attention(q[:, :, None], kd, vd, scale=scale,
-                                                                 enable_gqa=True)])
-    sdpa_bytes = 2 * kd.numel() * kd.element_size()
-    rows.append(dict(kernel="decode sdpa fp16 (contiguous)", us=t_sdpa * 1e6, gbs=sdpa_bytes / t_sdpa / 1e9))
-    # The bandwidth to compare against: the best of the copy and SDPA's read rate (both measured
-    # here), and the datasheet figure.
-    peak = max(peak if peak == peak else 0.0, sdpa_bytes / t_sdpa / 1e9)
-    sheet = next((v for key, v in DATASHEET_GBS.items() if key in str(device_name(device))), float("nan"))
-    for label, fmt, per_token in (("fp16", None, False), ("fp8 e4m3 per-token", "e4m3", True),
-                                  ("fp8 e4m3 per-tensor", "e4m3", False)):
-        c = fill_cache(nseq, ctx, kvh, dim, dtype, fmt, per_token, device)
-        kw = dict(k_scale=c["k_scale"], v_scale=c["v_scale"], fp8_format=fmt)
-        out = paged_attention_decode(q, c["k_cache"], c["v_cache"], c["block_tables"], lens, scale, **kw)
-        ref_rows = slice(0, 2)
-        ref = paged_attention_decode_ref(q[ref_rows], c["k_cache"], c["v_cache"], c["block_tables"][ref_rows],
-                                         lens[ref_rows], scale, **kw)
-        err = rel_err(out[ref_rows], ref)
-        elem = 1 if fmt else 2
-        kv_bytes = 2 * nseq * ctx * kvh * dim * elem + (2 * nseq * ctx * kvh * 2 if per_token else 0)
-        t = timer.time([lambda: paged_attention_decode(q, c["k_cache"], c["v_cache"], c["block_tables"], lens,
-                                                       scale, max_seq_len=ctx, **kw)])
-        rows.append(dict(kernel=f"decode paged {label}", us=t * 1e6, gbs=kv_bytes / t / 1e9,
-                         pct_measured_peak=100 * kv_bytes / t / 1e9 / peak,
-                         pct_datasheet=100 * kv_bytes / t / 1e9 / sheet, relerr=err))
-        print(f"  decode paged {label}: {t * 1e6:.1f} us, {kv_bytes / t / 1e9:.0f} GB/s, relerr {err:.1e}",
-              flush=True)
-        # Prefill: one sequence's last chunk of 512 (or 2048) tokens over its whole context.
-        qlen = 2048 if device.type == "cuda" else 20
-        qp = torch.randn(qlen, heads, dim, device=device, dtype=dtype)
-        cu = torch.tensor([0, qlen], dtype=torch.int32, device=device)
-        ctx1 = lens[:1]
-        bt1 = c["block_tables"][:1]
-        pout = paged_attention_prefill(qp, c["k_cache"], c["v_cache"], bt1, cu, ctx1, qlen, scale, **kw)
-        nref = min(64, qlen)
-        pref = paged_attention_prefill_ref(qp[:nref], c["k_cache"], c["v_cache"], bt1, cu.clamp_max(nref),
-                                           ctx1 - qlen + nref, scale, **kw)
-        perr = rel_err(pout[:nref], pref)
-        t = timer.time([lambda: paged_attention_prefill(qp, c["k_cache"], c["v_cache"], bt1, cu, ctx1, qlen, scale,
-                                                        **kw)])
-        flops = 4 * heads * dim * qlen * (ctx - qlen / 2)
-        rows.append(dict(kernel=f"prefill paged {label} ({qlen} new / {ctx} ctx)", us=t * 1e6, tflops=flops / t / 1e12,
-                         relerr=perr))
-    # SDPA causal prefill on contiguous fp16 for the same problem.
-    qlen = 2048 if device.type == "cuda" else 20
-    qs = torch.randn(1, heads, qlen, dim, device=device, dtype=dtype)
-    ks = torch.randn(1, kvh, ctx, dim, device=device, dtype=dtype)
-    mask = torch.ones(qlen, ctx, dtype=torch.bool, device=device).tril(ctx - qlen)
-    t = timer.time([lambda: F.scaled_dot_product_attention(qs, ks, ks, attn_mask=mask, scale=scale, enable_gqa=True)])
-    rows.append(dict(kernel=f"prefill sdpa fp16 masked ({qlen} new / {ctx} ctx)", us=t * 1e6,
-                     tflops=4 * heads * dim * qlen * (ctx - qlen / 2) / t / 1e12))
-    return rows
-
-
-def bench_cache_write(args: argparse.Namespace, device: Any, timer: Timer) -> list[dict[str, Any]]:
-    import torch
-
-    from qpage.kernels.cache_write import write_kv_cache, write_kv_cache_ref
-
-    dtype = torch.float16 if device.type == "cuda" else torch.float32
-    tokens, kvh, dim = (4096, 8, 128) if not args.interpret else (12, 2, 64)
-    nb = 2 * tokens // 16
-    rows = []
-    for fmt in ("e4m3", "e5m2"):
-        k = torch.randn(tokens, kvh, dim, device=device, dtype=dtype) * 3
-        v = torch.randn_like(k)
-        slots = torch.randperm(nb * 16, device=device)[:tokens].to(torch.int32)
-        caches = []
-        for fn in (write_kv_cache, write_kv_cache_ref):
-            kc = torch.zeros(nb, 16, kvh, dim, dtype=torch.uint8, device=device)
-            vc = torch.zeros_like(kc)
-            ks = torch.zeros(nb, 16, kvh, dtype=torch.float16, device=device)
-            vs = torch.zeros_like(ks)
-            fn(k, v, kc, vc, slots, ks, vs, fmt)
-            caches.append((kc, vc, ks, vs))
-        exact = all(torch.equal(a, b) for a, b in zip(*caches, strict=False))
-        kc, vc, ks, vs = caches[0]
-        t = timer.time([lambda: write_kv_cache(k, v, kc, vc, slots, ks, vs, fmt)])
-        nbytes = 2 * k.numel() * (k.element_size() + 1) + 2 * tokens * kvh * 2
-        rows.append(dict(kernel=f"cache write fp8 {fmt} per-token ({tokens} tokens)", us=t * 1e6,
-                         gbs=nbytes / t / 1e9, bit_exact=exact))
-        print(f"  cache write {fmt}: {t * 1e6:.1f} us, bit-exact vs torch: {exact}", flush=True)
     return rows
 
 

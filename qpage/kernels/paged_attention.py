@@ -48,13 +48,19 @@ def _to_dot(raw, FP8: tl.constexpr, IS_E5M2: tl.constexpr, HW_FP8: tl.constexpr,
 
 
 @triton.jit
+def _load_raw(c_ptr, blk, offs_n, n_mask, offs_d, d_mask, head, stride_cb, stride_ct, stride_ch, PAGE: tl.constexpr):
+    """K or V rows of positions ``offs_n`` (in blocks ``blk``) as stored, [BLOCK_N, DIM_PAD]."""
+    offs = (blk * stride_cb + (offs_n % PAGE) * stride_ct + head * stride_ch)[:, None] + offs_d[None, :]
+    return tl.load(c_ptr + offs, mask=n_mask[:, None] & d_mask[None, :], other=0)
+
+
+@triton.jit
 def _load_kv_tile(
     c_ptr, blk, offs_n, n_mask, offs_d, d_mask, head, stride_cb, stride_ct, stride_ch,
     PAGE: tl.constexpr, FP8: tl.constexpr, IS_E5M2: tl.constexpr, HW_FP8: tl.constexpr, DOT_DTYPE: tl.constexpr,
 ):
     """K or V rows of positions ``offs_n`` (in blocks ``blk``), [BLOCK_N, DIM_PAD] in DOT_DTYPE."""
-    offs = (blk * stride_cb + (offs_n % PAGE) * stride_ct + head * stride_ch)[:, None] + offs_d[None, :]
-    raw = tl.load(c_ptr + offs, mask=n_mask[:, None] & d_mask[None, :], other=0)
+    raw = _load_raw(c_ptr, blk, offs_n, n_mask, offs_d, d_mask, head, stride_cb, stride_ct, stride_ch, PAGE)
     return _to_dot(raw, FP8, IS_E5M2, HW_FP8, DOT_DTYPE)
 
 
@@ -78,7 +84,7 @@ def _decode_kernel(
     KV_HEADS: tl.constexpr, QPK: tl.constexpr, Q_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     DIM_PAD: tl.constexpr, PAGE: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_N: tl.constexpr, FP8: tl.constexpr, IS_E5M2: tl.constexpr, PER_TOKEN: tl.constexpr,
-    HW_FP8: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+    HW_FP8: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -106,14 +112,31 @@ def _decode_kernel(
     if end > seq_len:
         end = seq_len
     bt = bt_ptr + b * stride_bt
+    if PREFETCH:  # register double-buffering: tile i+1's loads are issued before tile i's math
+        offs_n = start + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < end
+        blk = _blocks(bt, offs_n, n_mask, PAGE)
+        k_raw = _load_raw(kc_ptr, blk, offs_n, n_mask, offs_d, d_mask, h, stride_cb, stride_ct, stride_ch, PAGE)
+        v_raw = _load_raw(vc_ptr, blk, offs_n, n_mask, offs_d, d_mask, h, stride_cb, stride_ct, stride_ch, PAGE)
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < end
-        blk = _blocks(bt, offs_n, n_mask, PAGE)
-        k = _load_kv_tile(kc_ptr, blk, offs_n, n_mask, offs_d, d_mask, h, stride_cb, stride_ct, stride_ch,
-                          PAGE, FP8, IS_E5M2, HW_FP8, DOT_DTYPE)
-        v = _load_kv_tile(vc_ptr, blk, offs_n, n_mask, offs_d, d_mask, h, stride_cb, stride_ct, stride_ch,
-                          PAGE, FP8, IS_E5M2, HW_FP8, DOT_DTYPE)
+        if PREFETCH:
+            nxt = offs_n + BLOCK_N
+            nxt_mask = nxt < end
+            nxt_blk = _blocks(bt, nxt, nxt_mask, PAGE)
+            k_next = _load_raw(kc_ptr, nxt_blk, nxt, nxt_mask, offs_d, d_mask, h, stride_cb, stride_ct, stride_ch,
+                               PAGE)
+            v_next = _load_raw(vc_ptr, nxt_blk, nxt, nxt_mask, offs_d, d_mask, h, stride_cb, stride_ct, stride_ch,
+                               PAGE)
+            k = _to_dot(k_raw, FP8, IS_E5M2, HW_FP8, DOT_DTYPE)
+            v = _to_dot(v_raw, FP8, IS_E5M2, HW_FP8, DOT_DTYPE)
+        else:
+            blk = _blocks(bt, offs_n, n_mask, PAGE)
+            k = _load_kv_tile(kc_ptr, blk, offs_n, n_mask, offs_d, d_mask, h, stride_cb, stride_ct, stride_ch,
+                              PAGE, FP8, IS_E5M2, HW_FP8, DOT_DTYPE)
+            v = _load_kv_tile(vc_ptr, blk, offs_n, n_mask, offs_d, d_mask, h, stride_cb, stride_ct, stride_ch,
+                              PAGE, FP8, IS_E5M2, HW_FP8, DOT_DTYPE)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         if PER_TOKEN:
             s = s * _token_scale(ks_ptr, blk, offs_n, n_mask, h, unit, KV_HEADS, PAGE, PER_TOKEN)[None, :]
@@ -129,6 +152,8 @@ def _decode_kernel(
         pv = tl.dot(pv_in.to(DOT_DTYPE), v, input_precision=PRECISION)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
+        if PREFETCH:
+            k_raw, v_raw, blk = k_next, v_next, nxt_blk
     acc = acc * v_mul
     out_mask = q_mask[:, None] & d_mask[None, :]
     if SPLIT:
@@ -184,11 +209,13 @@ def paged_attention_decode(
     seq_lens: torch.Tensor, scale: float, k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None, fp8_format: str | None = None, partition: int | None = None,
     max_seq_len: int | None = None, block_n: int | None = None, num_warps: int | None = None,
-    num_stages: int | None = None,
+    num_stages: int | None = None, prefetch: bool | None = None,
 ) -> torch.Tensor:
     """q [B, H, D] -> out [B, H, D]. ``partition`` (tokens, a multiple of ``block_n``) enables
     split-KV; None picks one from ``max_seq_len`` (defaults to the longest of ``seq_lens``).
     Settings left None come from this GPU's tuned table (``tuned``), else the defaults.
+    ``prefetch`` issues the next tile's loads before the current tile's math (register
+    double-buffering, for FP8 tiles that cannot go through Triton's async-copy pipeline).
 
     ``partition`` is a runtime argument, not a compile-time one: decode's max_seq_len grows
     every step, and a constexpr would compile a new kernel each time."""
@@ -202,6 +229,7 @@ def paged_attention_decode(
     block_n = block_n or tuned.get("block_n") or (32 if INTERPRET else 64)
     num_warps = num_warps or tuned.get("num_warps")
     num_stages = num_stages or tuned.get("num_stages") or 2
+    prefetch = bool(tuned.get("prefetch", False)) if prefetch is None else prefetch
     if partition is None:
         split_from = tuned.get("partition", 512)
         if max_seq_len > 2 * split_from and not INTERPRET:
@@ -232,7 +260,7 @@ def paged_attention_decode(
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         *strides,
         KV_HEADS=kvh, QPK=qpk, Q_PAD=max(16, triton.next_power_of_2(qpk)),
-        HEAD_DIM=dim, DIM_PAD=dim_pad, PAGE=BLOCK_SIZE, SPLIT=split, BLOCK_N=block_n,
+        HEAD_DIM=dim, DIM_PAD=dim_pad, PAGE=BLOCK_SIZE, SPLIT=split, BLOCK_N=block_n, PREFETCH=prefetch,
         **flags,
         num_warps=num_warps, num_stages=num_stages,
     )
