@@ -14,6 +14,11 @@ distributions. Bytes per token count K and V of all layers plus the FP8 scales, 
 compared with an fp16 cache's (the usual GPU baseline) and the ``auto`` cache's.
 
     python benchmarks/kv_cache.py [--windows 16] [--window 512] [--chunk 128]
+    python benchmarks/kv_cache.py --speed     # decode tokens/s of each mode instead
+
+``--speed``: greedy decode of 256 tokens at batch 1 (best of 2) and batch 8, each mode on
+its default backend (``cpu-native`` on CPU), plus the FP8 per-token cache on ``cpu-blas``
+(the path without the C cache kernels), one engine after the other in one process.
 """
 
 from __future__ import annotations
@@ -43,12 +48,55 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--windows", type=int, default=16, help="number of windows scored (from the start of the file)")
     p.add_argument("--window", type=int, default=512)
     p.add_argument("--chunk", type=int, default=128, help="prefill chunk: context beyond it comes from the cache")
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "kv_cache.json"))
+    p.add_argument("--out", default=None, help="default: benchmarks/results/kv_cache.json (kv_cache_speed.json)")
+    p.add_argument("--speed", action="store_true", help="measure decode speed per mode instead of quality")
+    p.add_argument("--tokens", type=int, default=256, help="--speed: tokens generated per request")
     return p.parse_args()
+
+
+def write_json(result: dict[str, Any], out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result, indent=1))
+    tmp.replace(out)
+
+
+def speed(args: argparse.Namespace) -> None:
+    from qpage import LLM, SamplingParams
+
+    p = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
+    one = ["Write a long story about a dragon who learns to code."]
+    eight = [f"Prompt {i}: tell me about the history of computing." for i in range(8)]
+    rows = []
+    for label, dtype, scales, backend in [(*m, "auto") for m in MODES] + [(*MODES[1], "cpu-blas")]:
+        llm = LLM(model=args.model, kv_cache_dtype=dtype, kv_cache_scales=scales, attention_backend=backend,
+                  log_stats=False)
+        llm.generate(one, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)  # warm-up
+        b1 = 0.0
+        for _ in range(2):
+            t = time.perf_counter()
+            llm.generate(one, p, use_tqdm=False)
+            b1 = max(b1, args.tokens / (time.perf_counter() - t))
+        t = time.perf_counter()
+        llm.generate(eight, p, use_tqdm=False)
+        b8 = 8 * args.tokens / (time.perf_counter() - t)
+        name = llm.llm_engine.runner.backend.name
+        rows.append(dict(mode=label, attention_backend=name, batch1_tok_s=b1, batch8_tok_s=b8))
+        print(f"{label:<22} {name:<11} batch 1 {b1:6.1f} tok/s   batch 8 {b8:6.1f} tok/s", flush=True)
+        del llm
+    auto, tok, blas = rows[0], rows[1], rows[-1]
+    for key in ("batch1_tok_s", "batch8_tok_s"):
+        print(f"{key}: fp8 per-token on {tok['attention_backend']} / on cpu-blas {tok[key] / blas[key]:.2f}x, "
+              f"/ auto {tok[key] / auto[key]:.2f}x")
+    write_json(dict(tokens=args.tokens, modes=rows), Path(args.out or ROOT / "benchmarks" / "results" /
+                                                          "kv_cache_speed.json"))
 
 
 def main() -> None:
     args = parse_args()
+    if args.speed:
+        speed(args)
+        return
     if not Path(args.data).is_file():
         raise SystemExit(f"{args.data}: no such text file; pass --data FILE (wikitext-2 test.txt by default)")
     import torch
@@ -100,11 +148,8 @@ def main() -> None:
                              max_kl=kl_max[label]))
     result = dict(model=ref.model_dir.name, model_dtype=str(ref.dtype), windows=len(windows), window=args.window,
                   chunk=args.chunk, tokens_scored=count, fp16_bytes_per_token=fp16_bytes, modes=rows_out)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result, indent=1))
-    tmp.replace(out)
+    out = Path(args.out or ROOT / "benchmarks" / "results" / "kv_cache.json")
+    write_json(result, out)
     print(f"\n{result['model']} ({result['model_dtype']}), {len(windows)} windows x {args.window} tokens, "
           f"chunk {args.chunk}: {count} positions scored")
     print(f"{'mode':<22} {'B/token':>8} {'vs fp16':>8} {'vs auto':>8} {'perplexity':>11} {'d ppl %':>8} "

@@ -1,6 +1,7 @@
 """The fp32 CPU kernels in C (``csrc/``), compiled once with the system C compiler and
 called through ctypes: paged decode attention and the cache write (``cpu_attention.c``),
-RMSNorm with the residual add, SiLU-and-mul and rotary embedding (``cpu_ops.c``).
+RMSNorm with the residual add, SiLU-and-mul and rotary embedding (``cpu_ops.c``), and the
+same two cache kernels for the FP8 cache (``cpu_fp8.c``; wrappers in ``cpu_native_fp8``).
 
 Why: at batch 1 the torch path spent ~200 us per layer on attention, most of it gathering
 the sequence's blocks into one tensor and dispatching ops, and 25-40 us on each norm and
@@ -34,7 +35,7 @@ from qpage.config import cache_root
 logger = logging.getLogger("qpage")
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = (CSRC / "cpu_attention.c", CSRC / "cpu_ops.c")
+SOURCES = (CSRC / "cpu_attention.c", CSRC / "cpu_ops.c", CSRC / "cpu_fp8.c")
 HEADERS = (CSRC / "qp_math.h",)
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-std=c11", "-shared", "-fPIC")
 _lib: ctypes.CDLL | None = None
@@ -107,6 +108,12 @@ def load() -> ctypes.CDLL | None:
             lib.qp_silu_mul_f32.restype = None
             lib.qp_rope_f32.argtypes = [_ptr, _i64, _ptr, _ptr, _int, _int, _int]
             lib.qp_rope_f32.restype = _int
+            lib.qp_write_kv_fp8.argtypes = [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _float, _float, _ptr, _int,
+                                            _int, _int, _i64, _ptr, _int, _ptr, _int]
+            lib.qp_write_kv_fp8.restype = _int
+            lib.qp_paged_decode_fp8.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _float, _float, _ptr, _ptr, _i64,
+                                                _i64, _ptr, _ptr, _int, _int, _int, _int, _int, _float, _i64]
+            lib.qp_paged_decode_fp8.restype = _int
             _lib = lib
         except (OSError, RuntimeError, subprocess.SubprocessError) as e:
             _why_not = f"building the C kernels in {CSRC} failed: {e}"

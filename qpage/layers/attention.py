@@ -18,7 +18,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from qpage.kernels import cpu_attention, cpu_native
+from qpage.kernels import cpu_attention, cpu_native, cpu_native_fp8
 from qpage.layers.kv_format import LayerKV, gather_kv
 
 
@@ -191,15 +191,25 @@ class CpuBlasPagedAttention(TorchPagedAttention):
 
 
 class CpuNativePagedAttention(CpuBlasPagedAttention):
-    """fp32 cache on CPU: decode attention and the cache write in C (``kernels.cpu_native``),
-    reading the blocks in place; prefill as ``CpuBlasPagedAttention``."""
+    """fp32 on CPU: decode attention and the cache write in C, reading and writing the cache
+    blocks in place (``kernels.cpu_native`` for an fp32 cache, ``kernels.cpu_native_fp8`` for
+    FP8 codes); prefill as ``CpuBlasPagedAttention``."""
 
     name = "cpu-native"
 
     def write_cache(self, k: torch.Tensor, v: torch.Tensor, cache: LayerKV, slot_mapping: torch.Tensor) -> None:
-        cpu_native.write_kv(k, v, cache.k, cache.v, slot_mapping)
+        if cache.fp8_format is None:
+            cpu_native.write_kv(k, v, cache.k, cache.v, slot_mapping)
+        else:
+            assert cache.k_scale is not None and cache.v_scale is not None
+            cpu_native_fp8.write_kv_fp8(k, v, cache.k, cache.v, slot_mapping, cache.k_scale, cache.v_scale,
+                                        cache.fp8_format)
 
     @staticmethod
     def _decode(q: torch.Tensor, cache: LayerKV, d: DecodeGroup, scale: float) -> torch.Tensor:
         seq_lens = d.seq_lens if d.seq_lens is not None else d.mask.view(d.mask.shape[0], -1).sum(-1)
-        return cpu_native.paged_decode(q, cache.k, cache.v, d.block_table, seq_lens, scale)
+        if cache.fp8_format is None:
+            return cpu_native.paged_decode(q, cache.k, cache.v, d.block_table, seq_lens, scale)
+        assert cache.k_scale is not None and cache.v_scale is not None
+        return cpu_native_fp8.paged_decode_fp8(q, cache.k, cache.v, cache.k_scale, cache.v_scale, cache.fp8_format,
+                                               d.block_table, seq_lens, scale)

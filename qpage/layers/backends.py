@@ -89,7 +89,7 @@ ALL_KV = (None, "e4m3", "e5m2")
 ATTENTION_CAPABILITIES = (
     AttentionCapabilities("triton", ("cuda",), (torch.float16, torch.bfloat16, torch.float32), ALL_KV, 256,
                           needs_triton=True, auto=True, make=_triton),
-    AttentionCapabilities("cpu-native", ("cpu",), (torch.float32,), (None,), 1024, needs_triton=False, auto=True,
+    AttentionCapabilities("cpu-native", ("cpu",), (torch.float32,), ALL_KV, 1024, needs_triton=False, auto=True,
                           make=_cpu_native, unavailable=_native_unavailable),
     AttentionCapabilities("cpu-blas", ("cpu",), (torch.float32,), ALL_KV, 1024,
                           needs_triton=False, auto=True, make=_cpu_blas),

@@ -135,9 +135,10 @@ def _kernel_paths(before: Snap, after: Snap, seconds: float, info: Snap) -> Find
     if device == "cuda" and backend == "torch":
         problems.append("attention runs on the plain-torch path on a GPU")
         fixes.append("install Triton, or drop --attention-backend torch")
-    if device == "cpu" and backend == "cpu-blas" and info.get("kv_cache_dtype", "auto") == "auto":
-        problems.append("the fp32 CPU path runs without qpage's C kernels (decode attention, norms, "
-                        "activations), about 20% slower at batch 1")
+    if device == "cpu" and backend == "cpu-blas":
+        problems.append("the fp32 CPU path runs without qpage's C kernels (decode attention and the cache "
+                        "write, norms, activations): slower at batch 1, about 1.4x with the fp32 cache and 2x "
+                        "with an FP8 one")
         fixes.append("install a C compiler (gcc) and restart; the start-up log's 'native CPU kernels "
                      "unavailable' line says why they did not build")
     if not problems:

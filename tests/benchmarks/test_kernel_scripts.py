@@ -48,6 +48,21 @@ def test_kv_cache_benchmark_smoke(tmp_path: Path) -> None:
     assert all(m["perplexity"] > 1 for m in modes.values())
 
 
+def test_kv_cache_speed_smoke(tmp_path: Path) -> None:
+    """--speed runs every mode on its default backend (the C kernels read FP8 caches too) and
+    the FP8 per-token cache on cpu-blas for comparison."""
+    from qpage.kernels import cpu_native
+
+    out = tmp_path / "speed.json"
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kv_cache.py"), "--speed", "--tokens", "4",
+                        "--out", str(out)], capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    rows = json.loads(out.read_text())["modes"]
+    want = "cpu-native" if cpu_native.load() is not None else "cpu-blas"
+    assert [row["attention_backend"] for row in rows] == [want] * 5 + ["cpu-blas"]
+    assert all(row["batch1_tok_s"] > 0 and row["batch8_tok_s"] > 0 for row in rows)
+
+
 def test_cpu_paths_benchmark_smoke(tmp_path: Path) -> None:
     """The CPU path benchmark runs (default-model shapes, M=1, no end-to-end part) and every
     packed layer is smaller than its fp32 dequantized copy: 1/6 for INT4, 1/3 for INT8."""

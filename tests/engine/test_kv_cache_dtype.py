@@ -118,7 +118,8 @@ def test_backend_selection(monkeypatch: pytest.MonkeyPatch) -> None:
     cpu = torch.device("cpu")
     native = "cpu-native" if cpu_native.load() is not None else "cpu-blas"
     assert select_attention_backend(cpu, KVCacheSpec(torch.float32), 64).name == native
-    assert select_attention_backend(cpu, KVCacheSpec(torch.float32, "e4m3"), 64).name == "cpu-blas"
+    assert select_attention_backend(cpu, KVCacheSpec(torch.float32, "e4m3"), 64).name == native
+    assert select_attention_backend(cpu, KVCacheSpec(torch.float32, "e5m2", False), 64).name == native
     assert select_attention_backend(cpu, KVCacheSpec(torch.bfloat16, "e4m3"), 64).name == "torch"
     assert select_attention_backend(cpu, KVCacheSpec(torch.float32), 64, "torch").name == "torch"
     # Outside the interpreter, asking for Triton on CPU names the reason and the fix.
@@ -127,7 +128,8 @@ def test_backend_selection(monkeypatch: pytest.MonkeyPatch) -> None:
         select_attention_backend(cpu, KVCacheSpec(torch.float32), 64, "triton")
     with pytest.raises(ValueError, match=r"cpu-blas: supports dtypes float32, not torch\.bfloat16"):
         select_attention_backend(cpu, KVCacheSpec(torch.bfloat16), 64, "cpu-blas")
-    with pytest.raises(ValueError, match=r"cpu-native: does not read a kv cache of fp8_e4m3"):
-        select_attention_backend(cpu, KVCacheSpec(torch.float32, "e4m3"), 64, "cpu-native")
+    with pytest.raises(ValueError, match=r"cpu-native: supports dtypes float32, not torch\.float16"):
+        select_attention_backend(cpu, KVCacheSpec(torch.float16, "e4m3"), 64, "cpu-native")
     monkeypatch.setattr(cpu_native, "load", lambda: None)
     assert select_attention_backend(cpu, KVCacheSpec(torch.float32), 64).name == "cpu-blas"
+    assert select_attention_backend(cpu, KVCacheSpec(torch.float32, "e4m3"), 64).name == "cpu-blas"

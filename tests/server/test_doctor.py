@@ -70,9 +70,11 @@ def test_kernel_fallback() -> None:
     assert "210 quantized linear layers" in f.evidence and "Triton" in f.fix
     f = checks(diagnose(before, m.snapshot(), 10, {**INFO, "attention_backend": "cpu-blas"}))["kernel_fallback"]
     assert "without qpage's C kernels" in f.evidence and "C compiler" in f.fix
-    # An FP8 cache on CPU is read by the BLAS path by design: no finding.
+    # The C kernels read and write FP8 caches too: the BLAS path there is a fallback as well.
     fp8 = {**INFO, "attention_backend": "cpu-blas", "kv_cache_dtype": "fp8"}
-    assert "kernel_fallback" not in checks(diagnose(before, m.snapshot(), 10, fp8))
+    assert "C compiler" in checks(diagnose(before, m.snapshot(), 10, fp8))["kernel_fallback"].fix
+    native = {**fp8, "attention_backend": "cpu-native"}
+    assert "kernel_fallback" not in checks(diagnose(before, m.snapshot(), 10, native))
 
 
 def test_quantile_interpolates_like_prometheus() -> None:
