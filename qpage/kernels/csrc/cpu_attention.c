@@ -68,11 +68,7 @@ static inline __attribute__((always_inline)) void attend_seq(
         }
     }
     /* Softmax numerators in place; m[h] becomes 1 / denominator. */
-    for (int h = 0; h < num_heads; h++) {
-        float *row = scores + (int64_t)h * seq_len;
-        for (int64_t t = 0; t < seq_len; t++) row[t] = exp_nonpos(row[t] - m[h]);
-        m[h] = 1.0f / sum(row, seq_len);
-    }
+    qp_softmax_numerators(scores, m, num_heads, seq_len);
     memset(out, 0, sizeof(float) * (size_t)num_heads * head_dim);
     /* Pass 2: weighted sum of V. */
     for (int64_t b0 = 0; b0 < seq_len; b0 += block_size) {
@@ -84,10 +80,7 @@ static inline __attribute__((always_inline)) void attend_seq(
             weighted_rows(out + (int64_t)h * head_dim, scores + (int64_t)h * seq_len + b0,
                           vb + (int64_t)(h / group) * head_dim, tok_stride, count, head_dim);
     }
-    for (int h = 0; h < num_heads; h++) {
-        float *o = out + (int64_t)h * head_dim;
-        for (int d = 0; d < head_dim; d++) o[d] *= m[h];
-    }
+    qp_scale_rows(out, m, num_heads, head_dim);
 }
 
 /* Decode attention: one query token per sequence over its paged context.
@@ -100,16 +93,10 @@ int qp_paged_decode_f32(const float *q, int64_t q_seq_stride, const float *k_cac
                         const int64_t *block_table, int64_t table_stride, int64_t table_cols,
                         const int64_t *seq_lens, float *out, int num_seqs, int num_heads, int num_kv_heads,
                         int head_dim, int block_size, float scale, int64_t num_blocks) {
-    int64_t longest = 1;
-    for (int s = 0; s < num_seqs; s++) {
-        if (seq_lens[s] < 1 || (seq_lens[s] + block_size - 1) / block_size > table_cols) return -2;
-        for (int64_t b = 0; b < (seq_lens[s] + block_size - 1) / block_size; b++)
-            if (block_table[s * table_stride + b] < 0 || block_table[s * table_stride + b] >= num_blocks) return -2;
-        if (seq_lens[s] > longest) longest = seq_lens[s];
-    }
-    float *scores = malloc(sizeof(float) * (size_t)num_heads * (size_t)(longest + 1));
-    if (!scores) return -1;
-    float *m = scores + (size_t)num_heads * (size_t)longest;
+    const int64_t longest =
+        qp_check_decode_tables(block_table, table_stride, table_cols, seq_lens, num_seqs, block_size, num_blocks);
+    float *m = NULL, *scores = longest < 0 ? NULL : qp_score_scratch(num_heads, longest, &m);
+    if (!scores) return longest < 0 ? -2 : -1;
     for (int s = 0; s < num_seqs; s++) {
         const float *qs = q + s * q_seq_stride;
         const int64_t *bt = block_table + s * table_stride;

@@ -181,11 +181,7 @@ static void attend_seq_fp8(const float *q, const uint8_t *k_cache, const uint8_t
             }
         }
     }
-    for (int h = 0; h < num_heads; h++) {
-        float *r = scores + (int64_t)h * seq_len;
-        for (int64_t t = 0; t < seq_len; t++) r[t] = exp_nonpos(r[t] - m[h]);
-        m[h] = 1.0f / sum(r, seq_len);
-    }
+    qp_softmax_numerators(scores, m, num_heads, seq_len);
     memset(out, 0, sizeof(float) * (size_t)num_heads * head_dim);
     for (int64_t pos = 0; pos < seq_len; pos++) {
         const int64_t slot = blocks[pos / block_size] * block_size + pos % block_size;
@@ -198,10 +194,7 @@ static void attend_seq_fp8(const float *q, const uint8_t *k_cache, const uint8_t
             }
         }
     }
-    for (int h = 0; h < num_heads; h++) {
-        float *o = out + (int64_t)h * head_dim;
-        for (int d = 0; d < head_dim; d++) o[d] *= m[h];
-    }
+    qp_scale_rows(out, m, num_heads, head_dim);
 }
 
 /* Decode attention over an FP8 cache; arguments as qp_paged_decode_f32 (cpu_attention.c)
@@ -214,16 +207,10 @@ int qp_paged_decode_fp8(const float *q, int64_t q_seq_stride, const uint8_t *k_c
                         const int64_t *seq_lens, float *out, int num_seqs, int num_heads, int num_kv_heads,
                         int head_dim, int block_size, float scale, int64_t num_blocks) {
     if (head_dim > QP_MAX_HEAD_DIM) return -3;
-    int64_t longest = 1;
-    for (int s = 0; s < num_seqs; s++) {
-        if (seq_lens[s] < 1 || (seq_lens[s] + block_size - 1) / block_size > table_cols) return -2;
-        for (int64_t b = 0; b < (seq_lens[s] + block_size - 1) / block_size; b++)
-            if (block_table[s * table_stride + b] < 0 || block_table[s * table_stride + b] >= num_blocks) return -2;
-        if (seq_lens[s] > longest) longest = seq_lens[s];
-    }
-    float *scores = malloc(sizeof(float) * (size_t)num_heads * (size_t)(longest + 1));
-    if (!scores) return -1;
-    float *m = scores + (size_t)num_heads * (size_t)longest;
+    const int64_t longest =
+        qp_check_decode_tables(block_table, table_stride, table_cols, seq_lens, num_seqs, block_size, num_blocks);
+    float *m = NULL, *scores = longest < 0 ? NULL : qp_score_scratch(num_heads, longest, &m);
+    if (!scores) return longest < 0 ? -2 : -1;
     for (int s = 0; s < num_seqs; s++) {
         const float *qs = q + s * q_seq_stride;
         float *os = out + (int64_t)s * num_heads * head_dim;

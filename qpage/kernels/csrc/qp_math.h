@@ -2,6 +2,7 @@
 #ifndef QP_MATH_H
 #define QP_MATH_H
 #include <stdint.h>
+#include <stdlib.h>
 
 /* exp(x) for x <= 0 in plain arithmetic so loops over it vectorize (libm's expf is a scalar
  * call unless the whole file is built with -ffast-math, which would also switch the process
@@ -66,6 +67,48 @@ static inline float sum(const float *a, int64_t n) {
     float s = hsum16(acc);
     for (; i < n; i++) s += a[i];
     return s;
+}
+
+/* Row-wise softmax numerators in place over scores [num_rows, len] with the rows' maxima in
+ * m; m[r] becomes 1 / the row's denominator (applied later by qp_scale_rows). */
+static inline void qp_softmax_numerators(float *scores, float *m, int num_rows, int64_t len) {
+    for (int r = 0; r < num_rows; r++) {
+        float *row = scores + (int64_t)r * len;
+        for (int64_t t = 0; t < len; t++) row[t] = exp_nonpos(row[t] - m[r]);
+        m[r] = 1.0f / sum(row, len);
+    }
+}
+
+/* out [num_rows, n] row r times mul[r]. */
+static inline void qp_scale_rows(float *out, const float *mul, int num_rows, int n) {
+    for (int r = 0; r < num_rows; r++) {
+        float *o = out + (int64_t)r * n;
+        for (int d = 0; d < n; d++) o[d] *= mul[r];
+    }
+}
+
+/* The longest seq_len of a decode batch, after checking its block table: every seq_len >= 1,
+ * its blocks within table_cols, and each block id it reaches in [0, num_blocks). Returns -2
+ * when a check fails (the caller then reads nothing). */
+static inline int64_t qp_check_decode_tables(const int64_t *block_table, int64_t table_stride, int64_t table_cols,
+                                             const int64_t *seq_lens, int num_seqs, int block_size,
+                                             int64_t num_blocks) {
+    int64_t longest = 1;
+    for (int s = 0; s < num_seqs; s++) {
+        const int64_t used = (seq_lens[s] + block_size - 1) / block_size;
+        if (seq_lens[s] < 1 || used > table_cols) return -2;
+        for (int64_t b = 0; b < used; b++)
+            if (block_table[s * table_stride + b] < 0 || block_table[s * table_stride + b] >= num_blocks) return -2;
+        if (seq_lens[s] > longest) longest = seq_lens[s];
+    }
+    return longest;
+}
+
+/* Decode scratch: scores [num_heads, longest] followed by m [num_heads]; NULL on failure. */
+static inline float *qp_score_scratch(int num_heads, int64_t longest, float **m) {
+    float *scores = malloc(sizeof(float) * (size_t)num_heads * (size_t)(longest + 1));
+    if (scores) *m = scores + (size_t)num_heads * (size_t)longest;
+    return scores;
 }
 
 #endif
