@@ -221,7 +221,7 @@ def _split_for(tiles: int, k_tiles: int, sms: int, m: int, k: int) -> int:
     """Split K (a power of two, at most 8) until there are ~6 tiles per SM, while the split's
     own traffic stays small: each split writes and reads back (or adds atomically) an fp32
     [m, N] partial, 8 * m * N bytes, against the K * N / 2 bytes of an INT4 weight, so
-    split * m is kept to K / 32 (a quarter of the weight's bytes at most)."""
+    split * m is kept to K / 32 (at most half the weight's bytes)."""
     split = 1
     while (tiles * split < 6 * sms and split * 2 <= k_tiles and split < 8
            and 2 * split * m <= max(1, k // 32)):

@@ -18,24 +18,6 @@
 
 #include "qp_math.h"
 
-/* y[:n] += sum over t < count of p[t] * x[t * stride : t * stride + n]: the output row stays
- * in registers over a cache block's tokens (n % 16 == 0 and n <= 256), else a plain loop. */
-static inline void weighted_rows(float *y, const float *p, const float *x, int64_t stride, int64_t count, int n) {
-    if (n % 16 == 0 && n <= 256) {
-        qp_v16 acc[16];
-        for (int c = 0; c < n / 16; c++) acc[c] = (qp_v16){0};
-        for (int64_t t = 0; t < count; t++)
-            for (int c = 0; c < n / 16; c++) acc[c] += p[t] * load16(x + t * stride + 16 * c);
-        for (int c = 0; c < n / 16; c++) {
-            const qp_v16 r = load16(y + 16 * c) + acc[c];
-            __builtin_memcpy(y + 16 * c, &r, sizeof r);
-        }
-        return;
-    }
-    for (int64_t t = 0; t < count; t++)
-        for (int d = 0; d < n; d++) y[d] += p[t] * x[t * stride + d];
-}
-
 /* Cache blocks sit anywhere in memory and the hardware prefetcher stops at page edges, so
  * the next block is requested while this one is processed. */
 static inline void prefetch_row(const float *p, int64_t n) {

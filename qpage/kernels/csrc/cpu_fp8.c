@@ -11,9 +11,11 @@
  * fp8_codec.f32_to_fp8) and fp64 error sums (summed in another order than torch's, so only
  * a near-tie, equal to ~1e-16 relative, could pick another candidate).
  *
- * Decode reads each token's codes through a 256-entry table (the exact values, built by
- * the caller from torch's float8 conversion) and applies the token's scale to the score
- * (K) or the probability (V) once, not per element.
+ * Decode converts each token's codes to their exact values through a 256-entry table built
+ * by the caller from torch's float8 conversion (GCC 12 scalarizes byte -> int vector
+ * conversions, so vector bit tricks measured slower than the table here), a cache block and
+ * kv head at a time, and applies the token's scale to the score (K) or the probability (V)
+ * once, not per element.
  */
 #include <math.h>
 #include <stdint.h>
@@ -129,7 +131,8 @@ int qp_write_kv_fp8(const float *k, int64_t k_stride, const float *v, int64_t v_
         if (slot < 0) continue;
         for (int h = 0; h < kv_heads; h++) {
             const float *kx = k + i * k_stride + (int64_t)h * head_dim, *vx = v + i * v_stride + (int64_t)h * head_dim;
-            uint8_t *kc = k_cache + slot * row + (int64_t)h * head_dim, *vc = v_cache + slot * row + (int64_t)h * head_dim;
+            uint8_t *kc = k_cache + slot * row + (int64_t)h * head_dim;
+            uint8_t *vc = v_cache + slot * row + (int64_t)h * head_dim;
             if (k_scale) {
                 quantize_row_search(kx, head_dim, mult, num_cand, lut, e5m2, kc, k_scale + slot * kv_heads + h);
                 quantize_row_search(vx, head_dim, mult, num_cand, lut, e5m2, vc, v_scale + slot * kv_heads + h);
@@ -144,53 +147,59 @@ int qp_write_kv_fp8(const float *k, int64_t k_stride, const float *v, int64_t v_
     return 0;
 }
 
+/* row[:n] = the values of codes[:n]. */
 static inline void decode_row(float *row, const uint8_t *codes, const float *lut, int n) {
     for (int d = 0; d < n; d++) row[d] = lut[codes[d]];
 }
 
-/* y[:n] += w * x[:n] */
-static inline void axpy(float *y, float w, const float *x, int n) {
-    int d = 0;
-    for (; d + 16 <= n; d += 16) {
-        const qp_v16 r = load16(y + d) + w * load16(x + d);
-        __builtin_memcpy(y + d, &r, sizeof r);
+/* Rows first..first+count-1 of kv head kh decoded into buf [count, head_dim], and each row's
+ * scale times extra into w (per-token scales when sc != NULL, else the constant mul). */
+static inline void decode_block(float *buf, float *w, const uint8_t *cache, const uint16_t *sc, float mul,
+                                float extra, const float *lut, int64_t first, int64_t count, int kh,
+                                int num_kv_heads, int head_dim) {
+    const int64_t tok_stride = (int64_t)num_kv_heads * head_dim;
+    for (int64_t t = 0; t < count; t++) {
+        decode_row(buf + t * head_dim, cache + (first + t) * tok_stride + (int64_t)kh * head_dim, lut, head_dim);
+        w[t] = (sc ? half_to_f32(sc[(first + t) * num_kv_heads + kh]) : mul) * extra;
     }
-    for (; d < n; d++) y[d] += w * x[d];
 }
 
-/* One sequence, as attend_seq in cpu_attention.c, over FP8 codes. ks/vs: fp16 bits per slot
- * and kv head (per-token mode) or NULL with the constant k_mul/v_mul. */
-static void attend_seq_fp8(const float *q, const uint8_t *k_cache, const uint8_t *v_cache, const uint16_t *ks,
-                           const uint16_t *vs, float k_mul, float v_mul, const float *lut, const int64_t *blocks,
-                           int64_t seq_len, int num_heads, int num_kv_heads, int head_dim, int block_size,
-                           float scale, float *scores, float *m, float *out) {
+/* One sequence, as attend_seq in cpu_attention.c, over FP8 codes, a cache block and kv head
+ * at a time: the block's rows for that head are decoded into buf [block_size, head_dim] once
+ * and used by all the head's queries. ks/vs: fp16 bits per slot and kv head (per-token
+ * mode) or NULL with the constant k_mul/v_mul; w: scratch [block_size]. */
+static inline __attribute__((always_inline)) void attend_seq_fp8(
+    const float *q, const uint8_t *k_cache, const uint8_t *v_cache, const uint16_t *ks, const uint16_t *vs,
+    float k_mul, float v_mul, const float *lut, const int64_t *blocks, int64_t seq_len, int num_heads,
+    int num_kv_heads, int head_dim, int block_size, float scale, float *scores, float *m, float *buf, float *w,
+    float *out) {
     const int group = num_heads / num_kv_heads;
-    const int64_t tok_stride = (int64_t)num_kv_heads * head_dim;
-    float row[QP_MAX_HEAD_DIM];
     for (int h = 0; h < num_heads; h++) m[h] = -INFINITY;
-    for (int64_t pos = 0; pos < seq_len; pos++) {
-        const int64_t slot = blocks[pos / block_size] * block_size + pos % block_size;
+    for (int64_t b0 = 0; b0 < seq_len; b0 += block_size) {
+        const int64_t first = blocks[b0 / block_size] * block_size;
+        const int64_t count = seq_len - b0 < block_size ? seq_len - b0 : block_size;
         for (int kh = 0; kh < num_kv_heads; kh++) {
-            decode_row(row, k_cache + slot * tok_stride + (int64_t)kh * head_dim, lut, head_dim);
-            const float mul = (ks ? half_to_f32(ks[slot * num_kv_heads + kh]) : k_mul) * scale;
-            for (int j = 0; j < group; j++) {
-                const int h = kh * group + j;
-                const float s = dot(q + (int64_t)h * head_dim, row, head_dim) * mul;
-                scores[(int64_t)h * seq_len + pos] = s;
-                m[h] = s > m[h] ? s : m[h];
+            decode_block(buf, w, k_cache, ks, k_mul, scale, lut, first, count, kh, num_kv_heads, head_dim);
+            for (int h = kh * group; h < (kh + 1) * group; h++) {
+                float *row = scores + (int64_t)h * seq_len + b0;
+                for (int64_t t = 0; t < count; t++) {
+                    row[t] = dot(q + (int64_t)h * head_dim, buf + t * head_dim, head_dim) * w[t];
+                    m[h] = row[t] > m[h] ? row[t] : m[h];
+                }
             }
         }
     }
     qp_softmax_numerators(scores, m, num_heads, seq_len);
     memset(out, 0, sizeof(float) * (size_t)num_heads * head_dim);
-    for (int64_t pos = 0; pos < seq_len; pos++) {
-        const int64_t slot = blocks[pos / block_size] * block_size + pos % block_size;
+    float *pw = w + block_size;
+    for (int64_t b0 = 0; b0 < seq_len; b0 += block_size) {
+        const int64_t first = blocks[b0 / block_size] * block_size;
+        const int64_t count = seq_len - b0 < block_size ? seq_len - b0 : block_size;
         for (int kh = 0; kh < num_kv_heads; kh++) {
-            decode_row(row, v_cache + slot * tok_stride + (int64_t)kh * head_dim, lut, head_dim);
-            const float mul = vs ? half_to_f32(vs[slot * num_kv_heads + kh]) : v_mul;
-            for (int j = 0; j < group; j++) {
-                const int h = kh * group + j;
-                axpy(out + (int64_t)h * head_dim, scores[(int64_t)h * seq_len + pos] * mul, row, head_dim);
+            decode_block(buf, w, v_cache, vs, v_mul, 1.0f, lut, first, count, kh, num_kv_heads, head_dim);
+            for (int h = kh * group; h < (kh + 1) * group; h++) {
+                for (int64_t t = 0; t < count; t++) pw[t] = scores[(int64_t)h * seq_len + b0 + t] * w[t];
+                weighted_rows(out + (int64_t)h * head_dim, pw, buf, head_dim, count, head_dim);
             }
         }
     }
@@ -211,16 +220,23 @@ int qp_paged_decode_fp8(const float *q, int64_t q_seq_stride, const uint8_t *k_c
         qp_check_decode_tables(block_table, table_stride, table_cols, seq_lens, num_seqs, block_size, num_blocks);
     float *m = NULL, *scores = longest < 0 ? NULL : qp_score_scratch(num_heads, longest, &m);
     if (!scores) return longest < 0 ? -2 : -1;
+    float *buf = malloc(sizeof(float) * (size_t)block_size * (size_t)(head_dim + 2));
+    if (!buf) {
+        free(scores);
+        return -1;
+    }
+    float *w = buf + (size_t)block_size * head_dim;
     for (int s = 0; s < num_seqs; s++) {
         const float *qs = q + s * q_seq_stride;
         float *os = out + (int64_t)s * num_heads * head_dim;
         if (head_dim == 64)
             attend_seq_fp8(qs, k_cache, v_cache, k_scale, v_scale, k_mul, v_mul, lut, block_table + s * table_stride,
-                           seq_lens[s], num_heads, num_kv_heads, 64, block_size, scale, scores, m, os);
+                           seq_lens[s], num_heads, num_kv_heads, 64, block_size, scale, scores, m, buf, w, os);
         else
             attend_seq_fp8(qs, k_cache, v_cache, k_scale, v_scale, k_mul, v_mul, lut, block_table + s * table_stride,
-                           seq_lens[s], num_heads, num_kv_heads, head_dim, block_size, scale, scores, m, os);
+                           seq_lens[s], num_heads, num_kv_heads, head_dim, block_size, scale, scores, m, buf, w, os);
     }
+    free(buf);
     free(scores);
     return 0;
 }

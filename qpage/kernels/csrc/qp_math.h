@@ -69,6 +69,24 @@ static inline float sum(const float *a, int64_t n) {
     return s;
 }
 
+/* y[:n] += sum over t < count of p[t] * x[t * stride : t * stride + n]: the output row stays
+ * in registers over a cache block's tokens (n % 16 == 0 and n <= 256), else a plain loop. */
+static inline void weighted_rows(float *y, const float *p, const float *x, int64_t stride, int64_t count, int n) {
+    if (n % 16 == 0 && n <= 256) {
+        qp_v16 acc[16];
+        for (int c = 0; c < n / 16; c++) acc[c] = (qp_v16){0};
+        for (int64_t t = 0; t < count; t++)
+            for (int c = 0; c < n / 16; c++) acc[c] += p[t] * load16(x + t * stride + 16 * c);
+        for (int c = 0; c < n / 16; c++) {
+            const qp_v16 r = load16(y + 16 * c) + acc[c];
+            __builtin_memcpy(y + 16 * c, &r, sizeof r);
+        }
+        return;
+    }
+    for (int64_t t = 0; t < count; t++)
+        for (int d = 0; d < n; d++) y[d] += p[t] * x[t * stride + d];
+}
+
 /* Row-wise softmax numerators in place over scores [num_rows, len] with the rows' maxima in
  * m; m[r] becomes 1 / the row's denominator (applied later by qp_scale_rows). */
 static inline void qp_softmax_numerators(float *scores, float *m, int num_rows, int64_t len) {
