@@ -92,13 +92,13 @@ def fp8_matmul(
     split = cfg.split_k
     hw = hardware_fp8(x.device)
     grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), split)
-    y, ws, locks = split_k_output(m, n, x.dtype, x.device, split, cfg.serial, grid[0] * grid[1],
+    y, ws, locks, serial = split_k_output(m, n, x.dtype, x.device, split, cfg.serial, grid[0] * grid[1],
                                   cfg.block_m * cfg.block_n)
     _fp8_matmul_kernel[grid](
         x2, codes, s2, y, ws, locks, m, n, k,
         x2.stride(0), x2.stride(1), codes.stride(0), codes.stride(1), s2.stride(0), s2.stride(1),
         y.stride(0), y.stride(1), fp8_unit("e4m3", hw),
-        BLOCK_SCALES=block, SCALE_BLOCK_=SCALE_BLOCK, SPLIT_K=split, SERIAL=cfg.serial,
+        BLOCK_SCALES=block, SCALE_BLOCK_=SCALE_BLOCK, SPLIT_K=split, SERIAL=serial,
         DOT_F32=INTERPRET or x.dtype == torch.float32, HW_FP8=hw,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,

@@ -103,13 +103,13 @@ def int_gemv(
     n = scales.shape[1]
     split = config.split_k
     grid = (triton.cdiv(n, config.block_n), split)
-    y, ws, locks = split_k_output(1, n, x.dtype, x.device, split, config.serial, grid[0], config.block_n)
+    y, ws, locks, serial = split_k_output(1, n, x.dtype, x.device, split, config.serial, grid[0], config.block_n)
     zeros = qzeros if qzeros is not None else qweight
     _int_gemv_kernel[grid](
         x, qweight, scales, zeros, y, ws, locks, n, k, group_size,
         x.stride(1), qweight.stride(0), qweight.stride(1), scales.stride(0), scales.stride(1),
         zeros.stride(0), zeros.stride(1),
-        BITS=bits, AWQ=awq, HAS_ZEROS=qzeros is not None, SPLIT_K=split, SERIAL=config.serial,
+        BITS=bits, AWQ=awq, HAS_ZEROS=qzeros is not None, SPLIT_K=split, SERIAL=serial,
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return y.to(x.dtype)

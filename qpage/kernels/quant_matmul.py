@@ -313,7 +313,7 @@ def int_matmul(
         cfg = default_config(m, n, k, x.device, gemv=False, group_size=group_size)
         one_group = g_idx is None and group_size % cfg.block_k == 0
     grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), cfg.split_k)
-    y, ws, locks = split_k_output(m, n, x.dtype, x.device, cfg.split_k, cfg.serial, grid[0] * grid[1],
+    y, ws, locks, serial = split_k_output(m, n, x.dtype, x.device, cfg.split_k, cfg.serial, grid[0] * grid[1],
                                   cfg.block_m * cfg.block_n)
     zeros = qzeros if qzeros is not None else qweight  # placeholder pointer, never read
     gidx = g_idx if g_idx is not None else qweight
@@ -323,7 +323,7 @@ def int_matmul(
         x2.stride(0), x2.stride(1), qweight.stride(0), qweight.stride(1), scales.stride(0), scales.stride(1),
         zeros.stride(0), zeros.stride(1) if zeros.dim() > 1 else 0, y.stride(0), y.stride(1),
         BITS=bits, AWQ=awq, HAS_ZEROS=qzeros is not None, HAS_GIDX=g_idx is not None,
-        ONE_GROUP_PER_TILE=one_group, SPLIT_K=cfg.split_k, SERIAL=cfg.serial, GATHER=cfg.gather,
+        ONE_GROUP_PER_TILE=one_group, SPLIT_K=cfg.split_k, SERIAL=serial, GATHER=cfg.gather,
         DOT_F32=INTERPRET or x.dtype == torch.float32, MAGIC_F16=x.dtype == torch.float16,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,

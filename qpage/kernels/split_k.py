@@ -14,10 +14,15 @@ SPLIT_K programs per tile. Their partial sums are combined one of two ways:
   the caller zero-fills the output first and casts it after (three kernels in all; the
   summation order, and so the last bits, vary from run to run).
 
+``QPAGE_SPLIT_K=atomic`` forces the atomic scheme everywhere (an escape hatch should the
+serial one misbehave on some GPU; it has the same results up to summation order).
+
 Memory ordering of the serial path: all threads' workspace stores are ordered before the
 counter's release by a CTA barrier; the last program's acquire orders its workspace loads
 after the others' stores, and those loads bypass L1 (``.cg``), which is not coherent.
 """
+
+import os
 
 import torch
 
@@ -72,14 +77,16 @@ def tile_locks(device: torch.device, tiles: int) -> torch.Tensor:
 
 
 def split_k_output(m: int, n: int, dtype: torch.dtype, device: torch.device, split: int, serial: bool,
-                   tiles: int, tile_elems: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(y, workspace, locks) for a launch: y in ``dtype`` unless the atomic scheme needs an
-    fp32 zero-filled one; placeholders (never read) where a buffer is not needed."""
+                   tiles: int, tile_elems: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
+    """(y, workspace, locks, serial) for a launch: y in ``dtype`` unless the atomic scheme
+    needs an fp32 zero-filled one; placeholders (never read) where a buffer is not needed;
+    ``serial`` as asked unless ``QPAGE_SPLIT_K=atomic``."""
+    serial = serial and os.environ.get("QPAGE_SPLIT_K", "serial") != "atomic"
     if split == 1 or serial:
         y = torch.empty((m, n), dtype=dtype, device=device)
     else:
         y = torch.zeros((m, n), dtype=torch.float32, device=device)
     if split > 1 and serial:
         ws = torch.empty(split * tiles * tile_elems, dtype=torch.float32, device=device)
-        return y, ws, tile_locks(device, tiles)
-    return y, y, y
+        return y, ws, tile_locks(device, tiles), True
+    return y, y, y, serial

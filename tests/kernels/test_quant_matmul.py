@@ -135,6 +135,23 @@ def test_serial_split_k_is_deterministic_and_resets_its_counters(kernel: str) ->
     assert int(_LOCKS[x.device].abs().sum()) == 0
 
 
+def test_split_k_atomic_override(monkeypatch: pytest.MonkeyPatch) -> None:
+    """QPAGE_SPLIT_K=atomic turns a serial config into the atomic scheme: same result up to
+    summation order, and the serial path's counters are never touched."""
+    from qpage.kernels import split_k
+
+    w = make_weight(512, 192, 4, 64, seed=5)
+    x = torch.randn(1, 512, generator=torch.Generator().manual_seed(6))
+    cfg = MatmulConfig(16, 64, 64, split_k=4, gemv=True)
+    serial = run(x, w, cfg)[0]
+    sentinel = torch.full((4096,), 7, dtype=torch.int32)
+    monkeypatch.setitem(split_k._LOCKS, x.device, sentinel)
+    monkeypatch.setenv("QPAGE_SPLIT_K", "atomic")
+    out, ref = run(x, w, cfg)
+    assert rel_err(out, ref) < TOL[torch.float32] and rel_err(out, serial) < 1e-6
+    assert bool((sentinel == 7).all())  # a serial launch would have found 7s and mis-summed
+
+
 @pytest.mark.parametrize(("awq", "act_order", "bits", "sym"),
                          [(False, False, 4, False), (False, True, 4, False), (True, False, 4, False),
                           (True, False, 4, True), (False, False, 8, True)],
