@@ -134,6 +134,11 @@ def unavailable_reason() -> str | None:
     return None if load() is not None else (_why_not or "not loaded")
 
 
+def as_i64(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as contiguous int64 (itself when it already is: no copy on the hot path)."""
+    return t if t.dtype == torch.int64 and t.is_contiguous() else t.to(torch.int64).contiguous()
+
+
 def paged_decode(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
     seq_lens: torch.Tensor, scale: float,
@@ -153,8 +158,7 @@ def paged_decode(
             or block_table.shape[0] != n or not (k_cache.is_contiguous() and v_cache.is_contiguous())):
         raise ValueError(f"paged_decode: unsupported layout q {tuple(q.shape)}/{q.stride()} {q.dtype}, "
                          f"cache {tuple(k_cache.shape)} {k_cache.dtype}")
-    bt = block_table.to(torch.int64).contiguous()
-    lens = seq_lens.to(torch.int64).contiguous()
+    bt, lens = as_i64(block_table), as_i64(seq_lens)
     out = torch.empty(n, h, hd, dtype=torch.float32)
     rc = lib.qp_paged_decode_f32(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), bt.data_ptr(),
                                  bt.stride(0), bt.shape[1], lens.data_ptr(), out.data_ptr(), n, h, kvh, hd, bs, scale,
@@ -178,8 +182,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     ok = ok and k.shape == v.shape and k_cache.shape == v_cache.shape and tuple(k_cache.shape[2:]) == (kvh, hd)
     if not ok or not (k_cache.is_contiguous() and v_cache.is_contiguous()) or k_cache.dtype != torch.float32:
         raise ValueError("write_kv: unsupported layout or dtype")
-    slots = slot_mapping if slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous() else \
-        slot_mapping.to(torch.int64).contiguous()
+    slots = as_i64(slot_mapping)
     n_slots = k_cache.shape[0] * k_cache.shape[1]
     rc = lib.qp_write_kv_f32(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k_cache.data_ptr(),
                              v_cache.data_ptr(), slots.data_ptr(), t, row, n_slots)

@@ -14,7 +14,7 @@ import functools
 import torch
 
 from qpage.kernels.cache_write import scale_multipliers
-from qpage.kernels.cpu_native import load
+from qpage.kernels.cpu_native import as_i64, load
 from qpage.kernels.fp8_codec import decode_fp8_ref
 
 
@@ -62,8 +62,7 @@ def write_kv_fp8(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cach
     if not ok or k.shape != v.shape or tuple(k_cache.shape[2:]) != (kvh, hd):
         raise ValueError(f"write_kv_fp8: unsupported k/v {tuple(k.shape)} {k.dtype} for cache {tuple(k_cache.shape)}")
     kp, vp, k_div, v_div = _scales(k_scale, v_scale, nb, bs, kvh)
-    slots = slot_mapping if slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous() else \
-        slot_mapping.to(torch.int64).contiguous()
+    slots = as_i64(slot_mapping)
     mult, lut = _multipliers(fmt), code_values(fmt)
     rc = lib.qp_write_kv_fp8(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k_cache.data_ptr(),
                              v_cache.data_ptr(), kp, vp, k_div, v_div, slots.data_ptr(), t, kvh, hd, nb * bs,
@@ -87,8 +86,7 @@ def paged_decode_fp8(
         raise ValueError(f"paged_decode_fp8: unsupported layout q {tuple(q.shape)}/{q.stride()} {q.dtype}, "
                          f"cache {tuple(k_cache.shape)}")
     kp, vp, k_mul, v_mul = _scales(k_scale, v_scale, nb, bs, kvh)
-    bt = block_table.to(torch.int64).contiguous()
-    lens = seq_lens.to(torch.int64).contiguous()
+    bt, lens = as_i64(block_table), as_i64(seq_lens)
     out = torch.empty(n, h, hd, dtype=torch.float32)
     rc = lib.qp_paged_decode_fp8(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), kp, vp, k_mul,
                                  v_mul, code_values(fmt).data_ptr(), bt.data_ptr(), bt.stride(0), bt.shape[1],

@@ -15,6 +15,8 @@ field under bias 15 instead of 7, so multiplying by 2**8 gives the value; this a
 for subnormals, which map onto fp16 subnormals exactly (no fp32 flush-to-zero involved).
 """
 
+import functools
+
 import torch
 
 from qpage.kernels.triton_utils import INTERPRET, tl, triton
@@ -52,6 +54,7 @@ def fp8_to_f32(code, IS_E5M2: tl.constexpr):
         return h.to(tl.float32) * 256.0
 
 
+@functools.lru_cache(maxsize=16)
 def hardware_fp8(device: torch.device) -> bool:
     """Whether Triton can convert e4m3 in hardware here (sm_89+); else the bit trick."""
     return (not INTERPRET and device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9))

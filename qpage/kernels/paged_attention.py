@@ -25,7 +25,7 @@ import torch
 from qpage.config import BLOCK_SIZE
 from qpage.kernels.fp8_codec import decode_fp8_ref, fp8_to_f16, fp8_unit, hardware_fp8
 from qpage.kernels.triton_utils import INTERPRET, tl, triton
-from qpage.kernels.tuned import decode_key, table_for
+from qpage.kernels.tuned import decode_settings
 
 LOG2E = 1.4426950408889634
 
@@ -224,8 +224,8 @@ def paged_attention_decode(
     qpk = heads // kvh
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max())
-    per_token = fp8_format is not None and k_scale is not None and k_scale.dim() == 3
-    tuned = table_for(q.device).get("paged_decode", {}).get(decode_key(fp8_format, per_token, dim, qpk), {})
+    scalars, flags = _launch_args(q, k_scale, fp8_format, scale)
+    tuned = decode_settings(q.device, fp8_format, flags["PER_TOKEN"], dim, qpk)
     block_n = block_n or tuned.get("block_n") or (32 if INTERPRET else 64)
     num_warps = num_warps or tuned.get("num_warps")
     num_stages = num_stages or tuned.get("num_stages") or 2
@@ -253,7 +253,6 @@ def paged_attention_decode(
         strides = (out.stride(0), out.stride(1), 0)
     ks = k_scale if k_scale is not None else k_cache
     vs = v_scale if v_scale is not None else v_cache
-    scalars, flags = _launch_args(q, k_scale, fp8_format, scale)
     _decode_kernel[(bsz, kvh, parts)](
         q, k_cache, v_cache, ks, vs, block_tables, seq_lens, dst, m, lsum,
         *scalars, partition,

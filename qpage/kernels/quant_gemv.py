@@ -16,7 +16,7 @@ partial sums, not each weight.
 
 import torch
 
-from qpage.kernels.quant_matmul import MatmulConfig
+from qpage.kernels.quant_matmul import MatmulConfig, col_shift
 from qpage.kernels.split_k import finish_split_k, split_k_output, split_k_range
 from qpage.kernels.triton_utils import tl, triton
 
@@ -41,7 +41,7 @@ def _int_gemv_kernel(
         cols = offs_c[:, None] * PACK + j[None, :]  # [words, PACK] logical columns
         c_mask = offs_c < tl.cdiv(N, PACK)
         n2_mask = cols < N
-        shifts = ((j % 2) * 4 + j // 2) * 4
+        shifts = col_shift(j, True, BITS)
         acc = tl.zeros((BLOCK_N // PACK, PACK), dtype=tl.float32)
     else:
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -73,7 +73,7 @@ def _int_gemv_kernel(
             vals = (packed[:, None, :] >> (j * BITS)[None, :, None]) & QMASK  # [words, PACK, BLOCK_N]
             if HAS_ZEROS:
                 zp = tl.load(z_ptr + grp * stride_zg + (offs_n // PACK) * stride_zn, mask=n_mask, other=0)
-                z = (zp >> ((offs_n % PACK) * BITS)) & QMASK
+                z = (zp >> col_shift(offs_n, False, BITS)) & QMASK
             else:
                 z = tl.full((BLOCK_N,), 1 << (BITS - 1), dtype=tl.int32)
             w = (vals | MAGIC).to(tl.float32, bitcast=True) - (z + 0x800000).to(tl.float32)[None, None, :]

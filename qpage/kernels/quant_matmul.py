@@ -79,11 +79,7 @@ def _unpack_tile(packed, SHIFTS_ALONG_K: tl.constexpr, AWQ: tl.constexpr, BITS: 
         vals = (packed[:, None, :] >> (j * BITS)[None, :, None]) & QMASK
         return tl.reshape(vals, (BLOCK_K, BLOCK_N))
     else:  # packed along N [rows, BLOCK_N / PACK]: word c holds n = c * PACK + j
-        if AWQ:
-            shifts = ((j % 2) * 4 + j // 2) * 4
-        else:
-            shifts = j * BITS
-        vals = (packed[:, :, None] >> shifts[None, None, :]) & QMASK
+        vals = (packed[:, :, None] >> col_shift(j, AWQ, BITS)[None, None, :]) & QMASK
         return tl.reshape(vals, (BLOCK_K, BLOCK_N))
 
 

@@ -58,6 +58,7 @@ def install(device: torch.device, table: dict[str, Any]) -> None:
     from qpage.kernels.quant_matmul import choose_config
 
     choose_config.cache_clear()
+    decode_settings.cache_clear()
 
 
 def table_for(device: torch.device) -> dict[str, Any]:
@@ -101,6 +102,14 @@ def tuned_matmul(table: dict[str, Any], kind: str | None, m: int, n: int, k: int
         near = [x for x in near if x[0] <= 1.0]
         entries = shapes[min(near)[1]] if near else {}
     return pick_m(entries, m)
+
+
+@functools.lru_cache(maxsize=256)
+def decode_settings(device: torch.device, fp8_format: str | None, per_token: bool, head_dim: int, group: int
+                    ) -> dict[str, Any]:
+    """The tuned paged-decode settings for this device and cache mode ({} when untuned); cached,
+    since decode looks them up for every layer at every step."""
+    return table_for(device).get("paged_decode", {}).get(decode_key(fp8_format, per_token, head_dim, group), {})
 
 
 def decode_key(fp8_format: str | None, per_token: bool, head_dim: int, group: int) -> str:
