@@ -44,6 +44,8 @@ def matmul_candidates(m: int, interpret: bool, fp8: bool, block_scales: bool) ->
                       num_warps=[2, 4], num_stages=[3], gemv=[True])
         cands += _cfgs(block_m=[16], block_n=[64, 128], block_k=[128], split_k=[8], num_warps=[2, 4],
                        num_stages=[3], gemv=[True], serial=[False])
+        cands += _cfgs(block_m=[16], block_n=[64, 128], block_k=[128], split_k=[8], num_warps=[2, 4],
+                       num_stages=[3], gemv=[True], lean=[False])  # the shift-unpacking GEMV
     elif m <= 16:
         cands = _cfgs(block_m=[16], block_n=[32, 64, 128], block_k=bks, split_k=[1, 2, 4, 8], num_warps=[4],
                       num_stages=[3], gather=[False] if fp8 else [False, True])
@@ -163,9 +165,11 @@ def tune_decode(device: Any, timer: Any, deadline: float, interpret: bool, table
 
     dtype = torch.float32 if interpret else torch.float16
     nseq, ctx, heads, kvh, dim = (2, 80, 4, 2, 64) if interpret else (32, 4096, 32, 8, 128)
-    grid = [(16, 4, 2, 32, False), (16, 4, 2, 32, True)] if interpret else [
-        (bn, w, s, part, pf) for bn in (32, 64, 128) for w in (4, 8) for s in (2, 3) for part in (256, 512, 1024)
-        for pf in (False, True)]
+    # (block_n, warps, stages, partition, register prefetch, FP8 V staged as fp16), likeliest first:
+    # the sweep stops at its deadline.
+    grid = [(16, 4, 2, 32, False, False), (16, 4, 2, 32, True, False), (16, 4, 2, 32, False, True)] if interpret else [
+        (bn, w, s, part, pf, vf) for bn in (64, 128, 32) for w in (4, 8) for s in (3, 2) for part in (512, 1024, 256)
+        for pf, vf in ((False, False), (False, True), (True, False))]
     q = torch.randn(nseq, heads, dim, device=device, dtype=dtype)
     lens = torch.full((nseq,), ctx, dtype=torch.int32, device=device)
     rows = []
@@ -179,12 +183,13 @@ def tune_decode(device: Any, timer: Any, deadline: float, interpret: bool, table
         best, best_t = None, float("inf")
         t_base = timer.time([lambda: paged_attention_decode(q, c["k_cache"], c["v_cache"], c["block_tables"], lens,
                                                             dim**-0.5, **kw)], reps=10)
-        for bn, warps, stages, part, pf in grid:
+        for bn, warps, stages, part, pf, vf in grid:
             if time.perf_counter() > deadline:
                 break
-            if pf and fmt is None:  # fp16 tiles go through the async-copy pipeline already
+            if (pf or vf) and fmt is None:  # fp16 tiles go through the async-copy pipeline already
                 continue
-            args = dict(block_n=bn, num_warps=warps, num_stages=stages, partition=part, prefetch=pf, **kw)
+            cfg = dict(block_n=bn, num_warps=warps, num_stages=stages, partition=part, prefetch=pf, v_f16=vf)
+            args = dict(cfg, **kw)
             try:
                 out = paged_attention_decode(q, c["k_cache"], c["v_cache"], c["block_tables"], lens, dim**-0.5,
                                              **args)
@@ -195,7 +200,7 @@ def tune_decode(device: Any, timer: Any, deadline: float, interpret: bool, table
             except Exception:
                 continue
             if t < best_t:
-                best, best_t = dict(block_n=bn, num_warps=warps, num_stages=stages, partition=part, prefetch=pf), t
+                best, best_t = cfg, t
         key = decode_key(fmt, per_token, dim, heads // kvh)
         if best is not None and best_t < t_base:
             table["paged_decode"][key] = best

@@ -51,6 +51,19 @@ def bench_attention(args: argparse.Namespace, device: Any, timer: Timer, peak: f
                          pct_datasheet=100 * kv_bytes / t / 1e9 / sheet, relerr=err))
         print(f"  decode paged {label}: {t * 1e6:.1f} us, {kv_bytes / t / 1e9:.0f} GB/s, relerr {err:.1e}",
               flush=True)
+        # Side by side: per-token scales loaded within their own tile (before 2026-11-30's
+        # change), and FP8 V converted row-wise and staged as fp16.
+        variants = ([("scales in-loop", {"scales_ahead": False})] if per_token else []) + (
+            [("v staged fp16", {"v_f16": True})] if fmt else [])
+        for vlabel, vkw in variants:
+            vout = paged_attention_decode(q, c["k_cache"], c["v_cache"], c["block_tables"], lens, scale, **kw, **vkw)
+            verr = rel_err(vout[ref_rows], ref)
+            vt = timer.time([lambda a=vkw: paged_attention_decode(q, c["k_cache"], c["v_cache"], c["block_tables"],
+                                                                  lens, scale, max_seq_len=ctx, **kw, **a)])
+            rows.append(dict(kernel=f"decode paged {label} {vlabel}", us=vt * 1e6, gbs=kv_bytes / vt / 1e9,
+                             pct_datasheet=100 * kv_bytes / vt / 1e9 / sheet, relerr=verr))
+            print(f"  decode paged {label} {vlabel}: {vt * 1e6:.1f} us, {kv_bytes / vt / 1e9:.0f} GB/s, "
+                  f"relerr {verr:.1e}", flush=True)
         # Prefill: one sequence's last chunk of 512 (or 2048) tokens over its whole context.
         qlen = 2048 if device.type == "cuda" else 20
         qp = torch.randn(qlen, heads, dim, device=device, dtype=dtype)

@@ -18,6 +18,7 @@ FP8 codes are decoded in registers (``fp8_codec``) and multiplied by their scale
 and the softmax are fp32 (exp2 with log2(e) folded into the query scale).
 """
 
+import functools
 import math
 
 import torch
@@ -76,6 +77,17 @@ def _token_scale(s_ptr, blk, offs_n, n_mask, head, unit,
 
 
 @triton.jit
+def _tile_scales(ks_ptr, vs_ptr, bt, n0, end, head, unit,
+                 KV_HEADS: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Per-token K and V multipliers of the tile starting at ``n0`` (with its own block ids)."""
+    offs = n0 + tl.arange(0, BLOCK_N)
+    mask = offs < end
+    blk = _blocks(bt, offs, mask, PAGE)
+    return (_token_scale(ks_ptr, blk, offs, mask, head, unit, KV_HEADS, PAGE, True),
+            _token_scale(vs_ptr, blk, offs, mask, head, unit, KV_HEADS, PAGE, True))
+
+
+@triton.jit
 def _decode_kernel(
     q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, lens_ptr, out_ptr, m_ptr, l_ptr,
     qk_scale, unit, partition,
@@ -85,6 +97,7 @@ def _decode_kernel(
     DIM_PAD: tl.constexpr, PAGE: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_N: tl.constexpr, FP8: tl.constexpr, IS_E5M2: tl.constexpr, PER_TOKEN: tl.constexpr,
     HW_FP8: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, PREFETCH: tl.constexpr,
+    SCALES_AHEAD: tl.constexpr, V_F16: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -118,9 +131,14 @@ def _decode_kernel(
         blk = _blocks(bt, offs_n, n_mask, PAGE)
         k_raw = _load_raw(kc_ptr, blk, offs_n, n_mask, offs_d, d_mask, h, stride_cb, stride_ct, stride_ch, PAGE)
         v_raw = _load_raw(vc_ptr, blk, offs_n, n_mask, offs_d, d_mask, h, stride_cb, stride_ct, stride_ch, PAGE)
+    if PER_TOKEN and SCALES_AHEAD:
+        k_mul, v_mul_n = _tile_scales(ks_ptr, vs_ptr, bt, start, end, h, unit, KV_HEADS, PAGE, BLOCK_N)
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < end
+        if PER_TOKEN and SCALES_AHEAD:  # the next tile's scales, consumed one iteration later
+            k_mul_next, v_mul_next = _tile_scales(ks_ptr, vs_ptr, bt, n0 + BLOCK_N, end, h, unit, KV_HEADS, PAGE,
+                                                  BLOCK_N)
         if PREFETCH:
             nxt = offs_n + BLOCK_N
             nxt_mask = nxt < end
@@ -137,15 +155,25 @@ def _decode_kernel(
                               PAGE, FP8, IS_E5M2, HW_FP8, DOT_DTYPE)
             v = _load_kv_tile(vc_ptr, blk, offs_n, n_mask, offs_d, d_mask, h, stride_cb, stride_ct, stride_ch,
                               PAGE, FP8, IS_E5M2, HW_FP8, DOT_DTYPE)
+        if FP8 and V_F16:
+            # A per-row select (a no-op: masked rows are zero already) stops Triton from loading
+            # V's codes in the MMA operand layout and converting there, which gathers each
+            # operand register byte by byte (P @ V reduces over tokens; the codes run along d).
+            # V is converted row by row instead and staged as fp16 for ldmatrix.trans.
+            v = tl.where(n_mask[:, None], v, 0.0).to(DOT_DTYPE)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-        if PER_TOKEN:
+        if PER_TOKEN and SCALES_AHEAD:
+            s = s * k_mul[None, :]
+        elif PER_TOKEN:
             s = s * _token_scale(ks_ptr, blk, offs_n, n_mask, h, unit, KV_HEADS, PAGE, PER_TOKEN)[None, :]
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        if PER_TOKEN:
+        if PER_TOKEN and SCALES_AHEAD:
+            pv_in = p * v_mul_n[None, :]
+        elif PER_TOKEN:
             pv_in = p * _token_scale(vs_ptr, blk, offs_n, n_mask, h, unit, KV_HEADS, PAGE, PER_TOKEN)[None, :]
         else:
             pv_in = p
@@ -154,6 +182,8 @@ def _decode_kernel(
         m_i = m_new
         if PREFETCH:
             k_raw, v_raw, blk = k_next, v_next, nxt_blk
+        if PER_TOKEN and SCALES_AHEAD:
+            k_mul, v_mul_n = k_mul_next, v_mul_next
     acc = acc * v_mul
     out_mask = q_mask[:, None] & d_mask[None, :]
     if SPLIT:
@@ -204,18 +234,33 @@ def _launch_args(q: torch.Tensor, k_scale: torch.Tensor | None, fp8_format: str 
                                        DOT_DTYPE=dot_dtype, PRECISION="ieee" if dot_dtype == tl.float32 else "tf32")
 
 
+@functools.lru_cache(maxsize=16)
+def v_f16_default(device: torch.device) -> bool:
+    """Stage FP8 V as fp16 unless tuned otherwise: on sm_90 (static count, benchmarks/NOTES-kernels.md)
+    it cuts the loop's instructions and registers (per-token, 4 warps: 177 -> 140, so 3 programs
+    per SM instead of 2); on sm_80-89, with 100 KB of shared memory per SM, its extra 16 KB
+    staging buffer costs more occupancy than the registers save."""
+    return device.type == "cuda" and not INTERPRET and torch.cuda.get_device_capability(device) >= (9, 0)
+
+
 def paged_attention_decode(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, scale: float, k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None, fp8_format: str | None = None, partition: int | None = None,
     max_seq_len: int | None = None, block_n: int | None = None, num_warps: int | None = None,
-    num_stages: int | None = None, prefetch: bool | None = None,
+    num_stages: int | None = None, prefetch: bool | None = None, scales_ahead: bool | None = None,
+    v_f16: bool | None = None,
 ) -> torch.Tensor:
     """q [B, H, D] -> out [B, H, D]. ``partition`` (tokens, a multiple of ``block_n``) enables
     split-KV; None picks one from ``max_seq_len`` (defaults to the longest of ``seq_lens``).
     Settings left None come from this GPU's tuned table (``tuned``), else the defaults.
     ``prefetch`` issues the next tile's loads before the current tile's math (register
     double-buffering, for FP8 tiles that cannot go through Triton's async-copy pipeline).
+    ``scales_ahead`` (default on) loads a tile's per-token scales, and the block ids they need,
+    one iteration early: Triton pipelines the K/V codes by async copy but not these loads,
+    which otherwise leave two dependent global-memory latencies exposed per tile. ``v_f16``
+    converts FP8 V row by row and stages it as fp16 for the P @ V product (see the kernel;
+    default ``v_f16_default``).
 
     ``partition`` is a runtime argument, not a compile-time one: decode's max_seq_len grows
     every step, and a constexpr would compile a new kernel each time."""
@@ -230,6 +275,8 @@ def paged_attention_decode(
     num_warps = num_warps or tuned.get("num_warps")
     num_stages = num_stages or tuned.get("num_stages") or 2
     prefetch = bool(tuned.get("prefetch", False)) if prefetch is None else prefetch
+    scales_ahead = bool(tuned.get("scales_ahead", True)) if scales_ahead is None else scales_ahead
+    v_f16 = bool(tuned.get("v_f16", v_f16_default(q.device))) if v_f16 is None else v_f16
     if partition is None:
         split_from = tuned.get("partition", 512)
         if max_seq_len > 2 * split_from and not INTERPRET:
@@ -260,7 +307,7 @@ def paged_attention_decode(
         *strides,
         KV_HEADS=kvh, QPK=qpk, Q_PAD=max(16, triton.next_power_of_2(qpk)),
         HEAD_DIM=dim, DIM_PAD=dim_pad, PAGE=BLOCK_SIZE, SPLIT=split, BLOCK_N=block_n, PREFETCH=prefetch,
-        **flags,
+        SCALES_AHEAD=scales_ahead, V_F16=v_f16, **flags,
         num_warps=num_warps, num_stages=num_stages,
     )
     if split:

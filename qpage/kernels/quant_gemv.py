@@ -1,17 +1,31 @@
 """INT4/INT8 GEMV (one activation row) for the GPTQ and AWQ layouts, without tensor cores.
 
-Same packed layouts as ``quant_matmul`` (see its docstring); this kernel serves M = 1 with
+Same packed layouts as ``quant_matmul`` (see its docstring); these kernels serve M = 1 with
 no ``g_idx`` and a K tile inside one quantization group, which is decode at batch 1, where
 the whole cost is streaming the weight once.
 
-Why a separate kernel: ``tl.dot`` needs the unpacked weight tile in an MMA operand layout,
-and forming it (unpack, reshape, convert layout through shared memory) costs more than the
-arithmetic at M = 1. Here the packed words stay in registers as a 3-D tile
-[words, values per word, columns] (GPTQ) or [rows, words, values per word] (AWQ); the
-activations are loaded in the matching shape, and the products are summed in place:
-no reshape, no shared memory. ``q - z`` is formed without an int->float conversion: OR q
-into the mantissa of 2**23 and subtract 2**23 + z. The group scale multiplies the tile's
-partial sums, not each weight.
+Why not ``tl.dot``: it needs the unpacked weight tile in an MMA operand layout, and forming
+it (unpack, reshape, convert layout through shared memory) costs more than the arithmetic
+at M = 1. Two kernels:
+
+- ``_gptq_gemv_kernel`` (GPTQ layout, the default): a [words, columns] tile of packed words
+  and a [words, columns] fp32 accumulator carried across the K loop, summed over words once
+  at the end. Value j of a word is taken *in place*, without shifting it down:
+  ``(word | M) & (M | 0xF << 4j)`` with M the bits of 2.0**23 is the float 2**23 + q * 16**j,
+  so one AND and one subtraction of 2**23 give ``q * 16**j`` exactly; the 16**-j goes into
+  the activation (once per row, shared by all columns), and the zero point is applied once
+  per word and column: ``sum_j x_j (q_j - z) = sum_j x_j q_j - z sum_j x_j``. Values 4..7
+  come from the word's upper half, shifted down once per word. Per weight this leaves an
+  AND, a subtraction and a multiply-add: 4.1-4.4 SASS instructions per weight in the loop
+  against 6.0-6.2 for the kernel below (sm_80-sm_90, ``benchmarks/kernel_sass.py``).
+  ``M`` reaches the kernel as a runtime argument (``magic``): as a literal, ptxas folds the
+  OR back into every value's LOP3 and re-materializes the constant before each one.
+- ``_int_gemv_kernel`` (AWQ layout, and GPTQ with ``MatmulConfig(lean=False)``): the words
+  are unpacked by shifts into a 3-D tile [words, values per word, columns] (GPTQ) or [rows,
+  words, values per word] (AWQ), the activations loaded in the matching shape, and the
+  products summed per tile: no reshape, no shared memory. ``q - z`` is formed without an
+  int->float conversion: OR q into the mantissa of 2**23 and subtract 2**23 + z. The group
+  scale multiplies the tile's partial sums, not each weight.
 """
 
 import torch
@@ -94,6 +108,100 @@ def _int_gemv_kernel(
                    BLOCK_N, SPLIT_K, SERIAL)
 
 
+MAGIC = 0x4B000000
+"""Bits of the float 2.0**23: OR-ed over a value < 2**23 they give the float 2**23 + value."""
+
+
+@triton.jit
+def _split8(x):
+    """Columns 0..7 of ``x`` [rows, 8] as 8 vectors [rows]."""
+    even, odd = tl.split(tl.reshape(x, (x.shape[0], 4, 2)))  # columns 0,2,4,6 / 1,3,5,7
+    e04, e26 = tl.split(tl.reshape(even, (x.shape[0], 2, 2)))
+    o15, o37 = tl.split(tl.reshape(odd, (x.shape[0], 2, 2)))
+    c0, c4 = tl.split(e04)
+    c2, c6 = tl.split(e26)
+    c1, c5 = tl.split(o15)
+    c3, c7 = tl.split(o37)
+    return c0, c1, c2, c3, c4, c5, c6, c7
+
+
+@triton.jit
+def _split4(x):
+    """Columns 0..3 of ``x`` [rows, 4] as 4 vectors [rows]."""
+    even, odd = tl.split(tl.reshape(x, (x.shape[0], 2, 2)))  # columns 0,2 / 1,3
+    c0, c2 = tl.split(even)
+    c1, c3 = tl.split(odd)
+    return c0, c1, c2, c3
+
+
+@triton.jit
+def _value(word, mask):
+    """``q * 2**shift`` (exact, fp32) of the value under ``mask = M | QMASK << shift``."""
+    return ((word | 0x4B000000) & mask).to(tl.float32, bitcast=True) - 8388608.0  # M = MAGIC
+
+
+@triton.jit
+def _gptq_gemv_kernel(
+    x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, lock_ptr,
+    N, K, group_size, magic,
+    stride_xk, stride_qk, stride_qn, stride_sg, stride_sn, stride_zg, stride_zn,
+    BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, SPLIT_K: tl.constexpr, SERIAL: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    PACK: tl.constexpr = 32 // BITS
+    WORDS: tl.constexpr = BLOCK_K // PACK
+    QMASK: tl.constexpr = (1 << BITS) - 1
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    t_start, t_end = split_k_range(pid_k, K, BLOCK_K, SPLIT_K)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    j = tl.arange(0, PACK)
+    x_shift = 1.0 / (1 << ((j % (PACK // 2)) * BITS)).to(tl.float32)  # undoes value j's 16**j
+    # The masks of the values in each half-word, as runtime values (see the module docstring).
+    m0 = magic | QMASK
+    m1 = magic | (QMASK << BITS)
+    m2 = magic | ((QMASK << (2 * BITS)) & 0xFFFF)  # 4-bit only (0 for 8 bits: unused)
+    m3 = magic | ((QMASK << (3 * BITS)) & 0xFFFF)
+    acc = tl.zeros((WORDS, BLOCK_N), dtype=tl.float32)
+    for t in range(t_start, t_end):
+        grp = (t * BLOCK_K) // group_size
+        offs_kp = t * WORDS + tl.arange(0, WORDS)
+        kp_mask = offs_kp < tl.cdiv(K, PACK)
+        lo = tl.load(qw_ptr + offs_kp[:, None] * stride_qk + offs_n[None, :] * stride_qn,
+                     mask=kp_mask[:, None] & n_mask[None, :], other=0)
+        hi = (lo.to(tl.uint32, bitcast=True) >> 16).to(tl.int32, bitcast=True)
+        ks = offs_kp[:, None] * PACK + j[None, :]
+        xt = tl.load(x_ptr + ks * stride_xk, mask=ks < K, other=0.0).to(tl.float32)  # [WORDS, PACK]
+        x_sum = tl.sum(xt, axis=1)
+        xt = xt * x_shift[None, :]
+        if BITS == 4:
+            x0, x1, x2, x3, x4, x5, x6, x7 = _split8(xt)
+            part = x0[:, None] * _value(lo, m0)
+            part += x1[:, None] * _value(lo, m1)
+            part += x2[:, None] * _value(lo, m2)
+            part += x3[:, None] * _value(lo, m3)
+            part += x4[:, None] * _value(hi, m0)
+            part += x5[:, None] * _value(hi, m1)
+            part += x6[:, None] * _value(hi, m2)
+            part += x7[:, None] * _value(hi, m3)
+        else:
+            x0, x1, x2, x3 = _split4(xt)
+            part = x0[:, None] * _value(lo, m0)
+            part += x1[:, None] * _value(lo, m1)
+            part += x2[:, None] * _value(hi, m0)
+            part += x3[:, None] * _value(hi, m1)
+        if HAS_ZEROS:
+            zp = tl.load(z_ptr + grp * stride_zg + (offs_n // PACK) * stride_zn, mask=n_mask, other=0)
+            z = ((zp >> col_shift(offs_n, False, BITS)) & QMASK).to(tl.float32)
+        else:
+            z = tl.full((BLOCK_N,), 1 << (BITS - 1), dtype=tl.float32)
+        s = tl.load(s_ptr + grp * stride_sg + offs_n * stride_sn, mask=n_mask, other=0.0).to(tl.float32)
+        acc += (part - x_sum[:, None] * z[None, :]) * s[None, :]
+    finish_split_k(tl.sum(acc, axis=0), y_ptr + offs_n, n_mask, tl.arange(0, BLOCK_N), ws_ptr, lock_ptr, pid_n,
+                   tl.num_programs(0), pid_k, BLOCK_N, SPLIT_K, SERIAL)
+
+
 def int_gemv(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor | None, *,
     bits: int, group_size: int, awq: bool, config: MatmulConfig,
@@ -105,6 +213,15 @@ def int_gemv(
     grid = (triton.cdiv(n, config.block_n), split)
     y, ws, locks, serial = split_k_output(1, n, x.dtype, x.device, split, config.serial, grid[0], config.block_n)
     zeros = qzeros if qzeros is not None else qweight
+    if not awq and config.lean:
+        _gptq_gemv_kernel[grid](
+            x, qweight, scales, zeros, y, ws, locks, n, k, group_size, MAGIC,
+            x.stride(1), qweight.stride(0), qweight.stride(1), scales.stride(0), scales.stride(1),
+            zeros.stride(0), zeros.stride(1),
+            BITS=bits, HAS_ZEROS=qzeros is not None, SPLIT_K=split, SERIAL=serial,
+            BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.num_warps, num_stages=config.num_stages,
+        )
+        return y.to(x.dtype)
     _int_gemv_kernel[grid](
         x, qweight, scales, zeros, y, ws, locks, n, k, group_size,
         x.stride(1), qweight.stride(0), qweight.stride(1), scales.stride(0), scales.stride(1),

@@ -60,6 +60,9 @@ class MatmulConfig:
     num_stages: int = 2
     gemv: bool = False
     """M = 1 with one group per K tile: ``quant_gemv`` (multiply-add, no tensor cores)."""
+    lean: bool = True
+    """GEMV on the GPTQ layout: values taken in place (``_gptq_gemv_kernel``) rather than by
+    shifts (``_int_gemv_kernel``); see ``quant_gemv``. AWQ always uses the latter."""
     serial: bool = True
     """Split-K partials summed by the last program (one launch) rather than atomically."""
     gather: bool = False

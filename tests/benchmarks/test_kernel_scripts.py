@@ -75,3 +75,31 @@ def test_cpu_paths_benchmark_smoke(tmp_path: Path) -> None:
     for row in rows:
         limit = 6 if row["scheme"].startswith("int4") else 3
         assert row["bytes"]["packed"] * limit < row["bytes"]["fp32 dequant"], row
+
+
+def test_kernel_sass_counts_the_gemv_loop(tmp_path: Path) -> None:
+    """The static SASS count compiles both GEMV kernels for sm_90 with Triton's bundled ptxas
+    (no GPU) and finds their main loops; the in-place kernel, which exists to cut instructions
+    per weight, must still use fewer than the shift kernel, and neither may spill."""
+    out = tmp_path / "sass.json"
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kernel_sass.py"), "--arch", "90", "--quick",
+                        "--attention", "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    res = json.loads(out.read_text())
+    rows = {row["kernel"]: row for row in res["rows"]}
+    assert set(rows) == {"in-place", "shift"}
+    for row in rows.values():
+        assert row["spill_bytes"] == 0 and row["registers"] > 0
+        assert 2.0 < row["per_weight"] < 20.0, row  # a loop over the weights, not some other loop
+    assert rows["in-place"]["per_weight"] < 0.8 * rows["shift"]["per_weight"], rows
+    # Decode attention: staging FP8 V as fp16 exists to replace byte-wise operand gathers from
+    # shared memory; it must still cut the loop's shared-memory loads.
+    att = [a for a in res["attention"] if not a["mode"].startswith("prefill")]
+    assert {a["mode"] for a in att} == {"fp16", "fp8 per-token", "fp8 per-tensor"}
+    assert len(res["attention"]) == len(att) + 3  # and prefill, per cache mode
+    for a in att:
+        assert a["spill_bytes"] == 0 and a["warps_per_sm"] > 0 and a["loop_instructions"] > 100, a
+        if a["v_f16"]:
+            base = next(b for b in att if b["mode"] == a["mode"] and b["num_warps"] == a["num_warps"]
+                        and b["scales_ahead"] and not b["v_f16"])
+            assert a["lds"] < 0.7 * base["lds"], (a, base)

@@ -98,18 +98,22 @@ def test_int_matmul_matches_ref(case: tuple, dtype: torch.dtype) -> None:
 
 @pytest.mark.parametrize(("awq", "bits"), [(False, 4), (True, 4), (False, 8)], ids=["gptq4", "awq4", "gptq8"])
 @pytest.mark.parametrize("sym", [False, True])
-def test_gemv_and_split_k(awq: bool, sym: bool, bits: int) -> None:
-    """M=1 through the GEMV kernel (split K in 2 and 3) and the tl.dot kernel with split K,
-    each with the serial (last program sums) and the atomic reduction."""
-    w = make_weight(320, 96, bits, 64, awq=awq, sym=sym, seed=3)
-    x = torch.randn(1, 320, generator=torch.Generator().manual_seed(4)).half()
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_gemv_and_split_k(awq: bool, sym: bool, bits: int, dtype: torch.dtype) -> None:
+    """M=1 through the GEMV kernels (GPTQ: in-place and shift unpacking; split K in 2 and 3)
+    and the tl.dot kernel with split K, each with the serial (last program sums) and the
+    atomic reduction. K = 324 ends in a half-filled word and a short last tile; N = 96 a
+    partial column tile."""
+    w = make_weight(324, 96, bits, 64, awq=awq, sym=sym, seed=3)
+    x = torch.randn(1, 324, generator=torch.Generator().manual_seed(4)).to(dtype)
     for serial in (True, False):
-        for cfg in (MatmulConfig(16, 32, 64, split_k=2, gemv=True, serial=serial),
-                    MatmulConfig(16, 64, 64, split_k=3, gemv=True, serial=serial),
-                    MatmulConfig(16, 32, 32, split_k=4, serial=serial)):
-            out, ref = run(x, w, cfg)
-            assert out.dtype == torch.float16
-            assert rel_err(out, ref) < TOL[torch.float16], cfg
+        for lean in ((True, False) if not awq else (True,)):
+            for cfg in (MatmulConfig(16, 32, 64, split_k=2, gemv=True, serial=serial, lean=lean),
+                        MatmulConfig(16, 64, 64, split_k=3, gemv=True, serial=serial, lean=lean),
+                        MatmulConfig(16, 32, 32, split_k=4, serial=serial)):
+                out, ref = run(x, w, cfg)
+                assert out.dtype == dtype
+                assert rel_err(out, ref) < TOL[dtype], cfg
 
 
 @pytest.mark.parametrize("kernel", ["gemv", "dot", "fp8"])

@@ -1,0 +1,248 @@
+"""Static cost of the INT4/INT8 GEMV kernels on NVIDIA GPUs, measured without a GPU.
+
+Compiles the kernels ahead of time for sm_80/86/89/90 (A100, RTX 3090, RTX 4090, H100/H200)
+with the ptxas that ships inside the Triton wheel, disassembles the cubin with its cuobjdump,
+and counts the SASS instructions in the kernel's main loop per weight each thread handles.
+Specialization mirrors the JIT's for a 4096x14336 call (unit strides become compile-time 1;
+pointers and 16-divisible ints carry ``tt.divisibility=16``), so the code is what a GPU runs.
+
+``--attention`` adds the paged decode kernel (Llama-3-8B heads: 8 KV heads, GQA 4, d=128,
+64-token tiles) for each cache mode: loop instructions per token, registers, shared memory,
+the resident warps per SM these allow, and the global loads (LDG: the block ids and per-token
+scales; with ``scales_ahead`` their results are used one iteration later) and shared-memory
+loads (LDS) in the loop.
+
+Why this figure: on an H200 the M=1 INT4 GEMV ran at 22.8 us for 4096x14336, a third of the
+memory floor and about half of the SMs' issue rate (benchmarks/NOTES-kernels.md), so the
+instructions per weight bound it there. On a 24 GB card (3090/4090: ~1 TB/s) the same kernel
+is memory-bound; fewer instructions still free issue slots for the loads.
+
+    python benchmarks/kernel_sass.py                 # table + benchmarks/results/kernel_sass.json
+    python benchmarks/kernel_sass.py --arch 90 --quick
+    python benchmarks/kernel_sass.py --arch 90 --attention
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+os.environ.pop("TRITON_INTERPRET", None)  # compiled kernels, even from a shell (or a test) that interprets
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # the default of Triton <= 3.9 (silences 3.9's warning)
+sys.path.insert(0, str(ROOT))
+
+PTR_TYPES = {"x_ptr": "*fp16", "qw_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*i32", "y_ptr": "*fp16",
+             "ws_ptr": "*fp32", "lock_ptr": "*i32"}
+UNIT_STRIDES = {"stride_xk", "stride_qn", "stride_sn", "stride_zn"}
+DIV16 = {"N", "K", "group_size", "magic", "stride_qk", "stride_sg", "stride_zg"}
+ARCHS = {80: "A100", 86: "RTX 3090", 89: "RTX 4090", 90: "H100/H200"}
+
+
+def tool(name: str) -> Path:
+    """A CUDA binary bundled with Triton (ptxas is used by ``triton.compile`` itself)."""
+    import triton
+
+    path = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name
+    if not path.exists():
+        raise SystemExit(f"{path} is missing: this Triton wheel has no NVIDIA tools (pip install triton on Linux)")
+    return path
+
+
+def compile_cubin(fn: Any, constexprs: dict[str, Any], arch: int, num_warps: int, num_stages: int,
+                  types: dict[str, str] | None = None) -> Any:
+    """``fn`` compiled for ``sm_<arch>`` as the JIT would specialize it (module docstring)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    const = dict(constexprs, **{n: 1 for n in UNIT_STRIDES if n in fn.arg_names})
+    types = types or PTR_TYPES
+    sig = {n: "constexpr" if n in const else types.get(n, "i32") for n in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+             if n not in const and (n.endswith("_ptr") or n in DIV16 or n.startswith("stride"))}
+    src = ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                          options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+def sass_of(cubin: bytes) -> tuple[str, int, int]:
+    """(SASS text, registers per thread, spill bytes) of a cubin."""
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "k.cubin"
+        path.write_bytes(cubin)
+        sass = subprocess.run([str(tool("cuobjdump")), "-sass", str(path)], capture_output=True, text=True,
+                              check=True).stdout
+        res = subprocess.run([str(tool("cuobjdump")), "-res-usage", str(path)], capture_output=True, text=True,
+                             check=True).stdout
+    regs = re.search(r"REG:(\d+)", res)
+    spills = [int(v) for v in re.findall(r"(\d+) bytes spill", res)]
+    return sass, int(regs.group(1)) if regs else -1, sum(spills)
+
+
+def main_loop(sass: str) -> tuple[int, collections.Counter[str]]:
+    """Instruction count and opcode histogram of the largest loop (the body between a
+    backward branch and its target)."""
+    ins: list[tuple[int, str]] = []
+    for line in sass.splitlines():
+        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", line)
+        if m:
+            ins.append((int(m.group(1), 16), m.group(2)))
+    index = {addr: i for i, (addr, _) in enumerate(ins)}
+    best: list[tuple[int, str]] = []
+    for i, (addr, text) in enumerate(ins):
+        target = re.findall(r"0x([0-9a-f]+)", text) if "BRA" in text else []
+        if target and int(target[-1], 16) < addr and int(target[-1], 16) in index:
+            body = ins[index[int(target[-1], 16)]: i + 1]
+            best = body if len(body) > len(best) else best
+    if not best:
+        raise RuntimeError("no loop found in the SASS")
+    ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for _, t in best)
+    return len(best), ops
+
+
+def gemv_rows(archs: list[int], configs: list[tuple[int, int, int]], quick: bool) -> list[dict[str, Any]]:
+    from qpage.kernels.quant_gemv import _gptq_gemv_kernel, _int_gemv_kernel
+
+    rows = []
+    cases = [(4, True), (4, False), (8, False)] if not quick else [(4, True)]
+    for arch in archs:
+        for bits, zeros in cases:
+            for block_n, block_k, warps in configs:
+                kernels = (("in-place", _gptq_gemv_kernel, {}), ("shift", _int_gemv_kernel, {"AWQ": False}))
+                for name, fn, extra in kernels:
+                    const = dict(BITS=bits, HAS_ZEROS=zeros, SPLIT_K=8, SERIAL=True, BLOCK_N=block_n,
+                                 BLOCK_K=block_k, **extra)
+                    t = time.perf_counter()
+                    sass, regs, spill = sass_of(compile_cubin(fn, const, arch, warps, 3).asm["cubin"])
+                    n, ops = main_loop(sass)
+                    per_thread = block_k * block_n / (32 * warps)
+                    rows.append(dict(arch=arch, gpu=ARCHS.get(arch, ""), kernel=name, bits=bits, zeros=zeros,
+                                     block_n=block_n, block_k=block_k, num_warps=warps, loop_instructions=n,
+                                     weights_per_thread=per_thread, per_weight=round(n / per_thread, 3),
+                                     registers=regs, spill_bytes=spill,
+                                     top_ops={k: round(v / per_thread, 3) for k, v in ops.most_common(8)},
+                                     compile_s=round(time.perf_counter() - t, 1)))
+                    r = rows[-1]
+                    case = f"int{bits} {'asym' if zeros else 'sym '}"
+                    print(f"sm_{arch} {name:8s} {case} bn={block_n:3d} bk={block_k} "
+                          f"w={warps}  {n:5d} instr / {per_thread:.0f} weights = {r['per_weight']:.2f} per weight"
+                          f"  regs {regs}  " + " ".join(f"{k}:{v}" for k, v in r["top_ops"].items()), flush=True)
+    return rows
+
+
+SMEM_PER_SM = {80: 164, 86: 100, 89: 100, 90: 228}
+"""Shared memory per SM, KB (the CUDA programming guide's table)."""
+
+
+def attention_rows(archs: list[int]) -> list[dict[str, Any]]:
+    """The decode kernel per cache mode and setting (module docstring)."""
+    import triton.language as tl
+
+    from qpage.kernels.paged_attention import _decode_kernel
+
+    rows = []
+    modes = [("fp16", False, False, True, False), ("fp8 per-token", True, True, False, False),
+             ("fp8 per-token", True, True, True, False), ("fp8 per-token", True, True, True, True),
+             ("fp8 per-tensor", True, False, True, False), ("fp8 per-tensor", True, False, True, True)]
+    for arch in archs:
+        for label, fp8, per_token, ahead, v_f16 in modes:
+            for warps in (4, 8):
+                cache = "*u8" if fp8 else "*fp16"
+                types = dict(q_ptr="*fp16", kc_ptr=cache, vc_ptr=cache, ks_ptr="*fp16", vs_ptr="*fp16",
+                             bt_ptr="*i32", lens_ptr="*i32", out_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32",
+                             qk_scale="fp32", unit="fp32")
+                const = dict(KV_HEADS=8, QPK=4, Q_PAD=16, HEAD_DIM=128, DIM_PAD=128, PAGE=16, SPLIT=True, BLOCK_N=64,
+                             FP8=fp8, IS_E5M2=False, PER_TOKEN=per_token, HW_FP8=fp8 and arch >= 89,
+                             DOT_DTYPE=tl.float16, PRECISION="tf32", PREFETCH=False, SCALES_AHEAD=ahead, V_F16=v_f16,
+                             stride_op=1)
+                kernel = compile_cubin(_decode_kernel, const, arch, warps, 3, types)
+                sass, regs, spill = sass_of(kernel.asm["cubin"])
+                n, ops = main_loop(sass)
+                smem = kernel.metadata.shared
+                ctas = min(65536 // (max(regs, 1) * 32 * warps), SMEM_PER_SM[arch] * 1024 // max(smem, 1))
+                row = dict(arch=arch, mode=label, scales_ahead=ahead, v_f16=v_f16, num_warps=warps, loop_instructions=n,
+                           per_token=round(n / 64, 2), registers=regs, spill_bytes=spill, smem_bytes=smem,
+                           warps_per_sm=ctas * warps, ldg_in_loop=ops.get("LDG", 0), lds=ops.get("LDS", 0))
+                rows.append(row)
+                print(f"sm_{arch} decode {label:14s} ahead={int(ahead)} v_f16={int(v_f16)} warps={warps}: loop {n:4d} "
+                      f"({n / 64:5.2f}/token) regs {regs:3d} smem {smem:6d} -> {ctas * warps:2d} warps/SM, "
+                      f"{row['ldg_in_loop']} LDG, {row['lds']} LDS in the loop", flush=True)
+    rows += prefill_rows(archs)
+    return rows
+
+
+def prefill_rows(archs: list[int]) -> list[dict[str, Any]]:
+    """The prefill kernel (64 query rows x 64-token tiles, 4 warps, 2 stages as launched) per cache mode."""
+    import triton.language as tl
+
+    from qpage.kernels.paged_prefill import _prefill_kernel
+
+    rows = []
+    for arch in archs:
+        for label, fp8, per_token in (("fp16", False, False), ("fp8 per-token", True, True),
+                                      ("fp8 per-tensor", True, False)):
+            cache = "*u8" if fp8 else "*fp16"
+            types = dict(q_ptr="*fp16", kc_ptr=cache, vc_ptr=cache, ks_ptr="*fp16", vs_ptr="*fp16", bt_ptr="*i32",
+                         cu_ptr="*i32", ctx_ptr="*i32", out_ptr="*fp16", qk_scale="fp32", unit="fp32")
+            const = dict(KV_HEADS=8, QPK=4, HEAD_DIM=128, DIM_PAD=128, PAGE=16, BLOCK_M=64, BLOCK_N=64, FP8=fp8,
+                         IS_E5M2=False, PER_TOKEN=per_token, HW_FP8=fp8 and arch >= 89, DOT_DTYPE=tl.float16,
+                         PRECISION="tf32")
+            sass, regs, spill = sass_of(compile_cubin(_prefill_kernel, const, arch, 4, 2, types).asm["cubin"])
+            n, ops = main_loop(sass)
+            rows.append(dict(arch=arch, mode=f"prefill {label}", loop_instructions=n, registers=regs,
+                             spill_bytes=spill, ldg_in_loop=ops.get("LDG", 0), ldgsts_in_loop=ops.get("LDGSTS", 0)))
+            print(f"sm_{arch} prefill {label:14s}: loop {n:4d} regs {regs:3d}, {ops.get('LDG', 0)} LDG and "
+                  f"{ops.get('LDGSTS', 0)} async copies in the loop", flush=True)
+    return rows
+
+
+def summary(rows: list[dict[str, Any]]) -> list[str]:
+    """Per arch and case: the in-place kernel's instructions per weight against the shift kernel's."""
+    out = []
+    keys = sorted({(r["arch"], r["bits"], r["zeros"], r["block_n"], r["block_k"], r["num_warps"]) for r in rows})
+    for key in keys:
+        pair = {r["kernel"]: r["per_weight"] for r in rows
+                if (r["arch"], r["bits"], r["zeros"], r["block_n"], r["block_k"], r["num_warps"]) == key}
+        if len(pair) == 2:
+            out.append(f"sm_{key[0]} int{key[1]} {'asym' if key[2] else 'sym'} bn={key[3]} bk={key[4]} w={key[5]}: "
+                       f"in-place {pair['in-place']:.2f} vs shift {pair['shift']:.2f} per weight "
+                       f"({pair['shift'] / pair['in-place']:.2f}x fewer)")
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--arch", type=int, action="append", help="compute capability x10 (default: 80 86 89 90)")
+    ap.add_argument("--quick", action="store_true", help="one case and one tile config (a smoke run)")
+    ap.add_argument("--attention", action="store_true", help="also the paged decode attention kernel")
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "kernel_sass.json")
+    args = ap.parse_args()
+    archs = args.arch or sorted(ARCHS)
+    configs = [(128, 128, 4)] if args.quick else [(64, 128, 2), (128, 128, 4), (256, 128, 4), (128, 64, 4)]
+    import triton
+
+    print(f"triton {triton.__version__}; SASS of the main loop per weight (static count, no GPU)")
+    rows = gemv_rows(archs, configs, args.quick)
+    lines = summary(rows)
+    print("\n" + "\n".join(lines))
+    attention = attention_rows(archs) if args.attention else []
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = args.out.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"triton": triton.__version__, "rows": rows, "summary": lines, "attention": attention},
+                              indent=1))
+    tmp.replace(args.out)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
