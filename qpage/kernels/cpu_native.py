@@ -111,8 +111,8 @@ def load() -> ctypes.CDLL | None:
             lib.qp_write_kv_fp8.argtypes = [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _float, _float, _ptr, _int,
                                             _int, _int, _i64, _ptr, _int, _ptr, _int]
             lib.qp_write_kv_fp8.restype = _int
-            lib.qp_paged_decode_fp8.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _float, _float, _ptr, _ptr, _i64,
-                                                _i64, _ptr, _ptr, _int, _int, _int, _int, _int, _float, _i64]
+            lib.qp_paged_decode_fp8.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _float, _float, _ptr, _int, _ptr,
+                                                _i64, _i64, _ptr, _ptr, _int, _int, _int, _int, _int, _float, _i64]
             lib.qp_paged_decode_fp8.restype = _int
             _lib = lib
         except (OSError, RuntimeError, subprocess.SubprocessError) as e:

@@ -103,3 +103,17 @@ def test_kernel_sass_counts_the_gemv_loop(tmp_path: Path) -> None:
             base = next(b for b in att if b["mode"] == a["mode"] and b["num_warps"] == a["num_warps"]
                         and b["scales_ahead"] and not b["v_f16"])
             assert a["lds"] < 0.7 * base["lds"], (a, base)
+
+
+def test_cpu_attention_kernels_benchmark_smoke(tmp_path: Path) -> None:
+    """Every cache mode's C decode kernel runs, interleaved, and is reported against fp32."""
+    out = tmp_path / "cak.json"
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cpu_attention_kernels.py"), "--rounds", "1",
+                        "--reps", "1", "--contexts", "40", "--batches", "1,2", "--out", str(out)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(row["context"], row["batch"]) for row in rows] == [(40, 1), (40, 2)]
+    for row in rows:
+        assert len(row["us"]) == 5 and all(t > 0 for t in row["us"].values())
+        assert row["vs_fp32"]["fp32"] == 1.0

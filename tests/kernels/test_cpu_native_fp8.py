@@ -99,3 +99,31 @@ def test_bad_tables_and_slots_raise() -> None:
         write_kv_fp8(k, k, cache.k, cache.v, torch.tensor([64]), cache.k_scale, cache.v_scale, "e4m3")
     with pytest.raises(ValueError, match="per-token scales must be fp16"):
         write_kv_fp8(k, k, cache.k, cache.v, torch.tensor([0]), cache.k_scale.float(), cache.v_scale, "e4m3")
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("per_token", [False, True], ids=["per-tensor", "per-token"])
+@pytest.mark.parametrize("hd", [132, 136], ids=["hd132-tail4", "hd136-tail8"])
+def test_decode_reads_every_code_exactly(fmt: str, per_token: bool, hd: int) -> None:
+    """With one cached token attention returns that token's V row, decoded and scaled: every
+    finite code placed in V must come back as torch's value of it times the V scale, to the
+    bit. This pins the vector decode (F16C/AVX-512 bit operations; 16 and 8 codes at a time)
+    and the table for the tail to torch's float8 conversion, subnormals and signs included."""
+    kvh, bs = 2, BLOCK_SIZE
+    values = code_values(fmt)
+    finite = torch.nonzero(torch.isfinite(values)).flatten().to(torch.uint8)  # the codes a cache can hold
+    row = torch.zeros(kvh * hd, dtype=torch.uint8)
+    row[: finite.numel()] = finite
+    k_cache = torch.zeros(2, bs, kvh, hd, dtype=torch.uint8)
+    v_cache = torch.zeros_like(k_cache)
+    v_cache[1, 0] = row.view(kvh, hd)
+    if per_token:
+        k_scale = torch.ones(2, bs, kvh, dtype=torch.float16)
+        v_scale = torch.full((2, bs, kvh), 0.25, dtype=torch.float16)
+    else:
+        k_scale, v_scale = torch.tensor(1.0), torch.tensor(0.25)
+    q = torch.randn(1, kvh, hd, generator=torch.Generator().manual_seed(0))
+    out = paged_decode_fp8(q, k_cache, v_cache, k_scale, v_scale, fmt, torch.tensor([[1]]), torch.tensor([1]),
+                           hd**-0.5)
+    want = values[row.long()].view(kvh, hd) * 0.25
+    assert torch.equal(out[0], want), (out[0] - want).abs().max()

@@ -11,11 +11,16 @@
  * fp8_codec.f32_to_fp8) and fp64 error sums (summed in another order than torch's, so only
  * a near-tie, equal to ~1e-16 relative, could pick another candidate).
  *
- * Decode converts each token's codes to their exact values through a 256-entry table built
- * by the caller from torch's float8 conversion (GCC 12 scalarizes byte -> int vector
- * conversions, so vector bit tricks measured slower than the table here), a cache block and
- * kv head at a time, and applies the token's scale to the score (K) or the probability (V)
- * once, not per element.
+ * Decode converts a token's codes, a cache block and kv head at a time, and applies the
+ * token's scale to the score (K) or the probability (V) once, not per element. With F16C
+ * (x86 -march=native: Ivy Bridge on) 8 codes at a time (16 with AVX-512) become fp16 by bit operations and
+ * fp32 by vcvtph2ps: an e5m2 code is the top byte of its fp16; an e4m3 code's magnitude
+ * bits shifted left by 7 are an fp16 worth value / 256 (subnormals included), so the row
+ * multiplier takes the 256 (powers of two: the products round as the table's would). The
+ * two NaN codes of e4m3 (never written by the cache write) decode as +-480 there. Without
+ * F16C, or for a head_dim tail, a 256-entry table built by the caller from torch's float8
+ * conversion. (Intrinsics, not generic vector code: GCC 12 scalarizes byte -> int vector
+ * conversions, and those measured slower than the table.)
  */
 #include <math.h>
 #include <stdint.h>
@@ -23,6 +28,13 @@
 #include <string.h>
 
 #include "qp_math.h"
+
+#if defined(__F16C__) && defined(__SSE4_1__) && defined(__AVX__)
+#include <immintrin.h>
+#define QP_FP8_F16C 1
+#else
+#define QP_FP8_F16C 0
+#endif
 
 #define QP_MAX_HEAD_DIM 256
 
@@ -147,19 +159,46 @@ int qp_write_kv_fp8(const float *k, int64_t k_stride, const float *v, int64_t v_
     return 0;
 }
 
-/* row[:n] = the values of codes[:n]. */
-static inline void decode_row(float *row, const uint8_t *codes, const float *lut, int n) {
-    for (int d = 0; d < n; d++) row[d] = lut[codes[d]];
+/* The factor decode_row leaves out of each value (see the top of the file). */
+static inline float decode_unit(int e5m2) { return (QP_FP8_F16C && !e5m2) ? 256.0f : 1.0f; }
+
+/* row[:n] = the values of codes[:n] / decode_unit(e5m2). */
+static inline void decode_row(float *row, const uint8_t *codes, const float *lut, int n, int e5m2) {
+    int d = 0;
+#if QP_FP8_F16C && defined(__AVX512F__) && defined(__AVX2__)
+    const __m256i mag16 = _mm256_set1_epi16(0x7F), sign16 = _mm256_set1_epi16(0x80);
+    for (; d + 16 <= n; d += 16) {
+        const __m256i c = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(codes + d)));
+        const __m256i h = e5m2 ? _mm256_slli_epi16(c, 8)
+                               : _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(c, mag16), 7),
+                                                 _mm256_slli_epi16(_mm256_and_si256(c, sign16), 8));
+        _mm512_storeu_ps(row + d, _mm512_cvtph_ps(h));
+    }
+#endif
+#if QP_FP8_F16C
+    const __m128i mag = _mm_set1_epi16(0x7F), sign = _mm_set1_epi16(0x80);
+    for (; d + 8 <= n; d += 8) {
+        const __m128i c = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(codes + d)));
+        const __m128i h = e5m2 ? _mm_slli_epi16(c, 8)
+                               : _mm_or_si128(_mm_slli_epi16(_mm_and_si128(c, mag), 7),
+                                              _mm_slli_epi16(_mm_and_si128(c, sign), 8));
+        _mm256_storeu_ps(row + d, _mm256_cvtph_ps(h));
+    }
+#endif
+    const float inv = 1.0f / decode_unit(e5m2);
+    for (; d < n; d++) row[d] = lut[codes[d]] * inv;
 }
 
 /* Rows first..first+count-1 of kv head kh decoded into buf [count, head_dim], and each row's
  * scale times extra into w (per-token scales when sc != NULL, else the constant mul). */
 static inline void decode_block(float *buf, float *w, const uint8_t *cache, const uint16_t *sc, float mul,
-                                float extra, const float *lut, int64_t first, int64_t count, int kh,
+                                float extra, const float *lut, int e5m2, int64_t first, int64_t count, int kh,
                                 int num_kv_heads, int head_dim) {
     const int64_t tok_stride = (int64_t)num_kv_heads * head_dim;
+    extra *= decode_unit(e5m2);
     for (int64_t t = 0; t < count; t++) {
-        decode_row(buf + t * head_dim, cache + (first + t) * tok_stride + (int64_t)kh * head_dim, lut, head_dim);
+        decode_row(buf + t * head_dim, cache + (first + t) * tok_stride + (int64_t)kh * head_dim, lut, head_dim,
+                   e5m2);
         w[t] = (sc ? half_to_f32(sc[(first + t) * num_kv_heads + kh]) : mul) * extra;
     }
 }
@@ -170,16 +209,16 @@ static inline void decode_block(float *buf, float *w, const uint8_t *cache, cons
  * mode) or NULL with the constant k_mul/v_mul; w: scratch [block_size]. */
 static inline __attribute__((always_inline)) void attend_seq_fp8(
     const float *q, const uint8_t *k_cache, const uint8_t *v_cache, const uint16_t *ks, const uint16_t *vs,
-    float k_mul, float v_mul, const float *lut, const int64_t *blocks, int64_t seq_len, int num_heads,
-    int num_kv_heads, int head_dim, int block_size, float scale, float *scores, float *m, float *buf, float *w,
-    float *out) {
+    float k_mul, float v_mul, const float *lut, int e5m2, const int64_t *blocks, int64_t seq_len,
+    int num_heads, int num_kv_heads, int head_dim, int block_size, float scale, float *scores, float *m, float *buf,
+    float *w, float *out) {
     const int group = num_heads / num_kv_heads;
     for (int h = 0; h < num_heads; h++) m[h] = -INFINITY;
     for (int64_t b0 = 0; b0 < seq_len; b0 += block_size) {
         const int64_t first = blocks[b0 / block_size] * block_size;
         const int64_t count = seq_len - b0 < block_size ? seq_len - b0 : block_size;
         for (int kh = 0; kh < num_kv_heads; kh++) {
-            decode_block(buf, w, k_cache, ks, k_mul, scale, lut, first, count, kh, num_kv_heads, head_dim);
+            decode_block(buf, w, k_cache, ks, k_mul, scale, lut, e5m2, first, count, kh, num_kv_heads, head_dim);
             for (int h = kh * group; h < (kh + 1) * group; h++) {
                 float *row = scores + (int64_t)h * seq_len + b0;
                 for (int64_t t = 0; t < count; t++) {
@@ -196,7 +235,7 @@ static inline __attribute__((always_inline)) void attend_seq_fp8(
         const int64_t first = blocks[b0 / block_size] * block_size;
         const int64_t count = seq_len - b0 < block_size ? seq_len - b0 : block_size;
         for (int kh = 0; kh < num_kv_heads; kh++) {
-            decode_block(buf, w, v_cache, vs, v_mul, 1.0f, lut, first, count, kh, num_kv_heads, head_dim);
+            decode_block(buf, w, v_cache, vs, v_mul, 1.0f, lut, e5m2, first, count, kh, num_kv_heads, head_dim);
             for (int h = kh * group; h < (kh + 1) * group; h++) {
                 for (int64_t t = 0; t < count; t++) pw[t] = scores[(int64_t)h * seq_len + b0 + t] * w[t];
                 weighted_rows(out + (int64_t)h * head_dim, pw, buf, head_dim, count, head_dim);
@@ -208,11 +247,12 @@ static inline __attribute__((always_inline)) void attend_seq_fp8(
 
 /* Decode attention over an FP8 cache; arguments as qp_paged_decode_f32 (cpu_attention.c)
  * plus the scales (k_scale/v_scale fp16 bits per slot and kv head, or NULL with the
- * per-tensor k_mul/v_mul) and lut[256], the value of each code. Returns 0; -1 when the
+ * per-tensor k_mul/v_mul), lut[256] (the value of each code) and the format (e5m2: 1, else
+ * e4m3). Returns 0; -1 when the
  * scratch cannot be allocated; -2 for a bad seq_len or block id; -3 when head_dim > 256. */
 int qp_paged_decode_fp8(const float *q, int64_t q_seq_stride, const uint8_t *k_cache, const uint8_t *v_cache,
                         const uint16_t *k_scale, const uint16_t *v_scale, float k_mul, float v_mul, const float *lut,
-                        const int64_t *block_table, int64_t table_stride, int64_t table_cols,
+                        int e5m2, const int64_t *block_table, int64_t table_stride, int64_t table_cols,
                         const int64_t *seq_lens, float *out, int num_seqs, int num_heads, int num_kv_heads,
                         int head_dim, int block_size, float scale, int64_t num_blocks) {
     if (head_dim > QP_MAX_HEAD_DIM) return -3;
@@ -230,11 +270,13 @@ int qp_paged_decode_fp8(const float *q, int64_t q_seq_stride, const uint8_t *k_c
         const float *qs = q + s * q_seq_stride;
         float *os = out + (int64_t)s * num_heads * head_dim;
         if (head_dim == 64)
-            attend_seq_fp8(qs, k_cache, v_cache, k_scale, v_scale, k_mul, v_mul, lut, block_table + s * table_stride,
-                           seq_lens[s], num_heads, num_kv_heads, 64, block_size, scale, scores, m, buf, w, os);
+            attend_seq_fp8(qs, k_cache, v_cache, k_scale, v_scale, k_mul, v_mul, lut, e5m2,
+                           block_table + s * table_stride, seq_lens[s], num_heads, num_kv_heads, 64, block_size,
+                           scale, scores, m, buf, w, os);
         else
-            attend_seq_fp8(qs, k_cache, v_cache, k_scale, v_scale, k_mul, v_mul, lut, block_table + s * table_stride,
-                           seq_lens[s], num_heads, num_kv_heads, head_dim, block_size, scale, scores, m, buf, w, os);
+            attend_seq_fp8(qs, k_cache, v_cache, k_scale, v_scale, k_mul, v_mul, lut, e5m2,
+                           block_table + s * table_stride, seq_lens[s], num_heads, num_kv_heads, head_dim, block_size,
+                           scale, scores, m, buf, w, os);
     }
     free(buf);
     free(scores);
