@@ -182,26 +182,28 @@ def attention_rows(archs: list[int]) -> list[dict[str, Any]]:
 
 
 def prefill_rows(archs: list[int]) -> list[dict[str, Any]]:
-    """The prefill kernel (64 query rows x 64-token tiles, 4 warps, 2 stages as launched) per cache mode."""
+    """The prefill kernel (64 query rows x 64-token tiles, 4 warps, 2 stages as launched) per cache mode;
+    "rows": per-token scales applied to the K/V rows (``scale_rows``)."""
     import triton.language as tl
 
     from qpage.kernels.paged_prefill import _prefill_kernel
 
     rows = []
     for arch in archs:
-        for label, fp8, per_token in (("fp16", False, False), ("fp8 per-token", True, True),
-                                      ("fp8 per-tensor", True, False)):
+        for label, fp8, per_token, rows_ in (("fp16", False, False, False), ("fp8 per-token", True, True, False),
+                                             ("fp8 per-token rows", True, True, True),
+                                             ("fp8 per-tensor", True, False, False)):
             cache = "*u8" if fp8 else "*fp16"
             types = dict(q_ptr="*fp16", kc_ptr=cache, vc_ptr=cache, ks_ptr="*fp16", vs_ptr="*fp16", bt_ptr="*i32",
                          cu_ptr="*i32", ctx_ptr="*i32", out_ptr="*fp16", qk_scale="fp32", unit="fp32")
             const = dict(KV_HEADS=8, QPK=4, HEAD_DIM=128, DIM_PAD=128, PAGE=16, BLOCK_M=64, BLOCK_N=64, FP8=fp8,
                          IS_E5M2=False, PER_TOKEN=per_token, HW_FP8=fp8 and arch >= 89, DOT_DTYPE=tl.float16,
-                         PRECISION="tf32")
+                         PRECISION="tf32", SCALE_ROWS=rows_)
             sass, regs, spill = sass_of(compile_cubin(_prefill_kernel, const, arch, 4, 2, types).asm["cubin"])
             n, ops = main_loop(sass)
             rows.append(dict(arch=arch, mode=f"prefill {label}", loop_instructions=n, registers=regs,
                              spill_bytes=spill, ldg_in_loop=ops.get("LDG", 0), ldgsts_in_loop=ops.get("LDGSTS", 0)))
-            print(f"sm_{arch} prefill {label:14s}: loop {n:4d} regs {regs:3d}, {ops.get('LDG', 0)} LDG and "
+            print(f"sm_{arch} prefill {label:18s}: loop {n:4d} regs {regs:3d}, {ops.get('LDG', 0)} LDG and "
                   f"{ops.get('LDGSTS', 0)} async copies in the loop", flush=True)
     return rows
 

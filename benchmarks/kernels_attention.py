@@ -13,6 +13,7 @@ def bench_attention(args: argparse.Namespace, device: Any, timer: Timer, peak: f
     import torch
     import torch.nn.functional as F
 
+    from qpage.kernels.fp8_codec import sm90_plus
     from qpage.kernels.paged_attention import paged_attention_decode, paged_attention_decode_ref
     from qpage.kernels.paged_prefill import paged_attention_prefill, paged_attention_prefill_ref
 
@@ -80,6 +81,14 @@ def bench_attention(args: argparse.Namespace, device: Any, timer: Timer, peak: f
         flops = 4 * heads * dim * qlen * (ctx - qlen / 2)
         rows.append(dict(kernel=f"prefill paged {label} ({qlen} new / {ctx} ctx)", us=t * 1e6, tflops=flops / t / 1e12,
                          relerr=perr))
+        if per_token:  # side by side: the per-token scales on the K/V rows (default on sm_90) or not
+            alt = not sm90_plus(device)
+            aout = paged_attention_prefill(qp, c["k_cache"], c["v_cache"], bt1, cu, ctx1, qlen, scale, scale_rows=alt,
+                                           **kw)
+            at = timer.time([lambda: paged_attention_prefill(qp, c["k_cache"], c["v_cache"], bt1, cu, ctx1, qlen,
+                                                             scale, scale_rows=alt, **kw)])
+            rows.append(dict(kernel=f"prefill paged {label} scale_rows={alt}", us=at * 1e6, tflops=flops / at / 1e12,
+                             relerr=rel_err(aout[:nref], pref)))
     # SDPA causal prefill on contiguous fp16 for the same problem.
     qlen = 2048 if device.type == "cuda" else 20
     qs = torch.randn(1, heads, qlen, dim, device=device, dtype=dtype)

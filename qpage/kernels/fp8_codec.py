@@ -60,6 +60,12 @@ def hardware_fp8(device: torch.device) -> bool:
     return (not INTERPRET and device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9))
 
 
+@functools.lru_cache(maxsize=16)
+def sm90_plus(device: torch.device) -> bool:
+    """A CUDA GPU of compute capability 9.0 or later (and not the interpreter)."""
+    return not INTERPRET and device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
+
+
 def fp8_unit(fmt: str, hardware: bool) -> float:
     """What ``fp8_to_f16`` leaves out: its result times this is the code's value."""
     return 256.0 if fmt == "e4m3" and not hardware else 1.0

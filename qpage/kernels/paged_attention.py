@@ -18,13 +18,12 @@ FP8 codes are decoded in registers (``fp8_codec``) and multiplied by their scale
 and the softmax are fp32 (exp2 with log2(e) folded into the query scale).
 """
 
-import functools
 import math
 
 import torch
 
 from qpage.config import BLOCK_SIZE
-from qpage.kernels.fp8_codec import decode_fp8_ref, fp8_to_f16, fp8_unit, hardware_fp8
+from qpage.kernels.fp8_codec import decode_fp8_ref, fp8_to_f16, fp8_unit, hardware_fp8, sm90_plus
 from qpage.kernels.triton_utils import INTERPRET, tl, triton
 from qpage.kernels.tuned import decode_settings
 
@@ -234,13 +233,12 @@ def _launch_args(q: torch.Tensor, k_scale: torch.Tensor | None, fp8_format: str 
                                        DOT_DTYPE=dot_dtype, PRECISION="ieee" if dot_dtype == tl.float32 else "tf32")
 
 
-@functools.lru_cache(maxsize=16)
 def v_f16_default(device: torch.device) -> bool:
     """Stage FP8 V as fp16 unless tuned otherwise: on sm_90 (static count, benchmarks/NOTES-kernels.md)
     it cuts the loop's instructions and registers (per-token, 4 warps: 177 -> 140, so 3 programs
     per SM instead of 2); on sm_80-89, with 100 KB of shared memory per SM, its extra 16 KB
     staging buffer costs more occupancy than the registers save."""
-    return device.type == "cuda" and not INTERPRET and torch.cuda.get_device_capability(device) >= (9, 0)
+    return sm90_plus(device)
 
 
 def paged_attention_decode(

@@ -11,6 +11,7 @@ query rows) and stops at the tile's causal limit.
 import torch
 
 from qpage.config import BLOCK_SIZE
+from qpage.kernels.fp8_codec import sm90_plus
 from qpage.kernels.paged_attention import (
     _attend_ref,
     _blocks,
@@ -31,7 +32,7 @@ def _prefill_kernel(
     KV_HEADS: tl.constexpr, QPK: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     FP8: tl.constexpr, IS_E5M2: tl.constexpr, PER_TOKEN: tl.constexpr, HW_FP8: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, SCALE_ROWS: tl.constexpr,
 ):
     s_id = tl.program_id(0)
     head = tl.program_id(1)
@@ -69,8 +70,13 @@ def _prefill_kernel(
                               PAGE, FP8, IS_E5M2, HW_FP8, DOT_DTYPE)
             v = _load_kv_tile(vc_ptr, blk, offs_n, n_mask, offs_d, d_mask, kvh, stride_cb, stride_ct, stride_ch,
                               PAGE, FP8, IS_E5M2, HW_FP8, DOT_DTYPE)
+            if PER_TOKEN and SCALE_ROWS:  # see paged_attention_prefill
+                k = (k * _token_scale(ks_ptr, blk, offs_n, n_mask, kvh, unit, KV_HEADS, PAGE, PER_TOKEN
+                                      ).to(DOT_DTYPE)[:, None]).to(DOT_DTYPE)
+                v = (v * _token_scale(vs_ptr, blk, offs_n, n_mask, kvh, unit, KV_HEADS, PAGE, PER_TOKEN
+                                      ).to(DOT_DTYPE)[:, None]).to(DOT_DTYPE)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-            if PER_TOKEN:
+            if PER_TOKEN and not SCALE_ROWS:
                 s = s * _token_scale(ks_ptr, blk, offs_n, n_mask, kvh, unit, KV_HEADS, PAGE, PER_TOKEN)[None, :]
             allowed = (offs_n[None, :] <= pos[:, None]) & n_mask[None, :]
             s = tl.where(allowed, s, float("-inf"))
@@ -79,7 +85,7 @@ def _prefill_kernel(
             p = tl.exp2(s - m_safe[:, None])
             alpha = tl.exp2(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            if PER_TOKEN:
+            if PER_TOKEN and not SCALE_ROWS:
                 pv_in = p * _token_scale(vs_ptr, blk, offs_n, n_mask, kvh, unit, KV_HEADS, PAGE, PER_TOKEN)[None, :]
             else:
                 pv_in = p
@@ -95,8 +101,17 @@ def paged_attention_prefill(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, max_q_len: int, scale: float,
     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None, fp8_format: str | None = None,
+    scale_rows: bool | None = None,
 ) -> torch.Tensor:
-    """q [T, H, D] (chunks of ``len(context_lens)`` sequences) -> out [T, H, D]."""
+    """q [T, H, D] (chunks of ``len(context_lens)`` sequences) -> out [T, H, D].
+
+    ``scale_rows`` (per-token FP8 scales; default on sm_90+): multiply the decoded K and V rows
+    by their tokens' scales, in the dot dtype, instead of the score and probability columns.
+    With 64 query rows per program a thread holds many score columns but few K/V rows, so the
+    scales (and the block ids they need) are loaded far fewer times: on sm_90 the loop falls
+    from 1077 to 783 instructions and from 255 to 168 registers (``benchmarks/kernel_sass.py
+    --attention``). On sm_80-89 this kernel is register-bound either way and it does not help.
+    The product rounds once to fp16 (2**-11), well inside the FP8 code's own error."""
     heads, dim = q.shape[1], q.shape[2]
     kvh = k_cache.shape[2]
     nseq = context_lens.shape[0]
@@ -108,13 +123,14 @@ def paged_attention_prefill(
     vs = v_scale if v_scale is not None else v_cache
     grid = (nseq, heads, triton.cdiv(max_q_len, block_m))
     scalars, flags = _launch_args(q, k_scale, fp8_format, scale)
+    scale_rows = sm90_plus(q.device) if scale_rows is None else scale_rows
     _prefill_kernel[grid](
         q, k_cache, v_cache, ks, vs, block_tables, cu_seqlens_q, context_lens, out,
         *scalars,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1),
         KV_HEADS=kvh, QPK=heads // kvh, HEAD_DIM=dim, DIM_PAD=triton.next_power_of_2(dim), PAGE=BLOCK_SIZE,
-        BLOCK_M=block_m, BLOCK_N=block_n, **flags, num_warps=4, num_stages=2,
+        BLOCK_M=block_m, BLOCK_N=block_n, SCALE_ROWS=scale_rows, **flags, num_warps=4, num_stages=2,
     )
     return out
 

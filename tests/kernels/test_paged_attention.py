@@ -82,12 +82,13 @@ def test_prefill_matches_ref(fmt: str | None, per_token: bool, dtype: torch.dtyp
     cu = torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32)
     q = torch.randn(sum(qlens), H, D, generator=torch.Generator().manual_seed(3)).to(dtype)
     context_lens = torch.tensor(ctx, dtype=torch.int32)
-    out = paged_attention_prefill(q, block_tables=tables, cu_seqlens_q=cu, context_lens=context_lens,
-                                  max_q_len=max(qlens), scale=D**-0.5, **cache)
     ref = paged_attention_prefill_ref(q, block_tables=tables, cu_seqlens_q=cu, context_lens=context_lens,
                                       scale=D**-0.5, **cache)
-    err = (out.float() - ref.float()).abs().max().item()
-    assert err <= TOL[dtype], err
+    for rows in (False, True):  # per-token scales on the scores and probabilities, or on the K/V rows
+        out = paged_attention_prefill(q, block_tables=tables, cu_seqlens_q=cu, context_lens=context_lens,
+                                      max_q_len=max(qlens), scale=D**-0.5, scale_rows=rows, **cache)
+        err = (out.float() - ref.float()).abs().max().item()
+        assert err <= TOL[dtype], (rows, err)
 
 
 def test_decode_ref_is_softmax_attention() -> None:
