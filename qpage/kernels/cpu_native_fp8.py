@@ -90,8 +90,7 @@ def paged_decode_fp8(
     out = torch.empty(n, h, hd, dtype=torch.float32)
     rc = lib.qp_paged_decode_fp8(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), kp, vp, k_mul,
                                  v_mul, code_values(fmt).data_ptr(), int(fmt == "e5m2"), bt.data_ptr(), bt.stride(0),
-                                 bt.shape[1],
-                                 lens.data_ptr(), out.data_ptr(), n, h, kvh, hd, bs, scale, nb)
+                                 bt.shape[1], lens.data_ptr(), out.data_ptr(), n, h, kvh, hd, bs, scale, nb)
     if rc == -2:
         raise ValueError(f"paged_decode_fp8: a seq_len < 1 or a block id outside [0, {nb}) in the block table")
     if rc != 0:

@@ -16,8 +16,9 @@ at M = 1. Two kernels:
   the activation (once per row, shared by all columns), and the zero point is applied once
   per word and column: ``sum_j x_j (q_j - z) = sum_j x_j q_j - z sum_j x_j``. Values 4..7
   come from the word's upper half, shifted down once per word. Per weight this leaves an
-  AND, a subtraction and a multiply-add: 4.1-4.4 SASS instructions per weight in the loop
-  against 6.0-6.2 for the kernel below (sm_80-sm_90, ``benchmarks/kernel_sass.py``).
+  AND, a subtraction and a multiply-add: 4.3-4.5 SASS instructions per weight in the loop
+  against 6.1-6.2 for the kernel below at the default 128x128 tile (sm_80-sm_90, Triton 3.9;
+  ``benchmarks/kernel_sass.py``).
   ``M`` reaches the kernel as a runtime argument (``magic``): as a literal, ptxas folds the
   OR back into every value's LOP3 and re-materializes the constant before each one.
 - ``_int_gemv_kernel`` (AWQ layout, and GPTQ with ``MatmulConfig(lean=False)``): the words

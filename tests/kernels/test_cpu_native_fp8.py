@@ -103,12 +103,13 @@ def test_bad_tables_and_slots_raise() -> None:
 
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
 @pytest.mark.parametrize("per_token", [False, True], ids=["per-tensor", "per-token"])
-@pytest.mark.parametrize("hd", [132, 136], ids=["hd132-tail4", "hd136-tail8"])
+@pytest.mark.parametrize("hd", [132, 136], ids=["hd132-tail4", "hd136-tail8"])  # 256+ codes over 2 heads
 def test_decode_reads_every_code_exactly(fmt: str, per_token: bool, hd: int) -> None:
     """With one cached token attention returns that token's V row, decoded and scaled: every
     finite code placed in V must come back as torch's value of it times the V scale, to the
-    bit. This pins the vector decode (F16C/AVX-512 bit operations; 16 and 8 codes at a time)
-    and the table for the tail to torch's float8 conversion, subnormals and signs included."""
+    bit. This pins the vector decode (AVX2/F16C bit operations, 16 codes at a time) and the
+    table for a head_dim tail of 4 or 8 to torch's float8 conversion, subnormals and signs
+    included."""
     kvh, bs = 2, BLOCK_SIZE
     values = code_values(fmt)
     finite = torch.nonzero(torch.isfinite(values)).flatten().to(torch.uint8)  # the codes a cache can hold

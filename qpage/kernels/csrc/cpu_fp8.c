@@ -12,14 +12,14 @@
  * a near-tie, equal to ~1e-16 relative, could pick another candidate).
  *
  * Decode converts a token's codes, a cache block and kv head at a time, and applies the
- * token's scale to the score (K) or the probability (V) once, not per element. With F16C
- * (x86 -march=native: Ivy Bridge on) 8 codes at a time (16 with AVX-512) become fp16 by bit operations and
+ * token's scale to the score (K) or the probability (V) once, not per element. With AVX2 and
+ * F16C (x86 -march=native: Haswell on) 16 codes at a time become fp16 by bit operations and
  * fp32 by vcvtph2ps: an e5m2 code is the top byte of its fp16; an e4m3 code's magnitude
  * bits shifted left by 7 are an fp16 worth value / 256 (subnormals included), so the row
  * multiplier takes the 256 (powers of two: the products round as the table's would). The
  * two NaN codes of e4m3 (never written by the cache write) decode as +-480 there. Without
- * F16C, or for a head_dim tail, a 256-entry table built by the caller from torch's float8
- * conversion. (Intrinsics, not generic vector code: GCC 12 scalarizes byte -> int vector
+ * them, or for a head_dim tail (head_dim % 16), a 256-entry table built by the caller from
+ * torch's float8 conversion. (Intrinsics, not generic vector code: GCC 12 scalarizes byte -> int vector
  * conversions, and those measured slower than the table.)
  */
 #include <math.h>
@@ -29,7 +29,7 @@
 
 #include "qp_math.h"
 
-#if defined(__F16C__) && defined(__SSE4_1__) && defined(__AVX__)
+#if defined(__F16C__) && defined(__AVX2__)
 #include <immintrin.h>
 #define QP_FP8_F16C 1
 #else
@@ -165,24 +165,15 @@ static inline float decode_unit(int e5m2) { return (QP_FP8_F16C && !e5m2) ? 256.
 /* row[:n] = the values of codes[:n] / decode_unit(e5m2). */
 static inline void decode_row(float *row, const uint8_t *codes, const float *lut, int n, int e5m2) {
     int d = 0;
-#if QP_FP8_F16C && defined(__AVX512F__) && defined(__AVX2__)
-    const __m256i mag16 = _mm256_set1_epi16(0x7F), sign16 = _mm256_set1_epi16(0x80);
+#if QP_FP8_F16C
+    const __m256i mag = _mm256_set1_epi16(0x7F), sign = _mm256_set1_epi16(0x80);
     for (; d + 16 <= n; d += 16) {
         const __m256i c = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(codes + d)));
         const __m256i h = e5m2 ? _mm256_slli_epi16(c, 8)
-                               : _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(c, mag16), 7),
-                                                 _mm256_slli_epi16(_mm256_and_si256(c, sign16), 8));
-        _mm512_storeu_ps(row + d, _mm512_cvtph_ps(h));
-    }
-#endif
-#if QP_FP8_F16C
-    const __m128i mag = _mm_set1_epi16(0x7F), sign = _mm_set1_epi16(0x80);
-    for (; d + 8 <= n; d += 8) {
-        const __m128i c = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(codes + d)));
-        const __m128i h = e5m2 ? _mm_slli_epi16(c, 8)
-                               : _mm_or_si128(_mm_slli_epi16(_mm_and_si128(c, mag), 7),
-                                              _mm_slli_epi16(_mm_and_si128(c, sign), 8));
-        _mm256_storeu_ps(row + d, _mm256_cvtph_ps(h));
+                               : _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(c, mag), 7),
+                                                 _mm256_slli_epi16(_mm256_and_si256(c, sign), 8));
+        _mm256_storeu_ps(row + d, _mm256_cvtph_ps(_mm256_castsi256_si128(h)));
+        _mm256_storeu_ps(row + d + 8, _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)));
     }
 #endif
     const float inv = 1.0f / decode_unit(e5m2);
