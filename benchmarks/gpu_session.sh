@@ -6,7 +6,7 @@
 #   2. benchmarks/gpu_engine_check.py: the engine on CUDA against transformers, when the
 #      tokenizer files are at hand (TOKENIZER_DIR or the default model's package);
 #   3. benchmarks/kernel_sass.py for this GPU's architecture with this Triton: the static
-#      instruction counts of the GEMV loops beside the times above (about half a minute).
+#      instruction counts of the GEMV, decode-batch tl.dot and attention loops beside the times above (about a minute).
 # Usage: bash benchmarks/gpu_session.sh OUTDIR [TUNE_BUDGET_S]   (default 240 s of tuning)
 # Afterwards: copy OUTDIR/configs/<gpu>.json into qpage/kernels/configs/ to ship it.
 # On a machine without the default model (no package index there), bring its tokenizer files:
@@ -28,6 +28,6 @@ if [ -n "${TOKENIZER_DIR:-}" ]; then tok=(--tokenizer "$TOKENIZER_DIR"); fi
 timeout 200 python3 benchmarks/gpu_engine_check.py --quantized "${tok[@]}" --out "$out/gpu_engine_check.json" 2>&1 \
     | tee "$out/engine.log" || echo "engine check did not complete (see engine.log)"
 arch=$(python3 -c "import torch; a, b = torch.cuda.get_device_capability(); print(10 * a + b)" 2>/dev/null || echo 90)
-timeout 120 python3 benchmarks/kernel_sass.py --arch "$arch" --attention --out "$out/kernel_sass.json" 2>&1 \
+timeout 120 python3 benchmarks/kernel_sass.py --arch "$arch" --attention --small-m --out "$out/kernel_sass.json" 2>&1 \
     | tee "$out/kernel_sass.log" || echo "kernel_sass did not complete (see kernel_sass.log)"
 exit "$status"

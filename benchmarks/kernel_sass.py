@@ -20,6 +20,7 @@ is memory-bound; fewer instructions still free issue slots for the loads.
     python benchmarks/kernel_sass.py                 # table + benchmarks/results/kernel_sass.json
     python benchmarks/kernel_sass.py --arch 90 --quick
     python benchmarks/kernel_sass.py --arch 90 --attention
+    python benchmarks/kernel_sass.py --arch 90 --small-m    # INT4 tl.dot kernels for 2 <= M <= 32
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ sys.path.insert(0, str(ROOT))
 
 PTR_TYPES = {"x_ptr": "*fp16", "qw_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*i32", "y_ptr": "*fp16",
              "ws_ptr": "*fp32", "lock_ptr": "*i32"}
-UNIT_STRIDES = {"stride_xk", "stride_qn", "stride_sn", "stride_zn"}
+UNIT_STRIDES = {"stride_xk", "stride_qn", "stride_sn", "stride_zn", "stride_yn"}
 DIV16 = {"N", "K", "group_size", "magic", "stride_qk", "stride_sg", "stride_zg"}
 ARCHS = {80: "A100", 86: "RTX 3090", 89: "RTX 4090", 90: "H100/H200"}
 
@@ -208,6 +209,43 @@ def prefill_rows(archs: list[int]) -> list[dict[str, Any]]:
     return rows
 
 
+SMALL_M_TILES = [(16, 64, 128, 4), (16, 128, 128, 4), (32, 64, 64, 4), (32, 128, 128, 4)]
+"""(block_m, block_n, block_k, warps): the tl.dot kernel's former defaults for M <= 16 and
+17-32 (first and third) and the 128x128 tiles the pairs kernel takes."""
+
+
+def small_m_rows(archs: list[int], quick: bool) -> list[dict[str, Any]]:
+    """INT4 (asymmetric, group 128) at decode batch sizes, fp16 and (unless quick) bf16
+    activations: the general tl.dot kernel (``quant_matmul``) and the pairs kernel
+    (``quant_pairs``), per tile."""
+    from qpage.kernels.quant_matmul import _int_matmul_kernel
+    from qpage.kernels.quant_pairs import _int4_pairs_kernel
+
+    rows = []
+    for arch in archs:
+        for act in ("fp16",) if quick else ("fp16", "bf16"):
+            types = dict(PTR_TYPES, x_ptr=f"*{act}", s_ptr=f"*{act}", y_ptr=f"*{act}")
+            for bm, bn, bk, warps in SMALL_M_TILES[1:2] if quick else SMALL_M_TILES:
+                common = dict(HAS_ZEROS=True, SPLIT_K=8, SERIAL=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+                kernels = [("tl.dot", _int_matmul_kernel,
+                            dict(common, BITS=4, AWQ=False, HAS_GIDX=False, GATHER=False, ONE_GROUP_PER_TILE=True,
+                                 DOT_F32=False, MAGIC_F16=act == "fp16"))]
+                if bk >= 128:
+                    kernels.append(("pairs", _int4_pairs_kernel, dict(common, DOT_F32=False)))
+                for name, fn, const in kernels:
+                    sass, regs, spill = sass_of(compile_cubin(fn, const, arch, warps, 3, types).asm["cubin"])
+                    n, ops = main_loop(sass)
+                    per_thread = bk * bn / (32 * warps)
+                    rows.append(dict(arch=arch, activations=act, kernel=name, block_m=bm, block_n=bn, block_k=bk,
+                                     num_warps=warps, loop_instructions=n, per_weight=round(n / per_thread, 3),
+                                     registers=regs, spill_bytes=spill,
+                                     top_ops={k: round(v / per_thread, 3) for k, v in ops.most_common(8)}))
+                    print(f"sm_{arch} small-M {act} {name:6s} {bm}x{bn}x{bk} w={warps}: {n:4d} instr = "
+                          f"{n / per_thread:5.2f} per weight  regs {regs:3d}  "
+                          + " ".join(f"{k}:{v}" for k, v in rows[-1]["top_ops"].items()), flush=True)
+    return rows
+
+
 def summary(rows: list[dict[str, Any]]) -> list[str]:
     """Per arch and case: the in-place kernel's instructions per weight against the shift kernel's."""
     out = []
@@ -227,6 +265,7 @@ def main() -> None:
     ap.add_argument("--arch", type=int, action="append", help="compute capability x10 (default: 80 86 89 90)")
     ap.add_argument("--quick", action="store_true", help="one case and one tile config (a smoke run)")
     ap.add_argument("--attention", action="store_true", help="also the paged decode attention kernel")
+    ap.add_argument("--small-m", action="store_true", help="also the INT4 tl.dot kernels at decode batch sizes")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "kernel_sass.json")
     args = ap.parse_args()
     archs = args.arch or sorted(ARCHS)
@@ -238,9 +277,11 @@ def main() -> None:
     lines = summary(rows)
     print("\n" + "\n".join(lines))
     attention = attention_rows(archs) if args.attention else []
+    small_m = small_m_rows(archs, args.quick) if args.small_m else []
     args.out.parent.mkdir(parents=True, exist_ok=True)
     tmp = args.out.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"triton": triton.__version__, "rows": rows, "summary": lines, "attention": attention},
+    tmp.write_text(json.dumps({"triton": triton.__version__, "rows": rows, "summary": lines, "attention": attention,
+                               "small_m": small_m},
                               indent=1))
     tmp.replace(args.out)
     print(f"wrote {args.out}")

@@ -80,12 +80,18 @@ def test_cpu_paths_benchmark_smoke(tmp_path: Path) -> None:
 def test_kernel_sass_counts_the_gemv_loop(tmp_path: Path) -> None:
     """The static SASS count compiles both GEMV kernels for sm_90 with Triton's bundled ptxas
     (no GPU) and finds their main loops; the in-place kernel, which exists to cut instructions
-    per weight, must still use fewer than the shift kernel, and neither may spill."""
+    per weight, must still use fewer than the shift kernel, and neither may spill; likewise the
+    pairs kernel against the general tl.dot kernel at a decode batch tile."""
     out = tmp_path / "sass.json"
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kernel_sass.py"), "--arch", "90", "--quick",
-                        "--attention", "--out", str(out)], capture_output=True, text=True, timeout=600)
+                        "--attention", "--small-m", "--out", str(out)], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     res = json.loads(out.read_text())
+    # Decode batches: the pairs kernel exists to cut the general tl.dot kernel's per-weight
+    # unpacking and 16-bit shared-memory stores, on the same 16x128x128 tile.
+    small = {row["kernel"]: row for row in res["small_m"]}
+    assert set(small) == {"tl.dot", "pairs"} and all(row["spill_bytes"] == 0 for row in small.values())
+    assert small["pairs"]["per_weight"] < 0.85 * small["tl.dot"]["per_weight"], small
     rows = {row["kernel"]: row for row in res["rows"]}
     assert set(rows) == {"in-place", "shift"}
     for row in rows.values():

@@ -186,3 +186,85 @@ def test_rejects_unsupported_bits() -> None:
     w = make_weight(64, 32, 4, 32)
     with pytest.raises(ValueError, match="bits=3"):
         int_matmul(torch.randn(1, 64), w["qweight"], w["scales"], None, None, bits=3, group_size=32)
+
+
+@pytest.fixture
+def pairs_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts the calls ``int_matmul`` makes into the pairs kernel's launcher."""
+    from qpage.kernels import quant_pairs
+
+    calls: list[int] = []
+    launch = quant_pairs.int4_pairs_matmul
+
+    def counted(*args: object, **kwargs: object) -> torch.Tensor:
+        calls.append(1)
+        return launch(*args, **kwargs)
+
+    monkeypatch.setattr(quant_pairs, "int4_pairs_matmul", counted)
+    return calls
+
+
+@pytest.mark.parametrize("sym", [False, True], ids=["asym", "sym"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_pairs_kernel(sym: bool, dtype: torch.dtype, pairs_calls: list[int]) -> None:
+    """The pairs kernel (4-bit GPTQ, decode batches) at M = 2, 16 and 21: K = 320 in 128-row
+    tiles ends in a half-masked tile, N = 96 in a partial column tile; K unsplit, split serially
+    in 2 and atomically in 3; and a per-channel weight (one group spanning K = 384)."""
+    grouped = make_weight(320, 96, 4, 128, sym=sym, seed=10)
+    channel = make_weight(384, 64, 4, 384, sym=sym, seed=11)
+    configs = (MatmulConfig(16, 64, 128, pairs=True), MatmulConfig(32, 32, 128, split_k=2, pairs=True),
+               MatmulConfig(16, 64, 128, split_k=3, serial=False, pairs=True))
+    for w in (grouped, channel):
+        for m in (2, 16, 21):
+            x = torch.randn(m, w["q"].shape[0], generator=torch.Generator().manual_seed(m)).to(dtype)
+            for cfg in configs:
+                out, ref = run(x, w, cfg)
+                assert out.shape == ref.shape and out.dtype == dtype
+                assert rel_err(out, ref) < TOL[dtype], (m, cfg)
+    assert len(pairs_calls) == 2 * 3 * len(configs)
+
+
+@pytest.mark.parametrize(("awq", "bits", "act_order", "group", "block_k", "dtype"), [
+    (True, 4, False, 128, 128, torch.float32), (False, 8, False, 128, 128, torch.float32),
+    (False, 4, True, 128, 128, torch.float32), (False, 4, False, 64, 64, torch.float32),
+    (False, 4, False, 64, 128, torch.float16)], ids=["awq", "int8", "actorder", "bk64", "tile-across-groups"])
+def test_pairs_falls_back_where_it_does_not_apply(awq: bool, bits: int, act_order: bool, group: int,
+                                                  block_k: int, dtype: torch.dtype, pairs_calls: list[int]) -> None:
+    """A ``pairs`` config on a weight or tile the kernel does not take runs the general tl.dot
+    kernel (same tiles) and still matches the reference."""
+    w = make_weight(256, 64, bits, group, awq=awq, act_order=act_order, seed=12)
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(13)).to(dtype)
+    out, ref = run(x, w, MatmulConfig(16, 64, block_k, pairs=True))
+    assert rel_err(out, ref) < TOL[dtype]
+    assert pairs_calls == []
+
+
+def test_cuda_defaults_route_decode_batches_to_pairs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA heuristic (no GPU needed: the SM count and an empty tuned table are faked): M = 1 takes the GEMV, 4-bit
+    GPTQ weights with 2 <= M <= 32 the pairs kernel on 128x128 tiles, anything else (8-bit or
+    FP8 kinds, group 64, M = 33) the tiles it had."""
+    from types import SimpleNamespace
+
+    from qpage.kernels import quant_matmul, tuned
+
+    monkeypatch.setattr(quant_matmul, "INTERPRET", False)
+    monkeypatch.setitem(tuned._INSTALLED, "cuda", {})  # an untuned GPU: the heuristic decides
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda _: SimpleNamespace(multi_processor_count=128))
+    quant_matmul.choose_config.cache_clear()
+    try:
+        cuda = torch.device("cuda")
+
+        def pick(m: int, kind: str | None, group: int | None = 128) -> MatmulConfig:
+            return quant_matmul.choose_config(cuda, kind, m, 14336, 4096, group)
+
+        assert pick(1, "int4-g128").gemv and not pick(1, "int4-g128").pairs
+        for m in (2, 16, 17, 32):
+            cfg = pick(m, "int4-g128")
+            assert cfg.pairs and (cfg.block_m, cfg.block_n, cfg.block_k) == (16 if m <= 16 else 32, 128, 128)
+            assert cfg.split_k >= 1 and not cfg.gemv
+        assert pick(8, "int4-chan", 4096).pairs
+        for cfg in (pick(8, "int8-chan", 4096), pick(8, "fp8-chan", None), pick(8, "int4-g64", 64),
+                    pick(33, "int4-g128"), pick(8, None)):
+            assert not cfg.pairs, cfg
+    finally:
+        quant_matmul.choose_config.cache_clear()
