@@ -91,6 +91,17 @@ def make_int4(k: int, n: int, group: int, device: Any) -> dict[str, Any]:
     )
 
 
+def make_awq4(k: int, n: int, group: int, device: Any) -> dict[str, Any]:
+    """A random 4-bit AWQ-layout weight (packed along N; symmetric)."""
+    import torch
+
+    g = math.ceil(k / group)
+    return dict(
+        qweight=torch.randint(-(2**31), 2**31 - 1, (k, n // 8), dtype=torch.int32, device=device),
+        scales=(torch.rand(g, n, device=device) * 0.01 + 0.001).half(),
+    )
+
+
 def make_int8(k: int, n: int, device: Any) -> dict[str, Any]:
     import torch
 

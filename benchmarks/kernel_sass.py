@@ -209,40 +209,52 @@ def prefill_rows(archs: list[int]) -> list[dict[str, Any]]:
     return rows
 
 
-SMALL_M_TILES = [(16, 64, 128, 4), (16, 128, 128, 4), (32, 64, 64, 4), (32, 128, 128, 4)]
-"""(block_m, block_n, block_k, warps): the tl.dot kernel's former defaults for M <= 16 and
-17-32 (first and third) and the 128x128 tiles the pairs kernel takes."""
+SMALL_M_TILES = {"gptq": [(16, 64, 128, 4), (16, 128, 128, 4), (32, 64, 64, 4), (32, 128, 128, 4)],
+                 "awq": [(16, 64, 128, 4), (16, 256, 128, 4)]}
+"""(block_m, block_n, block_k, warps) per layout: the tl.dot kernel's former defaults (GPTQ:
+16x64x128 for M <= 16 and 32x64x64 for 17-32; AWQ: 16x64x128) and the tiles the pairs
+kernels take."""
 
 
 def small_m_rows(archs: list[int], quick: bool) -> list[dict[str, Any]]:
     """INT4 (asymmetric, group 128) at decode batch sizes, fp16 and (unless quick) bf16
-    activations: the general tl.dot kernel (``quant_matmul``) and the pairs kernel
-    (``quant_pairs``), per tile."""
+    activations, GPTQ and (unless quick) AWQ layouts: the general tl.dot kernel
+    (``quant_matmul``) and the pairs kernels (``quant_pairs``), per tile."""
     from qpage.kernels.quant_matmul import _int_matmul_kernel
-    from qpage.kernels.quant_pairs import _int4_pairs_kernel
+    from qpage.kernels.quant_pairs import _awq_pairs_kernel, _gptq_pairs_kernel
 
     rows = []
     for arch in archs:
-        for act in ("fp16",) if quick else ("fp16", "bf16"):
-            types = dict(PTR_TYPES, x_ptr=f"*{act}", s_ptr=f"*{act}", y_ptr=f"*{act}")
-            for bm, bn, bk, warps in SMALL_M_TILES[1:2] if quick else SMALL_M_TILES:
-                common = dict(HAS_ZEROS=True, SPLIT_K=8, SERIAL=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
-                kernels = [("tl.dot", _int_matmul_kernel,
-                            dict(common, BITS=4, AWQ=False, HAS_GIDX=False, GATHER=False, ONE_GROUP_PER_TILE=True,
-                                 DOT_F32=False, MAGIC_F16=act == "fp16"))]
-                if bk >= 128:
-                    kernels.append(("pairs", _int4_pairs_kernel, dict(common, DOT_F32=False)))
-                for name, fn, const in kernels:
-                    sass, regs, spill = sass_of(compile_cubin(fn, const, arch, warps, 3, types).asm["cubin"])
-                    n, ops = main_loop(sass)
-                    per_thread = bk * bn / (32 * warps)
-                    rows.append(dict(arch=arch, activations=act, kernel=name, block_m=bm, block_n=bn, block_k=bk,
-                                     num_warps=warps, loop_instructions=n, per_weight=round(n / per_thread, 3),
-                                     registers=regs, spill_bytes=spill,
-                                     top_ops={k: round(v / per_thread, 3) for k, v in ops.most_common(8)}))
-                    print(f"sm_{arch} small-M {act} {name:6s} {bm}x{bn}x{bk} w={warps}: {n:4d} instr = "
-                          f"{n / per_thread:5.2f} per weight  regs {regs:3d}  "
-                          + " ".join(f"{k}:{v}" for k, v in rows[-1]["top_ops"].items()), flush=True)
+        for layout in ("gptq",) if quick else ("gptq", "awq"):
+            for act in ("fp16",) if quick else ("fp16", "bf16"):
+                types = dict(PTR_TYPES, x_ptr=f"*{act}", s_ptr=f"*{act}", y_ptr=f"*{act}")
+                for bm, bn, bk, warps in SMALL_M_TILES[layout][1:2] if quick else SMALL_M_TILES[layout]:
+                    rows += _small_m_tile(arch, layout, act, types, (bm, bn, bk, warps), _int_matmul_kernel,
+                                          _awq_pairs_kernel if layout == "awq" else _gptq_pairs_kernel)
+    return rows
+
+
+def _small_m_tile(arch: int, layout: str, act: str, types: dict[str, str], tile: tuple[int, int, int, int],
+                  general: Any, pairs: Any) -> list[dict[str, Any]]:
+    bm, bn, bk, warps = tile
+    awq = layout == "awq"
+    common = dict(HAS_ZEROS=True, SPLIT_K=8, SERIAL=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+    kernels = [("tl.dot", general, dict(common, BITS=4, AWQ=awq, HAS_GIDX=False, GATHER=False,
+                                        ONE_GROUP_PER_TILE=True, DOT_F32=False, MAGIC_F16=act == "fp16"))]
+    if (bn >= 128) if awq else (bk >= 128):
+        kernels.append(("pairs", pairs, dict(common, DOT_F32=False)))
+    rows = []
+    for name, fn, const in kernels:
+        sass, regs, spill = sass_of(compile_cubin(fn, const, arch, warps, 3, types).asm["cubin"])
+        n, ops = main_loop(sass)
+        per_thread = bk * bn / (32 * warps)
+        rows.append(dict(arch=arch, layout=layout, activations=act, kernel=name, block_m=bm, block_n=bn,
+                         block_k=bk, num_warps=warps, loop_instructions=n, per_weight=round(n / per_thread, 3),
+                         registers=regs, spill_bytes=spill,
+                         top_ops={k: round(v / per_thread, 3) for k, v in ops.most_common(8)}))
+        print(f"sm_{arch} small-M {layout} {act} {name:6s} {bm}x{bn}x{bk} w={warps}: {n:4d} instr = "
+              f"{n / per_thread:5.2f} per weight  regs {regs:3d}  "
+              + " ".join(f"{k}:{v}" for k, v in rows[-1]["top_ops"].items()), flush=True)
     return rows
 
 

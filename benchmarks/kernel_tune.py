@@ -143,7 +143,8 @@ def tune_matmuls(device: Any, timer: Any, deadline: float, interpret: bool, tabl
             ref = ref_fn(x, params)
             cands = matmul_candidates(m, interpret, kind.startswith("fp8"), kind == "fp8-block")
             group = 128 if kind == "int4-g128" else None
-            base = default_config(m, n, k, x.device, group_size=group, int4=kind.startswith("int4-"))
+            layout = "gptq" if kind.startswith("int4-") else None  # as choose_config picks for this kind
+            base = default_config(m, n, k, x.device, group_size=group, pairs_layout=layout)
             if kind.startswith("fp8"):
                 base = dataclasses.replace(base, dequant=False)
             _, t_base, _ = _best_config(fn, x, params, ref, [base], timer)

@@ -1,16 +1,17 @@
-"""INT4 dequant-matmul for decode batches (2 <= M <= 32) on the GPTQ layout, values taken in pairs.
+"""INT4 dequant-matmul for decode batches (2 <= M <= 32) on the GPTQ and AWQ layouts, values taken in pairs.
 
-Same packed layout as ``quant_matmul`` (qweight int32 [K / 8, N], value j of a word at bits
-4j). Applies to 4-bit weights without ``g_idx`` whose K tile (128 or more) lies inside one
-quantization group, with fp16, bf16 or fp32 activations; ``int_matmul`` routes there when
-``MatmulConfig.pairs`` is set and falls back to its own tl.dot kernel otherwise.
+Same packed layouts as ``quant_matmul``. Applies to 4-bit weights without ``g_idx`` whose K
+tile lies inside one quantization group (GPTQ: a K tile of 128 or more; AWQ: a column tile
+that is a multiple of 128), with fp16, bf16 or fp32 activations; ``int_matmul`` routes there
+when ``MatmulConfig.pairs`` is set and falls back to its own tl.dot kernel otherwise.
 
 What the general tl.dot kernel does per weight (``benchmarks/kernel_sass.py --small-m``):
 it unpacks each word into 8 values, reshapes [words, 8, N] into [K, N], converts each value
 to the activation dtype on its own and stores it to shared memory on its own (one 16-bit
 STS per weight), for 5.9-8.2 SASS instructions per weight at M <= 16 on sm_80-sm_90.
 
-Here no reshape is needed, because a dot's reduction order is free: the tile's K is taken
+GPTQ (qweight int32 [K / 8, N], value j of a word at bits 4j, packed along K). Here no
+reshape is needed, because a dot's reduction order is free: the tile's K is taken
 as 8 slices, slice j holding value j of every word (rows 8w + j), and the activations are
 split the same way. So y += sum_j x[:, j::8] @ (q_j - z), eight tl.dot calls of K = words.
 Values j and j + 4 sit 16 bits apart, so one shift and one AND-OR,
@@ -18,6 +19,16 @@ Values j and j + 4 sit 16 bits apart, so one shift and one AND-OR,
 and one packed subtraction of 1024 + z gives q - z exactly. The tiles keep the loaded
 words' layout (consecutive columns in a thread), so their shared-memory stores are vector
 stores. The group's scale multiplies the tile's fp32 partial sum, as in ``quant_matmul``.
+
+AWQ (qweight int32 [K, N / 8], packed along N, nibble i holding column 0,2,4,6,1,3,5,7[i]):
+the same AND-OR on nibbles j and j + 4 gives columns 2j and 2j + 1 of every word, the
+interleave AWQ was designed for. Output columns may be permuted as freely as K, so the
+column tile is taken as 8 slices (slice i = column i of every word), each one tl.dot of
+the whole activation tile against [K tile, words] with its own zeros (unpacked from the
+zero words by the same trick) and scales, into 8 accumulators joined into column order at
+the end. Each slice must be 16 columns wide for tl.dot, and with 4 warps MMAs are only
+unduplicated from 32 (so 256-column tiles).
+
 With bf16 activations the integers q - z are converted to bf16 (exact) before the dot; the
 same trick in bf16 (128.0, ``0x4300``) would save that conversion, but the interpreter's
 bf16 arithmetic is wrong (128 - 136 comes out NaN), so such code could not be tested here.
@@ -27,8 +38,10 @@ SASS instructions per weight in the loop on sm_80/86/89/90 with fp16 activations
 4.4-4.5 at 16x128x128 against 5.9-6.7 for the general kernel on that tile and 7.3-8.2 on its
 former default 16x64x128; at 32 rows 5.3-5.5 (32x128x128) against 9.9-10.8 (the former
 32x64x64 default). With bf16 activations: 5.7-5.8 at 16x128x128 against 6.4-7.4 and
-7.9-9.0, and 6.7-6.8 at 32 rows against 10.7-12.1. These are instruction counts, not
-times: no GPU was lent when this was written.
+7.9-9.0, and 6.7-6.8 at 32 rows against 10.7-12.1. AWQ at 16x256x128: 4.4-4.6 (bf16:
+5.8-5.9) against 8.8-9.7 (bf16: 9.8-10.6) at the former default 16x64x128. At 32 rows the
+AWQ kernel spills (sm_89), so AWQ takes it for M <= 16 only. These are instruction counts,
+not times: no GPU was lent when this was written.
 """
 
 import torch
@@ -39,16 +52,25 @@ from qpage.kernels.split_k import finish_split_k, split_k_output, split_k_range
 from qpage.kernels.triton_utils import INTERPRET, tl, triton
 
 PAIRS_MIN_BLOCK_K = 128
-"""A K tile gives each of its 8 slices K / 8 rows, and tl.dot needs at least 16."""
+"""GPTQ: a K tile gives each of its 8 slices K / 8 rows, and tl.dot needs at least 16."""
+AWQ_MIN_BLOCK_N = 128
+"""AWQ: a column tile gives each of its 8 slices BLOCK_N / 8 columns, and tl.dot needs 16."""
 
 
 @triton.jit
-def _pair(packed, J: tl.constexpr, zf, MAGIC2: tl.constexpr):
-    """(q - z) of values J and J + 4 of each word, as two fp16 tiles shaped like ``packed``."""
-    two = ((packed >> (4 * J)) & 0x000F000F) | MAGIC2
-    lo = (two & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True) - zf
-    hi = (two >> 16).to(tl.int16).to(tl.float16, bitcast=True) - zf
+def _halves(words, J: tl.constexpr):
+    """Nibbles J and J + 4 of int32 words as two fp16 tensors, 1024 + nibble each."""
+    two = ((words >> (4 * J)) & 0x000F000F) | 0x64006400  # two fp16 1024.0
+    lo = (two & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)
+    hi = (two >> 16).to(tl.int16).to(tl.float16, bitcast=True)
     return lo, hi
+
+
+@triton.jit
+def _pair(packed, J: tl.constexpr, zf):
+    """(q - z) of values J and J + 4 of each word, as two fp16 tiles shaped like ``packed``."""
+    lo, hi = _halves(packed, J)
+    return lo - zf, hi - zf
 
 
 @triton.jit
@@ -62,7 +84,7 @@ def _dot(x, w, acc, DOT_F32: tl.constexpr):
 
 
 @triton.jit
-def _int4_pairs_kernel(
+def _gptq_pairs_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, lock_ptr,
     M, N, K, group_size,
     stride_xm, stride_xk, stride_qk, stride_qn, stride_sg, stride_sn, stride_zg, stride_zn,
@@ -71,7 +93,6 @@ def _int4_pairs_kernel(
     DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     WORDS: tl.constexpr = BLOCK_K // 8
-    MAGIC2: tl.constexpr = 0x64006400  # two fp16 1024.0
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -99,16 +120,16 @@ def _int4_pairs_kernel(
                      mask=m_mask[:, None, None] & (ks < K), other=0.0)
         x0, x1, x2, x3, x4, x5, x6, x7 = _split8(tl.reshape(xt, (BLOCK_M * WORDS, 8)))
         part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        w_lo, w_hi = _pair(packed, 0, zf, MAGIC2)
+        w_lo, w_hi = _pair(packed, 0, zf)
         part = _dot(tl.reshape(x0, (BLOCK_M, WORDS)), w_lo, part, DOT_F32)
         part = _dot(tl.reshape(x4, (BLOCK_M, WORDS)), w_hi, part, DOT_F32)
-        w_lo, w_hi = _pair(packed, 1, zf, MAGIC2)
+        w_lo, w_hi = _pair(packed, 1, zf)
         part = _dot(tl.reshape(x1, (BLOCK_M, WORDS)), w_lo, part, DOT_F32)
         part = _dot(tl.reshape(x5, (BLOCK_M, WORDS)), w_hi, part, DOT_F32)
-        w_lo, w_hi = _pair(packed, 2, zf, MAGIC2)
+        w_lo, w_hi = _pair(packed, 2, zf)
         part = _dot(tl.reshape(x2, (BLOCK_M, WORDS)), w_lo, part, DOT_F32)
         part = _dot(tl.reshape(x6, (BLOCK_M, WORDS)), w_hi, part, DOT_F32)
-        w_lo, w_hi = _pair(packed, 3, zf, MAGIC2)
+        w_lo, w_hi = _pair(packed, 3, zf)
         part = _dot(tl.reshape(x3, (BLOCK_M, WORDS)), w_lo, part, DOT_F32)
         part = _dot(tl.reshape(x7, (BLOCK_M, WORDS)), w_hi, part, DOT_F32)
         acc += part * s[None, :]
@@ -119,15 +140,90 @@ def _int4_pairs_kernel(
                    BLOCK_M * BLOCK_N, SPLIT_K, SERIAL)
 
 
-def pairs_apply(x: torch.Tensor, bits: int, awq: bool, has_g_idx: bool, group_size: int, block_k: int) -> bool:
+@triton.jit
+def _awq_pair(x, packed, zp, s_ptrs, c_mask, acc_lo, acc_hi, J: tl.constexpr, HAS_ZEROS: tl.constexpr,
+              DOT_F32: tl.constexpr):
+    """AWQ nibbles J and J + 4 of each word: columns 8c + 2J and 8c + 2J + 1 (module docstring)."""
+    w_lo, w_hi = _halves(packed, J)
+    if HAS_ZEROS:
+        z_lo, z_hi = _halves(zp, J)
+    else:
+        z_lo = tl.full(zp.shape, 1032.0, dtype=tl.float16)  # 1024 + 8
+        z_hi = z_lo
+    s_lo = tl.load(s_ptrs + 2 * J, mask=c_mask, other=0.0).to(tl.float32)
+    s_hi = tl.load(s_ptrs + 2 * J + 1, mask=c_mask, other=0.0).to(tl.float32)
+    acc_lo += _dot(x, w_lo - z_lo[None, :], tl.zeros_like(acc_lo), DOT_F32) * s_lo[None, :]
+    acc_hi += _dot(x, w_hi - z_hi[None, :], tl.zeros_like(acc_hi), DOT_F32) * s_hi[None, :]
+    return acc_lo, acc_hi
+
+
+@triton.jit
+def _awq_pairs_kernel(
+    x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, lock_ptr,
+    M, N, K, group_size,
+    stride_xm, stride_xk, stride_qk, stride_qn, stride_sg, stride_sn, stride_zg, stride_zn,
+    stride_ym, stride_yn,
+    HAS_ZEROS: tl.constexpr, SPLIT_K: tl.constexpr, SERIAL: tl.constexpr,
+    DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    C: tl.constexpr = BLOCK_N // 8  # words of a row in the tile; accumulator i holds columns 8c + i
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_c = pid_n * C + tl.arange(0, C)
+    m_mask = offs_m < M
+    c_mask = offs_c < tl.cdiv(N, 8)
+    a0 = tl.zeros((BLOCK_M, C), dtype=tl.float32)
+    a1 = tl.zeros((BLOCK_M, C), dtype=tl.float32)
+    a2 = tl.zeros((BLOCK_M, C), dtype=tl.float32)
+    a3 = tl.zeros((BLOCK_M, C), dtype=tl.float32)
+    a4 = tl.zeros((BLOCK_M, C), dtype=tl.float32)
+    a5 = tl.zeros((BLOCK_M, C), dtype=tl.float32)
+    a6 = tl.zeros((BLOCK_M, C), dtype=tl.float32)
+    a7 = tl.zeros((BLOCK_M, C), dtype=tl.float32)
+    t_start, t_end = split_k_range(pid_k, K, BLOCK_K, SPLIT_K)
+    for t in range(t_start, t_end):
+        grp = (t * BLOCK_K) // group_size
+        offs_k = t * BLOCK_K + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        packed = tl.load(qw_ptr + offs_k[:, None] * stride_qk + offs_c[None, :] * stride_qn,
+                         mask=k_mask[:, None] & c_mask[None, :], other=0)
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
+                    mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        zp = tl.load(z_ptr + grp * stride_zg + offs_c * stride_zn, mask=c_mask & HAS_ZEROS, other=0)
+        s_ptrs = s_ptr + grp * stride_sg + (offs_c * 8) * stride_sn
+        a0, a1 = _awq_pair(x, packed, zp, s_ptrs, c_mask, a0, a1, 0, HAS_ZEROS, DOT_F32)
+        a2, a3 = _awq_pair(x, packed, zp, s_ptrs, c_mask, a2, a3, 1, HAS_ZEROS, DOT_F32)
+        a4, a5 = _awq_pair(x, packed, zp, s_ptrs, c_mask, a4, a5, 2, HAS_ZEROS, DOT_F32)
+        a6, a7 = _awq_pair(x, packed, zp, s_ptrs, c_mask, a6, a7, 3, HAS_ZEROS, DOT_F32)
+    # Column 8c + 4 b2 + 2 b1 + b0 of the tile: join over b2, then b1, then b0 (the last join's
+    # axis is the innermost), so the reshape lays the columns out in order.
+    acc = tl.join(tl.join(tl.join(a0, a4), tl.join(a2, a6)), tl.join(tl.join(a1, a5), tl.join(a3, a7)))
+    acc = tl.reshape(acc, (BLOCK_M, BLOCK_N))
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn
+    local = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    finish_split_k(acc, y_ptrs, m_mask[:, None] & (offs_n < N)[None, :], local, ws_ptr, lock_ptr,
+                   pid_m * tl.num_programs(1) + pid_n, tl.num_programs(0) * tl.num_programs(1), pid_k,
+                   BLOCK_M * BLOCK_N, SPLIT_K, SERIAL)
+
+
+def pairs_apply(x: torch.Tensor, bits: int, awq: bool, has_g_idx: bool, group_size: int, config: MatmulConfig
+                ) -> bool:
     """Whether ``int4_pairs_matmul`` serves this call (module docstring)."""
-    return (bits == 4 and not awq and not has_g_idx and block_k % PAIRS_MIN_BLOCK_K == 0
-            and group_size % block_k == 0 and x.dtype in (torch.float16, torch.bfloat16, torch.float32))
+    if bits != 4 or has_g_idx or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return False
+    if group_size % config.block_k:
+        return False
+    if awq:  # each of the 8 dots is BLOCK_N / 8 columns wide, and tl.dot needs 16
+        return config.block_n % AWQ_MIN_BLOCK_N == 0 and config.block_k >= 16
+    return config.block_k % PAIRS_MIN_BLOCK_K == 0
 
 
 def int4_pairs_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor | None,
-                      *, group_size: int, config: MatmulConfig) -> torch.Tensor:
-    """``x [M, K] @ W [K, N]``; the caller checked ``pairs_apply``."""
+                      *, group_size: int, awq: bool, config: MatmulConfig) -> torch.Tensor:
+    """``x [M, K] @ W [K, N]`` (GPTQ or AWQ layout); the caller checked ``pairs_apply``."""
     m, k = x.shape
     n = scales.shape[1]
     cfg = config
@@ -135,7 +231,8 @@ def int4_pairs_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
     y, ws, locks, serial = split_k_output(m, n, x.dtype, x.device, cfg.split_k, cfg.serial, grid[0] * grid[1],
                                           cfg.block_m * cfg.block_n)
     zeros = qzeros if qzeros is not None else qweight  # placeholder pointer, never read
-    _int4_pairs_kernel[grid](
+    kernel = _awq_pairs_kernel if awq else _gptq_pairs_kernel
+    kernel[grid](
         x, qweight, scales, zeros, y, ws, locks, m, n, k, group_size,
         x.stride(0), x.stride(1), qweight.stride(0), qweight.stride(1), scales.stride(0), scales.stride(1),
         zeros.stride(0), zeros.stride(1), y.stride(0), y.stride(1),
