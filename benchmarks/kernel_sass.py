@@ -210,22 +210,24 @@ def prefill_rows(archs: list[int]) -> list[dict[str, Any]]:
 
 
 SMALL_M_TILES = {"gptq": [(16, 64, 128, 4), (16, 128, 128, 4), (32, 64, 64, 4), (32, 128, 128, 4)],
+                 "gptq8": [(16, 64, 128, 4), (16, 128, 128, 4), (32, 64, 64, 4), (32, 128, 128, 4)],
                  "awq": [(16, 64, 128, 4), (16, 256, 128, 4)]}
 """(block_m, block_n, block_k, warps) per layout: the tl.dot kernel's former defaults (GPTQ:
 16x64x128 for M <= 16 and 32x64x64 for 17-32; AWQ: 16x64x128) and the tiles the pairs
-kernels take."""
+kernels take. ``gptq`` is 4-bit group 128 with zeros, ``gptq8`` 8-bit per-channel symmetric
+(the INT8 weight-only case), ``awq`` 4-bit group 128 with zeros."""
 
 
 def small_m_rows(archs: list[int], quick: bool) -> list[dict[str, Any]]:
-    """INT4 (asymmetric, group 128) at decode batch sizes, fp16 and (unless quick) bf16
-    activations, GPTQ and (unless quick) AWQ layouts: the general tl.dot kernel
+    """Integer weights at decode batch sizes, fp16 and (unless quick) bf16 activations, the
+    layouts of ``SMALL_M_TILES`` (quick: 4-bit GPTQ): the general tl.dot kernel
     (``quant_matmul``) and the pairs kernels (``quant_pairs``), per tile."""
     from qpage.kernels.quant_matmul import _int_matmul_kernel
     from qpage.kernels.quant_pairs import _awq_pairs_kernel, _gptq_pairs_kernel
 
     rows = []
     for arch in archs:
-        for layout in ("gptq",) if quick else ("gptq", "awq"):
+        for layout in ("gptq",) if quick else tuple(SMALL_M_TILES):
             for act in ("fp16",) if quick else ("fp16", "bf16"):
                 types = dict(PTR_TYPES, x_ptr=f"*{act}", s_ptr=f"*{act}", y_ptr=f"*{act}")
                 for bm, bn, bk, warps in SMALL_M_TILES[layout][1:2] if quick else SMALL_M_TILES[layout]:
@@ -238,11 +240,14 @@ def _small_m_tile(arch: int, layout: str, act: str, types: dict[str, str], tile:
                   general: Any, pairs: Any) -> list[dict[str, Any]]:
     bm, bn, bk, warps = tile
     awq = layout == "awq"
-    common = dict(HAS_ZEROS=True, SPLIT_K=8, SERIAL=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
-    kernels = [("tl.dot", general, dict(common, BITS=4, AWQ=awq, HAS_GIDX=False, GATHER=False,
+    bits = 8 if layout == "gptq8" else 4
+    common = dict(HAS_ZEROS=bits == 4, SPLIT_K=8, SERIAL=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+    kernels = [("tl.dot", general, dict(common, BITS=bits, AWQ=awq, HAS_GIDX=False, GATHER=False,
                                         ONE_GROUP_PER_TILE=True, DOT_F32=False, MAGIC_F16=act == "fp16"))]
-    if (bn >= 128) if awq else (bk >= 128):
+    if awq and bn >= 128:
         kernels.append(("pairs", pairs, dict(common, DOT_F32=False)))
+    elif not awq and bk * bits >= 512:  # 16 words per slice
+        kernels.append(("pairs", pairs, dict(common, BITS=bits, DOT_F32=False)))
     rows = []
     for name, fn, const in kernels:
         sass, regs, spill = sass_of(compile_cubin(fn, const, arch, warps, 3, types).asm["cubin"])

@@ -143,7 +143,7 @@ def tune_matmuls(device: Any, timer: Any, deadline: float, interpret: bool, tabl
             ref = ref_fn(x, params)
             cands = matmul_candidates(m, interpret, kind.startswith("fp8"), kind == "fp8-block")
             group = 128 if kind == "int4-g128" else None
-            layout = "gptq" if kind.startswith("int4-") else None  # as choose_config picks for this kind
+            layout = {"int4": "gptq4", "int8": "gptq8"}.get(kind.split("-")[0])  # as choose_config picks
             base = default_config(m, n, k, x.device, group_size=group, pairs_layout=layout)
             if kind.startswith("fp8"):
                 base = dataclasses.replace(base, dequant=False)

@@ -64,12 +64,12 @@ def parse_args() -> argparse.Namespace:
 ONLY: dict[str, Callable[[int], bool]] = {
     "int4-dot": lambda m: m == 1, "int4-shift": lambda m: m == 1, "int4-atomic": lambda m: m <= 16,
     "int4-fused": lambda m: m >= 64, "int4-nopairs": lambda m: 2 <= m <= 32, "int4-prev": lambda m: 2 <= m <= 32,
-    "awq-g128": lambda m: m <= 16, "awq-prev": lambda m: 2 <= m <= 16}
+    "awq-g128": lambda m: m <= 16, "awq-prev": lambda m: 2 <= m <= 16, "int8-prev": lambda m: 2 <= m <= 32}
 """Variants timed only at some M: the tl.dot kernel and the shift-unpacking GEMV at M=1 (the
 in-place GEMV's alternatives), the atomic split-K reduction where K is split, the fused
 kernel where cuBLAS on a dequantized copy is the default, and at decode batches the general
 tl.dot kernel on the pairs kernel's tiles (``nopairs``) and on the tiles it had before the
-pairs kernel (``prev``: the heuristic as for an 8-bit weight); likewise for AWQ at M <= 16."""
+pairs kernel (``prev``: the heuristic as for an FP8 weight); likewise for AWQ at M <= 16 and INT8."""
 
 
 def fused_config(cfg: Any) -> Any:
@@ -100,6 +100,10 @@ def bench_linears(args: argparse.Namespace, device: Any, timer: Timer, peak: flo
                                                               group_size=k),
                                  lambda x, p: int_matmul_ref(x, p["qweight"], p["scales"], None, None, bits=8,
                                                              group_size=k), k * n + n * 2)
+        variants["int8-prev"] = (i8, lambda x, p: int_matmul(
+            x, p["qweight"], p["scales"], None, None, bits=8, group_size=k,
+            config=default_config(x.shape[0], n, k, x.device, group_size=k)),
+            variants["int8-chan"][2], variants["int8-chan"][3])
         variants["int4-dot"] = (i4, lambda x, p: int_matmul(
             x, p["qweight"], p["scales"], None, None, bits=4, group_size=128,
             config=default_config(1, n, k, x.device, gemv=False, group_size=128)),
@@ -302,7 +306,7 @@ def print_tables(result: dict[str, Any], peak: float) -> None:
     lin = result.get("linears")
     if isinstance(lin, list):
         names = ["int4-g128", "int4-dot", "int4-shift", "int4-nopairs", "int4-prev", "int4-atomic", "int4-fused",
-                 "awq-g128", "awq-prev", "int8-chan", "fp8-chan", "fp8-block"]
+                 "awq-g128", "awq-prev", "int8-chan", "int8-prev", "fp8-chan", "fp8-block"]
         print(f"{'K':>6} {'N':>7} {'M':>4} {'fp16 us':>8} " + " ".join(f"{n + ' us (x, GB/s)':>28}" for n in names))
         for r in lin:
             cells = [f"{r[n + '_us']:8.1f} ({r[n + '_speedup']:4.2f}x {r[n + '_gbs']:5.0f})" if n + "_us" in r else "-"

@@ -16,8 +16,8 @@ bits=8 and one group spanning K. Packing and the torch references: ``int_packing
 
 Four paths, chosen by ``MatmulConfig``:
 - **GEMV** (``quant_gemv``): M = 1, multiply-add without tensor cores.
-- **pairs** (``quant_pairs``): decode batches of 4-bit GPTQ and AWQ weights, tl.dot fed
-  without a reshape, two values dequantized per 32-bit operation.
+- **pairs** (``quant_pairs``): decode batches of GPTQ (4 and 8 bits) and AWQ weights,
+  tl.dot fed without a reshape, two values dequantized per 32-bit operation.
 - **tl.dot** (here): a [BLOCK_M, BLOCK_N] tile of y per program, K split over SPLIT_K
   programs when the output tiles alone do not fill the GPU (``split_k``); weights are
   dequantized in registers and fed to ``tl.dot`` in the activation dtype (fp32 under the
@@ -72,10 +72,10 @@ class MatmulConfig:
     dequant: bool = False
     """Dequantize to the activation dtype, then a dense matmul (``quant_dequant``)."""
     pairs: bool = False
-    """tl.dot path, 4-bit GPTQ or AWQ layout: values dequantized two per 32-bit operation and
-    fed to one tl.dot per value position (``quant_pairs``); where it does not apply (8 bits,
-    ``g_idx``, a tile across groups, GPTQ K tiles under 128, AWQ column tiles not a multiple
-    of 128) the kernel here runs instead."""
+    """tl.dot path, GPTQ (4 or 8 bits) or AWQ layout: values dequantized two per 32-bit
+    operation and fed to one tl.dot per value position (``quant_pairs``); where it does not
+    apply (``g_idx``, a tile across groups, GPTQ K tiles under 16 words, AWQ column tiles not
+    a multiple of 128) the kernel here runs instead."""
 
 
 @triton.jit
@@ -235,15 +235,20 @@ def _split_for(tiles: int, k_tiles: int, sms: int, m: int, k: int) -> int:
     return split
 
 
+def _gptq_pairs(layout: str | None, block_k: int) -> bool:
+    """A GPTQ-layout weight whose K tile holds the 16 words per slice the pairs kernel needs."""
+    return (layout == "gptq4" and block_k >= 128) or (layout == "gptq8" and block_k >= 64)
+
+
 def default_config(m: int, n: int, k: int, device: torch.device, gemv: bool | None = None,
                    group_size: int | None = None, pairs_layout: str | None = None) -> MatmulConfig:
     """Tile sizes by regime: M <= 16 streams the weight, up to M < DEQUANT_MIN_M GEMM tiles,
     both with K split when the output tiles alone leave SMs idle; from DEQUANT_MIN_M the
     dequantize-then-cuBLAS path. ``block_k`` stays within one quantization group where it
-    can, so the group's scale factors out of the tile. ``pairs_layout``: "gptq" or "awq" for a
-    4-bit weight without act-order, which takes the ``pairs`` kernel at decode batches (GPTQ:
-    2 <= M <= 32 where the K tile can be 128; AWQ: 2 <= M <= 16); other weights keep the
-    tiles they were measured with."""
+    can, so the group's scale factors out of the tile. ``pairs_layout``: "gptq4", "gptq8" or
+    "awq" for a weight without act-order, which takes the ``pairs`` kernel at decode batches
+    (GPTQ: 2 <= M <= 32 where the K tile can hold 16 words; AWQ: 2 <= M <= 16); other weights
+    keep the tiles they were measured with."""
     block_k = 128
     if group_size and group_size < block_k and group_size >= 16 and group_size & (group_size - 1) == 0:
         block_k = group_size
@@ -255,13 +260,13 @@ def default_config(m: int, n: int, k: int, device: torch.device, gemv: bool | No
         # Measured on an H200 (benchmarks/kernels.py, 4096x14336, M=1): the GEMV kernel with
         # 64-128-column tiles, 2-4 warps and K split in 8 was fastest (22.8 us; tl.dot: 36 us).
         gemv = m == 1 if gemv is None else gemv and m == 1
-        pairs = not gemv and (pairs_layout == "awq" or (pairs_layout == "gptq" and block_k >= 128))
+        pairs = not gemv and (pairs_layout == "awq" or _gptq_pairs(pairs_layout, block_k))
         # AWQ pairs: 256 columns give each of 4 warps 8 of every slice's 32 (128: duplicated MMAs).
         block_n = 256 if pairs and pairs_layout == "awq" else 128 if gemv or pairs else 64
         split = _split_for(triton.cdiv(n, block_n), triton.cdiv(k, block_k), sms, m, k)
         return MatmulConfig(block_m=16, block_n=block_n, block_k=block_k, split_k=split, num_warps=4, num_stages=3,
                             gemv=gemv, pairs=pairs)
-    if pairs_layout == "gptq" and m <= 32 and block_k >= 128:
+    if m <= 32 and _gptq_pairs(pairs_layout, block_k):
         # Static counts (quant_pairs): 32x128x128 pairs tiles take 5.3-5.5 SASS instructions
         # per weight on sm_89/90, the 32x64x64 tiles below 9.9-10.2. Not yet timed on a GPU.
         tiles = triton.cdiv(n, 128)
@@ -284,7 +289,7 @@ def choose_config(device: torch.device, kind: str | None, m: int, n: int, k: int
     fields = tuned_matmul(table_for(device), kind, m, n, k)
     if fields:
         return MatmulConfig(**fields)
-    layout = "gptq" if kind and kind.startswith("int4-") else "awq" if kind and kind.startswith("awq-") else None
+    layout = {"int4": "gptq4", "int8": "gptq8", "awq": "awq"}.get((kind or "").split("-")[0])
     return default_config(m, n, k, device, group_size=group_size, pairs_layout=layout)
 
 
@@ -330,15 +335,15 @@ def int_matmul(
         return int_gemv(x2, qweight, scales, qzeros, bits=bits, group_size=group_size, awq=awq, config=cfg
                         ).view(*lead, n)
     if cfg.gemv:
-        layout = ("awq" if awq else "gptq") if bits == 4 and g_idx is None else None
+        layout = ("awq" if awq else f"gptq{bits}") if g_idx is None else None
         cfg = default_config(m, n, k, x.device, gemv=False, group_size=group_size, pairs_layout=layout)
         one_group = g_idx is None and group_size % cfg.block_k == 0
     if cfg.pairs:
-        from qpage.kernels.quant_pairs import int4_pairs_matmul, pairs_apply
+        from qpage.kernels.quant_pairs import pairs_apply, pairs_matmul
 
         if pairs_apply(x2, bits, awq, g_idx is not None, group_size, cfg):
-            return int4_pairs_matmul(x2, qweight, scales, qzeros, group_size=group_size, awq=awq, config=cfg
-                                     ).view(*lead, n)
+            return pairs_matmul(x2, qweight, scales, qzeros, bits=bits, group_size=group_size, awq=awq, config=cfg
+                                ).view(*lead, n)
     grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), cfg.split_k)
     y, ws, locks, serial = split_k_output(m, n, x.dtype, x.device, cfg.split_k, cfg.serial, grid[0] * grid[1],
                                   cfg.block_m * cfg.block_n)

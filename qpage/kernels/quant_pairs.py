@@ -1,9 +1,10 @@
-"""INT4 dequant-matmul for decode batches (2 <= M <= 32) on the GPTQ and AWQ layouts, values taken in pairs.
+"""INT4/INT8 dequant-matmul for decode batches (2 <= M <= 32), GPTQ and AWQ layouts, values taken in pairs.
 
-Same packed layouts as ``quant_matmul``. Applies to 4-bit weights without ``g_idx`` whose K
-tile lies inside one quantization group (GPTQ: a K tile of 128 or more; AWQ: a column tile
-that is a multiple of 128), with fp16, bf16 or fp32 activations; ``int_matmul`` routes there
-when ``MatmulConfig.pairs`` is set and falls back to its own tl.dot kernel otherwise.
+Same packed layouts as ``quant_matmul``. Applies to weights without ``g_idx`` whose K tile
+lies inside one quantization group (GPTQ, 4 or 8 bits: a K tile of 16 words or more, 128
+rows at 4 bits and 64 at 8; AWQ, 4 bits: a column tile that is a multiple of 128), with
+fp16, bf16 or fp32 activations; ``int_matmul`` routes there when ``MatmulConfig.pairs`` is
+set and falls back to its own tl.dot kernel otherwise.
 
 What the general tl.dot kernel does per weight (``benchmarks/kernel_sass.py --small-m``):
 it unpacks each word into 8 values, reshapes [words, 8, N] into [K, N], converts each value
@@ -16,7 +17,9 @@ as 8 slices, slice j holding value j of every word (rows 8w + j), and the activa
 split the same way. So y += sum_j x[:, j::8] @ (q_j - z), eight tl.dot calls of K = words.
 Values j and j + 4 sit 16 bits apart, so one shift and one AND-OR,
 ``((word >> 4j) & 0x000F000F) | 0x64006400``, leaves two fp16 1024 + q_j and 1024 + q_{j+4},
-and one packed subtraction of 1024 + z gives q - z exactly. The tiles keep the loaded
+and one packed subtraction of 1024 + z gives q - z exactly. 8-bit words hold 4 values, and
+values j and j + 2 pair up the same way (mask ``0x00FF00FF``; fp16 holds every integer in
+[1024, 2048), so 1024 + q stays exact): 4 slices, two pair operations per word. The tiles keep the loaded
 words' layout (consecutive columns in a thread), so their shared-memory stores are vector
 stores. The group's scale multiplies the tile's fp32 partial sum, as in ``quant_matmul``.
 
@@ -40,37 +43,62 @@ former default 16x64x128; at 32 rows 5.3-5.5 (32x128x128) against 9.9-10.8 (the 
 32x64x64 default). With bf16 activations: 5.7-5.8 at 16x128x128 against 6.4-7.4 and
 7.9-9.0, and 6.7-6.8 at 32 rows against 10.7-12.1. AWQ at 16x256x128: 4.4-4.6 (bf16:
 5.8-5.9) against 8.8-9.7 (bf16: 9.8-10.6) at the former default 16x64x128. At 32 rows the
-AWQ kernel spills (sm_89), so AWQ takes it for M <= 16 only. These are instruction counts,
-not times: no GPU was lent when this was written.
+AWQ kernel spills (sm_89), so AWQ takes it for M <= 16 only. INT8 per-channel (fp16): 4.5-4.8
+at 16x128x128 and 5.3-5.7 at 32 rows against 7.1-8.3 and 9.4-10.0 at the former defaults;
+with bf16 on sm_90 the general kernel on the same tiles counts slightly fewer (5.6 and 6.4
+against 5.9 and 6.8), still below the former defaults' 7.9 and 10.0. These are instruction
+counts, not times: no GPU was lent when this was written.
 """
 
 import torch
 
-from qpage.kernels.quant_gemv import _split8
+from qpage.kernels.quant_gemv import _split4, _split8
 from qpage.kernels.quant_matmul import MatmulConfig
 from qpage.kernels.split_k import finish_split_k, split_k_output, split_k_range
 from qpage.kernels.triton_utils import INTERPRET, tl, triton
 
-PAIRS_MIN_BLOCK_K = 128
-"""GPTQ: a K tile gives each of its 8 slices K / 8 rows, and tl.dot needs at least 16."""
+GPTQ_MIN_WORDS = 16
+"""GPTQ: a K tile gives each of its 32 / bits slices one row per word, and tl.dot needs 16
+(K tiles of 128 at 4 bits, 64 at 8)."""
 AWQ_MIN_BLOCK_N = 128
 """AWQ: a column tile gives each of its 8 slices BLOCK_N / 8 columns, and tl.dot needs 16."""
 
 
 @triton.jit
-def _halves(words, J: tl.constexpr):
-    """Nibbles J and J + 4 of int32 words as two fp16 tensors, 1024 + nibble each."""
-    two = ((words >> (4 * J)) & 0x000F000F) | 0x64006400  # two fp16 1024.0
+def _halves(words, J: tl.constexpr, BITS: tl.constexpr = 4):
+    """Values J and J + 16 / BITS of int32 words (4 or 8 bits each) as two fp16 tensors,
+    1024 + value each (exact: fp16 holds every integer in [1024, 2048))."""
+    MASK2: tl.constexpr = 0x000F000F if BITS == 4 else 0x00FF00FF
+    two = ((words >> (BITS * J)) & MASK2) | 0x64006400  # two fp16 1024.0
     lo = (two & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)
     hi = (two >> 16).to(tl.int16).to(tl.float16, bitcast=True)
     return lo, hi
 
 
 @triton.jit
-def _pair(packed, J: tl.constexpr, zf):
-    """(q - z) of values J and J + 4 of each word, as two fp16 tiles shaped like ``packed``."""
-    lo, hi = _halves(packed, J)
-    return lo - zf, hi - zf
+def _slices(part, xt, packed, zf, J: tl.constexpr, BITS: tl.constexpr, BLOCK_M: tl.constexpr, WORDS: tl.constexpr,
+            DOT_F32: tl.constexpr):
+    """part + the products of value slices J and J + 16 / BITS (``xt``: the activations of
+    every slice, [BLOCK_M * WORDS, 32 / BITS])."""
+    lo, hi = _halves(packed, J, BITS)
+    if BITS == 4:
+        x0, x1, x2, x3, x4, x5, x6, x7 = _split8(xt)
+        if J == 0:
+            x_lo, x_hi = x0, x4
+        elif J == 1:
+            x_lo, x_hi = x1, x5
+        elif J == 2:
+            x_lo, x_hi = x2, x6
+        else:
+            x_lo, x_hi = x3, x7
+    else:
+        x0, x1, x2, x3 = _split4(xt)
+        if J == 0:
+            x_lo, x_hi = x0, x2
+        else:
+            x_lo, x_hi = x1, x3
+    part = _dot(tl.reshape(x_lo, (BLOCK_M, WORDS)), lo - zf, part, DOT_F32)
+    return _dot(tl.reshape(x_hi, (BLOCK_M, WORDS)), hi - zf, part, DOT_F32)
 
 
 @triton.jit
@@ -89,10 +117,12 @@ def _gptq_pairs_kernel(
     M, N, K, group_size,
     stride_xm, stride_xk, stride_qk, stride_qn, stride_sg, stride_sn, stride_zg, stride_zn,
     stride_ym, stride_yn,
-    HAS_ZEROS: tl.constexpr, SPLIT_K: tl.constexpr, SERIAL: tl.constexpr,
+    BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, SPLIT_K: tl.constexpr, SERIAL: tl.constexpr,
     DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    WORDS: tl.constexpr = BLOCK_K // 8
+    PACK: tl.constexpr = 32 // BITS
+    WORDS: tl.constexpr = BLOCK_K // PACK
+    QMASK: tl.constexpr = (1 << BITS) - 1
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -106,32 +136,26 @@ def _gptq_pairs_kernel(
         grp = (t * BLOCK_K) // group_size
         offs_kp = t * WORDS + tl.arange(0, WORDS)
         packed = tl.load(qw_ptr + offs_kp[:, None] * stride_qk + offs_n[None, :] * stride_qn,
-                         mask=(offs_kp < tl.cdiv(K, 8))[:, None] & n_mask[None, :], other=0)
+                         mask=(offs_kp < tl.cdiv(K, PACK))[:, None] & n_mask[None, :], other=0)
         s = tl.load(s_ptr + grp * stride_sg + offs_n * stride_sn, mask=n_mask, other=0.0).to(tl.float32)
         if HAS_ZEROS:
-            zp = tl.load(z_ptr + grp * stride_zg + (offs_n // 8) * stride_zn, mask=n_mask, other=0)
-            z = (zp >> ((offs_n % 8) * 4)) & 0xF
+            zp = tl.load(z_ptr + grp * stride_zg + (offs_n // PACK) * stride_zn, mask=n_mask, other=0)
+            z = (zp >> ((offs_n % PACK) * BITS)) & QMASK
         else:
-            z = tl.full((BLOCK_N,), 8, dtype=tl.int32)
+            z = tl.full((BLOCK_N,), 1 << (BITS - 1), dtype=tl.int32)
         zf = (z + 1024).to(tl.float16)[None, :]
-        # Activations [BLOCK_M, WORDS, 8] (row 8w + j of the tile at [:, w, j]), split into the 8 slices.
-        ks = (offs_kp * 8)[None, :, None] + tl.arange(0, 8)[None, None, :]
+        # Activations [BLOCK_M, WORDS, PACK] (row PACK * w + j of the tile at [:, w, j]), as
+        # [BLOCK_M * WORDS, PACK] for the split into slices.
+        ks = (offs_kp * PACK)[None, :, None] + tl.arange(0, PACK)[None, None, :]
         xt = tl.load(x_ptr + offs_m[:, None, None] * stride_xm + ks * stride_xk,
                      mask=m_mask[:, None, None] & (ks < K), other=0.0)
-        x0, x1, x2, x3, x4, x5, x6, x7 = _split8(tl.reshape(xt, (BLOCK_M * WORDS, 8)))
+        xt = tl.reshape(xt, (BLOCK_M * WORDS, PACK))
         part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        w_lo, w_hi = _pair(packed, 0, zf)
-        part = _dot(tl.reshape(x0, (BLOCK_M, WORDS)), w_lo, part, DOT_F32)
-        part = _dot(tl.reshape(x4, (BLOCK_M, WORDS)), w_hi, part, DOT_F32)
-        w_lo, w_hi = _pair(packed, 1, zf)
-        part = _dot(tl.reshape(x1, (BLOCK_M, WORDS)), w_lo, part, DOT_F32)
-        part = _dot(tl.reshape(x5, (BLOCK_M, WORDS)), w_hi, part, DOT_F32)
-        w_lo, w_hi = _pair(packed, 2, zf)
-        part = _dot(tl.reshape(x2, (BLOCK_M, WORDS)), w_lo, part, DOT_F32)
-        part = _dot(tl.reshape(x6, (BLOCK_M, WORDS)), w_hi, part, DOT_F32)
-        w_lo, w_hi = _pair(packed, 3, zf)
-        part = _dot(tl.reshape(x3, (BLOCK_M, WORDS)), w_lo, part, DOT_F32)
-        part = _dot(tl.reshape(x7, (BLOCK_M, WORDS)), w_hi, part, DOT_F32)
+        part = _slices(part, xt, packed, zf, 0, BITS, BLOCK_M, WORDS, DOT_F32)
+        part = _slices(part, xt, packed, zf, 1, BITS, BLOCK_M, WORDS, DOT_F32)
+        if BITS == 4:
+            part = _slices(part, xt, packed, zf, 2, BITS, BLOCK_M, WORDS, DOT_F32)
+            part = _slices(part, xt, packed, zf, 3, BITS, BLOCK_M, WORDS, DOT_F32)
         acc += part * s[None, :]
     y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn
     local = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
@@ -211,18 +235,18 @@ def _awq_pairs_kernel(
 
 def pairs_apply(x: torch.Tensor, bits: int, awq: bool, has_g_idx: bool, group_size: int, config: MatmulConfig
                 ) -> bool:
-    """Whether ``int4_pairs_matmul`` serves this call (module docstring)."""
-    if bits != 4 or has_g_idx or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+    """Whether ``pairs_matmul`` serves this call (module docstring)."""
+    if bits not in (4, 8) or has_g_idx or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return False
     if group_size % config.block_k:
         return False
     if awq:  # each of the 8 dots is BLOCK_N / 8 columns wide, and tl.dot needs 16
-        return config.block_n % AWQ_MIN_BLOCK_N == 0 and config.block_k >= 16
-    return config.block_k % PAIRS_MIN_BLOCK_K == 0
+        return bits == 4 and config.block_n % AWQ_MIN_BLOCK_N == 0 and config.block_k >= 16
+    return config.block_k % (GPTQ_MIN_WORDS * 32 // bits) == 0
 
 
-def int4_pairs_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor | None,
-                      *, group_size: int, awq: bool, config: MatmulConfig) -> torch.Tensor:
+def pairs_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor | None,
+                 *, bits: int, group_size: int, awq: bool, config: MatmulConfig) -> torch.Tensor:
     """``x [M, K] @ W [K, N]`` (GPTQ or AWQ layout); the caller checked ``pairs_apply``."""
     m, k = x.shape
     n = scales.shape[1]
@@ -232,12 +256,13 @@ def int4_pairs_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
                                           cfg.block_m * cfg.block_n)
     zeros = qzeros if qzeros is not None else qweight  # placeholder pointer, never read
     kernel = _awq_pairs_kernel if awq else _gptq_pairs_kernel
+    layout = {} if awq else {"BITS": bits}
     kernel[grid](
         x, qweight, scales, zeros, y, ws, locks, m, n, k, group_size,
         x.stride(0), x.stride(1), qweight.stride(0), qweight.stride(1), scales.stride(0), scales.stride(1),
         zeros.stride(0), zeros.stride(1), y.stride(0), y.stride(1),
         HAS_ZEROS=qzeros is not None, SPLIT_K=cfg.split_k, SERIAL=serial,
-        DOT_F32=INTERPRET or x.dtype == torch.float32,
+        DOT_F32=INTERPRET or x.dtype == torch.float32, **layout,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

@@ -194,28 +194,32 @@ def pairs_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     from qpage.kernels import quant_pairs
 
     calls: list[int] = []
-    launch = quant_pairs.int4_pairs_matmul
+    launch = quant_pairs.pairs_matmul
 
     def counted(*args: object, **kwargs: object) -> torch.Tensor:
         calls.append(1)
         return launch(*args, **kwargs)
 
-    monkeypatch.setattr(quant_pairs, "int4_pairs_matmul", counted)
+    monkeypatch.setattr(quant_pairs, "pairs_matmul", counted)
     return calls
 
 
-@pytest.mark.parametrize("layout", ["gptq", "awq"])
+@pytest.mark.parametrize("layout", ["gptq", "gptq8", "awq"])
 @pytest.mark.parametrize("sym", [False, True], ids=["asym", "sym"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 def test_pairs_kernel(layout: str, sym: bool, dtype: torch.dtype, pairs_calls: list[int]) -> None:
     """The pairs kernels (4-bit, decode batches) at M = 2, 16 and 21; K unsplit, split serially
     in 2 and atomically in 3. GPTQ: K = 320 in 128-row tiles ends in a half-masked tile, N = 96
-    in a partial column tile, and a per-channel weight (one group spanning K = 384). AWQ:
+    in a partial column tile, and a per-channel weight (one group spanning K = 384); 8-bit
+    GPTQ alike with 64- and 128-row tiles. AWQ:
     N = 136 ends in a partial word column of a 128- or 256-column tile, groups of 64 and 128."""
-    if layout == "gptq":
-        weights = (make_weight(320, 96, 4, 128, sym=sym, seed=10), make_weight(384, 64, 4, 384, sym=sym, seed=11))
-        configs = (MatmulConfig(16, 64, 128, pairs=True), MatmulConfig(32, 32, 128, split_k=2, pairs=True),
-                   MatmulConfig(16, 64, 128, split_k=3, serial=False, pairs=True))
+    if layout.startswith("gptq"):
+        bits = 8 if layout == "gptq8" else 4
+        weights = (make_weight(320, 96, bits, 128, sym=sym, seed=10),
+                   make_weight(384, 64, bits, 384, sym=sym, seed=11))
+        bk = 64 if bits == 8 else 128
+        configs = (MatmulConfig(16, 64, bk, pairs=True), MatmulConfig(32, 32, 128, split_k=2, pairs=True),
+                   MatmulConfig(16, 64, bk, split_k=3, serial=False, pairs=True))
     else:
         weights = (make_weight(320, 136, 4, 64, awq=True, sym=sym, seed=10),
                    make_weight(256, 128, 4, 128, awq=True, sym=sym, seed=11))
@@ -232,10 +236,10 @@ def test_pairs_kernel(layout: str, sym: bool, dtype: torch.dtype, pairs_calls: l
 
 
 @pytest.mark.parametrize(("awq", "bits", "act_order", "group", "block_k", "dtype"), [
-    (True, 4, False, 128, 128, torch.float32), (False, 8, False, 128, 128, torch.float32),
+    (True, 4, False, 128, 128, torch.float32), (False, 8, False, 128, 32, torch.float32),
     (False, 4, True, 128, 128, torch.float32), (False, 4, False, 64, 64, torch.float32),
     (False, 4, False, 64, 128, torch.float16)],
-    ids=["awq-64-columns", "int8", "actorder", "bk64", "tile-across-groups"])
+    ids=["awq-64-columns", "int8-bk32", "actorder", "bk64", "tile-across-groups"])
 def test_pairs_falls_back_where_it_does_not_apply(awq: bool, bits: int, act_order: bool, group: int,
                                                   block_k: int, dtype: torch.dtype, pairs_calls: list[int]) -> None:
     """A ``pairs`` config on a weight or tile the kernel does not take runs the general tl.dot
@@ -249,9 +253,9 @@ def test_pairs_falls_back_where_it_does_not_apply(awq: bool, bits: int, act_orde
 
 def test_cuda_defaults_route_decode_batches_to_pairs(monkeypatch: pytest.MonkeyPatch) -> None:
     """The CUDA heuristic (no GPU needed: the SM count and an empty tuned table are faked):
-    M = 1 takes the GEMV, 4-bit GPTQ weights with 2 <= M <= 32 the pairs kernel on 128x128
-    tiles, AWQ with M <= 16 on 16x256 tiles, anything else (8-bit or FP8 kinds, GPTQ group 64,
-    M = 33) the tiles it had."""
+    M = 1 takes the GEMV, GPTQ weights (4 and 8 bits) with 2 <= M <= 32 the pairs kernel on
+    128x128 tiles, AWQ with M <= 16 on 16x256 tiles, anything else (FP8, GPTQ groups too small
+    for 16 words, M = 33) the tiles it had."""
     from types import SimpleNamespace
 
     from qpage.kernels import quant_matmul, tuned
@@ -271,11 +275,12 @@ def test_cuda_defaults_route_decode_batches_to_pairs(monkeypatch: pytest.MonkeyP
             cfg = pick(m, "int4-g128")
             assert cfg.pairs and (cfg.block_m, cfg.block_n, cfg.block_k) == (16 if m <= 16 else 32, 128, 128)
             assert cfg.split_k >= 1 and not cfg.gemv
-        assert pick(8, "int4-chan", 4096).pairs
+        assert pick(8, "int4-chan", 4096).pairs and pick(8, "int8-chan", 4096).pairs
+        assert pick(20, "int8-g128").pairs
         awq = pick(8, "awq-g128")
         assert awq.pairs and (awq.block_m, awq.block_n, awq.block_k) == (16, 256, 128)
         assert pick(8, "awq-g64", 64).pairs and not pick(20, "awq-g128").pairs
-        for cfg in (pick(8, "int8-chan", 4096), pick(8, "fp8-chan", None), pick(8, "int4-g64", 64),
+        for cfg in (pick(8, "fp8-chan", None), pick(8, "int4-g64", 64), pick(8, "int8-g32", 32),
                     pick(33, "int4-g128"), pick(8, None)):
             assert not cfg.pairs, cfg
     finally:
