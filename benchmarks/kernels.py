@@ -64,12 +64,19 @@ def parse_args() -> argparse.Namespace:
 ONLY: dict[str, Callable[[int], bool]] = {
     "int4-dot": lambda m: m == 1, "int4-shift": lambda m: m == 1, "int4-atomic": lambda m: m <= 16,
     "int4-fused": lambda m: m >= 64, "int4-nopairs": lambda m: 2 <= m <= 32, "int4-prev": lambda m: 2 <= m <= 32,
-    "awq-g128": lambda m: m <= 16, "awq-prev": lambda m: 2 <= m <= 16, "int8-prev": lambda m: 2 <= m <= 32}
+    "awq-g128": lambda m: m <= 16, "awq-prev": lambda m: 2 <= m <= 16, "int8-prev": lambda m: 2 <= m <= 32,
+    "int4-pairs": lambda m: m == 1, "awq-pairs": lambda m: m == 1}
 """Variants timed only at some M: the tl.dot kernel and the shift-unpacking GEMV at M=1 (the
 in-place GEMV's alternatives), the atomic split-K reduction where K is split, the fused
 kernel where cuBLAS on a dequantized copy is the default, and at decode batches the general
 tl.dot kernel on the pairs kernel's tiles (``nopairs``) and on the tiles it had before the
-pairs kernel (``prev``: the heuristic as for an FP8 weight); likewise for AWQ at M <= 16 and INT8."""
+pairs kernel (``prev``: the heuristic as for an FP8 weight); likewise for AWQ at M <= 16 and
+INT8; and at M=1 the pairs kernels on their M=2 tiles (``*-pairs``: tensor cores against the GEMV)."""
+
+
+def pairs_config(cfg: Any, block_n: int) -> Any:
+    """``cfg`` (the M=2 heuristic) forced onto the pairs kernel (the interpreter's heuristic has other tiles)."""
+    return replace(cfg, pairs=True, gemv=False, block_k=128, block_n=block_n)
 
 
 def fused_config(cfg: Any) -> Any:
@@ -130,6 +137,11 @@ def bench_linears(args: argparse.Namespace, device: Any, timer: Timer, peak: flo
             x, p["qweight"], p["scales"], None, None, bits=4, group_size=128, awq=True,
             config=default_config(x.shape[0], n, k, x.device, group_size=128)),
             variants["awq-g128"][2], variants["awq-g128"][3])
+        for name, weights, awq, bn in (("int4-pairs", i4, False, 128), ("awq-pairs", a4, True, 256)):
+            variants[name] = (weights, lambda x, p, awq=awq, bn=bn: int_matmul(
+                x, p["qweight"], p["scales"], None, None, bits=4, group_size=128, awq=awq, config=pairs_config(
+                    default_config(2, n, k, x.device, group_size=128, pairs_layout="awq" if awq else "gptq4"), bn)),
+                variants["awq-g128" if awq else "int4-g128"][2], variants["awq-g128" if awq else "int4-g128"][3])
         # The chosen config with the atomic split-K reduction (zero-fill + atomics + cast), and
         # with the fused kernel where the dequantize-then-cuBLAS path would be chosen.
         variants["int4-atomic"] = (i4, lambda x, p: int_matmul(
@@ -306,7 +318,7 @@ def print_tables(result: dict[str, Any], peak: float) -> None:
     lin = result.get("linears")
     if isinstance(lin, list):
         names = ["int4-g128", "int4-dot", "int4-shift", "int4-nopairs", "int4-prev", "int4-atomic", "int4-fused",
-                 "awq-g128", "awq-prev", "int8-chan", "int8-prev", "fp8-chan", "fp8-block"]
+                 "int4-pairs", "awq-g128", "awq-prev", "awq-pairs", "int8-chan", "int8-prev", "fp8-chan", "fp8-block"]
         print(f"{'K':>6} {'N':>7} {'M':>4} {'fp16 us':>8} " + " ".join(f"{n + ' us (x, GB/s)':>28}" for n in names))
         for r in lin:
             cells = [f"{r[n + '_us']:8.1f} ({r[n + '_speedup']:4.2f}x {r[n + '_gbs']:5.0f})" if n + "_us" in r else "-"
