@@ -50,7 +50,7 @@ def matmul_candidates(m: int, interpret: bool, fp8: bool, block_scales: bool) ->
         cands = _cfgs(block_m=[16], block_n=[32, 64, 128], block_k=bks, split_k=[1, 2, 4, 8], num_warps=[4],
                       num_stages=[3], gather=[False] if fp8 else [False, True])
         if not fp8:  # the pairs kernel (integer weights it does not take run the general one)
-            cands += _cfgs(block_m=[16], block_n=[64, 128, 256], block_k=[128, 256], split_k=[1, 2, 4, 8],
+            cands += _cfgs(block_m=[16], block_n=[64, 128, 256], block_k=[128], split_k=[1, 2, 4, 8],
                            num_warps=[4, 8], num_stages=[3], pairs=[True])
     elif m <= 64:
         cands = _cfgs(block_m=[32, 64], block_n=[64, 128], block_k=[64], split_k=[1, 2, 4, 8], num_warps=[4],
