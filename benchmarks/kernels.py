@@ -190,8 +190,8 @@ def bench_linears(args: argparse.Namespace, device: Any, timer: Timer, peak: flo
 
 def bench_e2e(args: argparse.Namespace, device: Any, timer: Timer) -> list[dict[str, Any]]:
     """Decode steps/s of a synthetic Llama-3-8B-shaped stack: FP16 (cuBLAS + paged FP16 KV)
-    vs qpage INT4 g128 with the FP16 cache and with the FP8 per-token cache, batch 1 and 32,
-    context 4096, CUDA graphs."""
+    vs qpage INT4 g128 with the FP16 cache and with the FP8 per-token cache, batch 1, 8 (the
+    pairs kernel's 16-row tiles) and 32, context 4096, CUDA graphs."""
     import torch
 
     from qpage.kernels.cache_write import write_kv_cache
@@ -204,7 +204,7 @@ def bench_e2e(args: argparse.Namespace, device: Any, timer: Timer) -> list[dict[
         layers, hidden, inter, heads, kvh, dim, ctx, vocab = 32, 4096, 14336, 32, 8, 128, 4096, 128256
     dtype = torch.float16 if device.type == "cuda" else torch.float32
     rows = []
-    for batch in (1, 32) if device.type == "cuda" else (1, 2):
+    for batch in (1, 8, 32) if device.type == "cuda" else (1, 2):
         for mode in ("fp16", "int4", "int4+fp8kv"):
             fmt = "e4m3" if mode.endswith("fp8kv") else None
             caches = [fill_cache(batch, ctx, kvh, dim, dtype, fmt, True, device) for _ in range(layers)]
