@@ -97,61 +97,41 @@ def bench_linears(args: argparse.Namespace, device: Any, timer: Timer, peak: flo
     for k, n in shapes:
         w16 = torch.randn(n, k, device=device, dtype=dtype) * 0.02
         variants: dict[str, tuple[dict[str, Any], Callable[..., Any], Callable[..., Any], int]] = {}
-        i4 = make_int4(k, n, 128, device)
-        variants["int4-g128"] = (i4, lambda x, p: int_matmul(x, p["qweight"], p["scales"], None, None, bits=4,
-                                                              group_size=128),
-                                 lambda x, p: int_matmul_ref(x, p["qweight"], p["scales"], None, None, bits=4,
-                                                             group_size=128), k * n // 2 + i4["scales"].numel() * 2)
-        i8 = make_int8(k, n, device)
-        variants["int8-chan"] = (i8, lambda x, p: int_matmul(x, p["qweight"], p["scales"], None, None, bits=8,
-                                                              group_size=k),
-                                 lambda x, p: int_matmul_ref(x, p["qweight"], p["scales"], None, None, bits=8,
-                                                             group_size=k), k * n + n * 2)
-        variants["int8-prev"] = (i8, lambda x, p: int_matmul(
-            x, p["qweight"], p["scales"], None, None, bits=8, group_size=k,
-            config=default_config(x.shape[0], n, k, x.device, group_size=k)),
-            variants["int8-chan"][2], variants["int8-chan"][3])
-        variants["int4-dot"] = (i4, lambda x, p: int_matmul(
-            x, p["qweight"], p["scales"], None, None, bits=4, group_size=128,
-            config=default_config(1, n, k, x.device, gemv=False, group_size=128)),
-            variants["int4-g128"][2], variants["int4-g128"][3])
-        variants["int4-shift"] = (i4, lambda x, p: int_matmul(
-            x, p["qweight"], p["scales"], None, None, bits=4, group_size=128,
-            config=replace(choose_config(x.device, "int4-g128", 1, n, k, 128), lean=False)),
-            variants["int4-g128"][2], variants["int4-g128"][3])
-        variants["int4-nopairs"] = (i4, lambda x, p: int_matmul(
-            x, p["qweight"], p["scales"], None, None, bits=4, group_size=128,
-            config=replace(choose_config(x.device, "int4-g128", x.shape[0], n, k, 128), pairs=False)),
-            variants["int4-g128"][2], variants["int4-g128"][3])
-        variants["int4-prev"] = (i4, lambda x, p: int_matmul(
-            x, p["qweight"], p["scales"], None, None, bits=4, group_size=128,
-            config=default_config(x.shape[0], n, k, x.device, group_size=128)),
-            variants["int4-g128"][2], variants["int4-g128"][3])
-        a4 = make_awq4(k, n, 128, device)
-        variants["awq-g128"] = (a4, lambda x, p: int_matmul(x, p["qweight"], p["scales"], None, None, bits=4,
-                                                             group_size=128, awq=True),
-                                lambda x, p: int_matmul_ref(x, p["qweight"], p["scales"], None, None, bits=4,
-                                                            group_size=128, awq=True),
-                                k * n // 2 + a4["scales"].numel() * 2)
-        variants["awq-prev"] = (a4, lambda x, p: int_matmul(
-            x, p["qweight"], p["scales"], None, None, bits=4, group_size=128, awq=True,
-            config=default_config(x.shape[0], n, k, x.device, group_size=128)),
-            variants["awq-g128"][2], variants["awq-g128"][3])
-        for name, weights, awq, bn in (("int4-pairs", i4, False, 128), ("awq-pairs", a4, True, 256)):
-            variants[name] = (weights, lambda x, p, awq=awq, bn=bn: int_matmul(
-                x, p["qweight"], p["scales"], None, None, bits=4, group_size=128, awq=awq, config=pairs_config(
-                    default_config(2, n, k, x.device, group_size=128, pairs_layout="awq" if awq else "gptq4"), bn)),
-                variants["awq-g128" if awq else "int4-g128"][2], variants["awq-g128" if awq else "int4-g128"][3])
+        # Integer layouts: (weights, bits, group, awq); their variants below call the same
+        # layer with another config (``alt``).
+        layouts = {"int4-g128": (make_int4(k, n, 128, device), 4, 128, False),
+                   "int8-chan": (make_int8(k, n, device), 8, k, False),
+                   "awq-g128": (make_awq4(k, n, 128, device), 4, 128, True)}
+        for name, (params, bits, group, awq) in layouts.items():
+            kw = dict(bits=bits, group_size=group, awq=awq)
+            variants[name] = (params,
+                              lambda x, p, config=None, kw=kw: int_matmul(x, p["qweight"], p["scales"], None, None,
+                                                                          config=config, **kw),
+                              lambda x, p, kw=kw: int_matmul_ref(x, p["qweight"], p["scales"], None, None, **kw),
+                              k * n * bits // 8 + params["scales"].numel() * 2)
+
+        def alt(base: str, config_of: Callable[[Any], Any]) -> tuple[Any, ...]:
+            params, run, ref, nbytes = variants[base]
+            return params, lambda x, p: run(x, p, config=config_of(x)), ref, nbytes
+
+        def chosen(x: Any, m: int | None = None) -> Any:
+            return choose_config(x.device, "int4-g128", x.shape[0] if m is None else m, n, k, 128)
+
+        variants["int8-prev"] = alt("int8-chan", lambda x: default_config(x.shape[0], n, k, x.device, group_size=k))
+        variants["int4-dot"] = alt("int4-g128", lambda x: default_config(1, n, k, x.device, gemv=False, group_size=128))
+        variants["int4-shift"] = alt("int4-g128", lambda x: replace(chosen(x, 1), lean=False))
+        variants["int4-nopairs"] = alt("int4-g128", lambda x: replace(chosen(x), pairs=False))
+        for base in ("int4-g128", "awq-g128"):  # the tiles used before the pairs kernel
+            variants[base.split("-")[0] + "-prev"] = alt(
+                base, lambda x: default_config(x.shape[0], n, k, x.device, group_size=128))
+        for name, base, layout, bn in (("int4-pairs", "int4-g128", "gptq4", 128),
+                                       ("awq-pairs", "awq-g128", "awq", 256)):
+            variants[name] = alt(base, lambda x, layout=layout, bn=bn: pairs_config(
+                default_config(2, n, k, x.device, group_size=128, pairs_layout=layout), bn))
         # The chosen config with the atomic split-K reduction (zero-fill + atomics + cast), and
         # with the fused kernel where the dequantize-then-cuBLAS path would be chosen.
-        variants["int4-atomic"] = (i4, lambda x, p: int_matmul(
-            x, p["qweight"], p["scales"], None, None, bits=4, group_size=128,
-            config=replace(choose_config(x.device, "int4-g128", x.shape[0], n, k, 128), serial=False)),
-            variants["int4-g128"][2], variants["int4-g128"][3])
-        variants["int4-fused"] = (i4, lambda x, p: int_matmul(
-            x, p["qweight"], p["scales"], None, None, bits=4, group_size=128,
-            config=fused_config(choose_config(x.device, "int4-g128", x.shape[0], n, k, 128))),
-            variants["int4-g128"][2], variants["int4-g128"][3])
+        variants["int4-atomic"] = alt("int4-g128", lambda x: replace(chosen(x), serial=False))
+        variants["int4-fused"] = alt("int4-g128", lambda x: fused_config(chosen(x)))
         for name, block in (("fp8-chan", False), ("fp8-block", True)):
             f8 = make_fp8(k, n, device, block)
             variants[name] = (f8, lambda x, p: fp8_matmul(x, p["weight"], p["scale"]),

@@ -14,7 +14,7 @@ import torch
 
 from qpage.kernels.fp8_codec import decode_fp8_ref, fp8_to_f16, fp8_unit, hardware_fp8
 from qpage.kernels.quant_matmul import MatmulConfig, choose_config
-from qpage.kernels.split_k import finish_split_k, split_k_output, split_k_range
+from qpage.kernels.split_k import finish_tile, split_k_output, split_k_range
 from qpage.kernels.triton_utils import INTERPRET, tl, triton
 
 SCALE_BLOCK = 128
@@ -61,11 +61,8 @@ def _fp8_matmul_kernel(
     else:
         s = tl.load(s_ptr + offs_n * stride_sn, mask=n_mask, other=0.0)
         acc = acc * (s.to(tl.float32) * unit)[None, :]
-    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn
-    local = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-    finish_split_k(acc, y_ptrs, m_mask[:, None] & n_mask[None, :], local, ws_ptr, lock_ptr,
-                   pid_m * tl.num_programs(1) + pid_n, tl.num_programs(0) * tl.num_programs(1), pid_k,
-                   BLOCK_M * BLOCK_N, SPLIT_K, SERIAL)
+    finish_tile(acc, y_ptr, offs_m, offs_n, m_mask[:, None] & n_mask[None, :], stride_ym, stride_yn, ws_ptr, lock_ptr,
+                pid_m, pid_n, pid_k, BLOCK_M, BLOCK_N, SPLIT_K, SERIAL)
 
 
 def _is_block_scale(scale: torch.Tensor, n: int) -> bool:

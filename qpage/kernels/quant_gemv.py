@@ -31,7 +31,7 @@ at M = 1. Two kernels:
 
 import torch
 
-from qpage.kernels.quant_matmul import MatmulConfig, col_shift
+from qpage.kernels.quant_matmul import MatmulConfig, col_shift, col_zero_scale
 from qpage.kernels.split_k import finish_split_k, split_k_output, split_k_range
 from qpage.kernels.triton_utils import tl, triton
 
@@ -86,17 +86,13 @@ def _int_gemv_kernel(
             packed = tl.load(qw_ptr + offs_kp[:, None] * stride_qk + offs_n[None, :] * stride_qn,
                              mask=kp_mask[:, None] & n_mask[None, :], other=0)
             vals = (packed[:, None, :] >> (j * BITS)[None, :, None]) & QMASK  # [words, PACK, BLOCK_N]
-            if HAS_ZEROS:
-                zp = tl.load(z_ptr + grp * stride_zg + (offs_n // PACK) * stride_zn, mask=n_mask, other=0)
-                z = (zp >> col_shift(offs_n, False, BITS)) & QMASK
-            else:
-                z = tl.full((BLOCK_N,), 1 << (BITS - 1), dtype=tl.int32)
+            z, s = col_zero_scale(s_ptr, z_ptr, grp, offs_n, n_mask, stride_sg, stride_sn, stride_zg, stride_zn,
+                                  False, BITS, HAS_ZEROS)
             w = (vals | MAGIC).to(tl.float32, bitcast=True) - (z + 0x800000).to(tl.float32)[None, None, :]
             ks = offs_kp[:, None] * PACK + j[None, :]
             x = tl.load(x_ptr + ks * stride_xk, mask=ks < K, other=0.0).to(tl.float32)  # [words, PACK]
             part = tl.sum(tl.sum(x[:, :, None] * w, axis=1), axis=0)
-            s = tl.load(s_ptr + grp * stride_sg + offs_n * stride_sn, mask=n_mask, other=0.0)
-            acc += part * s.to(tl.float32)
+            acc += part * s
     if AWQ:
         ptrs = y_ptr + cols
         mask = n2_mask
@@ -192,13 +188,9 @@ def _gptq_gemv_kernel(
             part += x1[:, None] * _value(lo, m1)
             part += x2[:, None] * _value(hi, m0)
             part += x3[:, None] * _value(hi, m1)
-        if HAS_ZEROS:
-            zp = tl.load(z_ptr + grp * stride_zg + (offs_n // PACK) * stride_zn, mask=n_mask, other=0)
-            z = ((zp >> col_shift(offs_n, False, BITS)) & QMASK).to(tl.float32)
-        else:
-            z = tl.full((BLOCK_N,), 1 << (BITS - 1), dtype=tl.float32)
-        s = tl.load(s_ptr + grp * stride_sg + offs_n * stride_sn, mask=n_mask, other=0.0).to(tl.float32)
-        acc += (part - x_sum[:, None] * z[None, :]) * s[None, :]
+        z, s = col_zero_scale(s_ptr, z_ptr, grp, offs_n, n_mask, stride_sg, stride_sn, stride_zg, stride_zn,
+                              False, BITS, HAS_ZEROS)
+        acc += (part - x_sum[:, None] * z.to(tl.float32)[None, :]) * s[None, :]
     finish_split_k(tl.sum(acc, axis=0), y_ptr + offs_n, n_mask, tl.arange(0, BLOCK_N), ws_ptr, lock_ptr, pid_n,
                    tl.num_programs(0), pid_k, BLOCK_N, SPLIT_K, SERIAL)
 

@@ -43,7 +43,7 @@ from qpage.kernels.int_packing import (  # noqa: F401  (re-exported: loaders and
     unpack_cols,
     unpack_rows,
 )
-from qpage.kernels.split_k import finish_split_k, split_k_output, split_k_range
+from qpage.kernels.split_k import finish_tile, split_k_output, split_k_range
 from qpage.kernels.triton_utils import INTERPRET, tl, triton
 from qpage.kernels.tuned import matmul_kind, table_for, tuned_matmul
 
@@ -119,6 +119,20 @@ def gather_q(qw_ptr, offs_k, offs_n, k_mask, n_mask, stride_qk, stride_qn, AWQ: 
 
 
 @triton.jit
+def col_zero_scale(s_ptr, z_ptr, grp, offs_n, n_mask, stride_sg, stride_sn, stride_zg, stride_zn,
+                   AWQ: tl.constexpr, BITS: tl.constexpr, HAS_ZEROS: tl.constexpr):
+    """(int32 zero, fp32 scale) of columns ``offs_n`` in group ``grp``: a tile inside one group."""
+    PACK: tl.constexpr = 32 // BITS
+    s = tl.load(s_ptr + grp * stride_sg + offs_n * stride_sn, mask=n_mask, other=0.0).to(tl.float32)
+    if HAS_ZEROS:
+        zp = tl.load(z_ptr + grp * stride_zg + (offs_n // PACK) * stride_zn, mask=n_mask, other=0)
+        z = (zp >> col_shift(offs_n, AWQ, BITS)) & ((1 << BITS) - 1)
+    else:
+        z = tl.full(offs_n.shape, 1 << (BITS - 1), dtype=tl.int32)
+    return z, s
+
+
+@triton.jit
 def group_zero_scale(s_ptr, z_ptr, g_ptr, offs_k, offs_n, k_mask, n_mask, group_size,
                      stride_sg, stride_sn, stride_zg, stride_zn,
                      AWQ: tl.constexpr, BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_GIDX: tl.constexpr):
@@ -188,12 +202,9 @@ def _int_matmul_kernel(
                     mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         if ONE_GROUP_PER_TILE:
             grp = (t * BLOCK_K) // group_size
-            s = tl.load(s_ptr + grp * stride_sg + offs_n * stride_sn, mask=n_mask, other=0.0).to(tl.float32)
-            if HAS_ZEROS:
-                zp = tl.load(z_ptr + grp * stride_zg + (offs_n // PACK) * stride_zn, mask=n_mask, other=0)
-                z = ((zp >> col_shift(offs_n, AWQ, BITS)) & ((1 << BITS) - 1))[None, :]
-            else:
-                z = tl.full((1, BLOCK_N), 1 << (BITS - 1), dtype=tl.int32)
+            z, s = col_zero_scale(s_ptr, z_ptr, grp, offs_n, n_mask, stride_sg, stride_sn, stride_zg, stride_zn,
+                                  AWQ, BITS, HAS_ZEROS)
+            z = z[None, :]
             # The group's scale factors out of the tile: y += s * (x @ (q - z)). With fp16
             # activations q - z is formed without an int->float conversion per element: OR q
             # into the mantissa of 1024.0 (0x6400) and subtract 1024 + z.
@@ -216,11 +227,8 @@ def _int_matmul_kernel(
                 acc += tl.dot(x.to(tl.float32), w, input_precision="ieee")
             else:
                 acc += tl.dot(x, w.to(x.dtype))
-    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn
-    local = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-    finish_split_k(acc, y_ptrs, m_mask[:, None] & n_mask[None, :], local, ws_ptr, lock_ptr,
-                   pid_m * tl.num_programs(1) + pid_n, tl.num_programs(0) * tl.num_programs(1), pid_k,
-                   BLOCK_M * BLOCK_N, SPLIT_K, SERIAL)
+    finish_tile(acc, y_ptr, offs_m, offs_n, m_mask[:, None] & n_mask[None, :], stride_ym, stride_yn, ws_ptr, lock_ptr,
+                pid_m, pid_n, pid_k, BLOCK_M, BLOCK_N, SPLIT_K, SERIAL)
 
 
 def _split_for(tiles: int, k_tiles: int, sms: int, m: int, k: int) -> int:

@@ -53,8 +53,8 @@ counts, not times: no GPU was lent when this was written.
 import torch
 
 from qpage.kernels.quant_gemv import _split4, _split8
-from qpage.kernels.quant_matmul import MatmulConfig
-from qpage.kernels.split_k import finish_split_k, split_k_output, split_k_range
+from qpage.kernels.quant_matmul import MatmulConfig, col_zero_scale
+from qpage.kernels.split_k import finish_tile, split_k_output, split_k_range
 from qpage.kernels.triton_utils import INTERPRET, tl, triton
 
 GPTQ_MIN_WORDS = 16
@@ -122,7 +122,6 @@ def _gptq_pairs_kernel(
 ):
     PACK: tl.constexpr = 32 // BITS
     WORDS: tl.constexpr = BLOCK_K // PACK
-    QMASK: tl.constexpr = (1 << BITS) - 1
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -137,12 +136,8 @@ def _gptq_pairs_kernel(
         offs_kp = t * WORDS + tl.arange(0, WORDS)
         packed = tl.load(qw_ptr + offs_kp[:, None] * stride_qk + offs_n[None, :] * stride_qn,
                          mask=(offs_kp < tl.cdiv(K, PACK))[:, None] & n_mask[None, :], other=0)
-        s = tl.load(s_ptr + grp * stride_sg + offs_n * stride_sn, mask=n_mask, other=0.0).to(tl.float32)
-        if HAS_ZEROS:
-            zp = tl.load(z_ptr + grp * stride_zg + (offs_n // PACK) * stride_zn, mask=n_mask, other=0)
-            z = (zp >> ((offs_n % PACK) * BITS)) & QMASK
-        else:
-            z = tl.full((BLOCK_N,), 1 << (BITS - 1), dtype=tl.int32)
+        z, s = col_zero_scale(s_ptr, z_ptr, grp, offs_n, n_mask, stride_sg, stride_sn, stride_zg, stride_zn,
+                              False, BITS, HAS_ZEROS)
         zf = (z + 1024).to(tl.float16)[None, :]
         # Activations [BLOCK_M, WORDS, PACK] (row PACK * w + j of the tile at [:, w, j]), as
         # [BLOCK_M * WORDS, PACK] for the split into slices.
@@ -157,11 +152,8 @@ def _gptq_pairs_kernel(
             part = _slices(part, xt, packed, zf, 2, BITS, BLOCK_M, WORDS, DOT_F32)
             part = _slices(part, xt, packed, zf, 3, BITS, BLOCK_M, WORDS, DOT_F32)
         acc += part * s[None, :]
-    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn
-    local = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-    finish_split_k(acc, y_ptrs, m_mask[:, None] & n_mask[None, :], local, ws_ptr, lock_ptr,
-                   pid_m * tl.num_programs(1) + pid_n, tl.num_programs(0) * tl.num_programs(1), pid_k,
-                   BLOCK_M * BLOCK_N, SPLIT_K, SERIAL)
+    finish_tile(acc, y_ptr, offs_m, offs_n, m_mask[:, None] & n_mask[None, :], stride_ym, stride_yn, ws_ptr, lock_ptr,
+                pid_m, pid_n, pid_k, BLOCK_M, BLOCK_N, SPLIT_K, SERIAL)
 
 
 @triton.jit
@@ -226,11 +218,8 @@ def _awq_pairs_kernel(
     acc = tl.join(tl.join(tl.join(a0, a4), tl.join(a2, a6)), tl.join(tl.join(a1, a5), tl.join(a3, a7)))
     acc = tl.reshape(acc, (BLOCK_M, BLOCK_N))
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn
-    local = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-    finish_split_k(acc, y_ptrs, m_mask[:, None] & (offs_n < N)[None, :], local, ws_ptr, lock_ptr,
-                   pid_m * tl.num_programs(1) + pid_n, tl.num_programs(0) * tl.num_programs(1), pid_k,
-                   BLOCK_M * BLOCK_N, SPLIT_K, SERIAL)
+    finish_tile(acc, y_ptr, offs_m, offs_n, m_mask[:, None] & (offs_n < N)[None, :], stride_ym, stride_yn,
+                ws_ptr, lock_ptr, pid_m, pid_n, pid_k, BLOCK_M, BLOCK_N, SPLIT_K, SERIAL)
 
 
 def pairs_apply(x: torch.Tensor, bits: int, awq: bool, has_g_idx: bool, group_size: int, config: MatmulConfig

@@ -64,6 +64,16 @@ def finish_split_k(acc, y_ptrs, mask, local, ws_ptr, lock_ptr, tile, num_tiles, 
         tl.atomic_add(y_ptrs, acc, mask=mask)
 
 
+@triton.jit
+def finish_tile(acc, y_ptr, offs_m, offs_n, mask, stride_ym, stride_yn, ws_ptr, lock_ptr, pid_m, pid_n, pid_k,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, SERIAL: tl.constexpr):
+    """``finish_split_k`` for a [BLOCK_M, BLOCK_N] output tile of a (pid_m, pid_n, pid_k) grid."""
+    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn
+    local = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    finish_split_k(acc, y_ptrs, mask, local, ws_ptr, lock_ptr, pid_m * tl.num_programs(1) + pid_n,
+                   tl.num_programs(0) * tl.num_programs(1), pid_k, BLOCK_M * BLOCK_N, SPLIT_K, SERIAL)
+
+
 _LOCKS: dict[torch.device, torch.Tensor] = {}
 
 
