@@ -238,6 +238,8 @@ def small_m_rows(archs: list[int], quick: bool) -> list[dict[str, Any]]:
 
 def _small_m_tile(arch: int, layout: str, act: str, types: dict[str, str], tile: tuple[int, int, int, int],
                   general: Any, pairs: Any) -> list[dict[str, Any]]:
+    from qpage.kernels.quant_matmul import PAIRS_MIN_WORDS
+
     bm, bn, bk, warps = tile
     awq = layout == "awq"
     bits = 8 if layout == "gptq8" else 4
@@ -246,7 +248,7 @@ def _small_m_tile(arch: int, layout: str, act: str, types: dict[str, str], tile:
                                         ONE_GROUP_PER_TILE=True, DOT_F32=False, MAGIC_F16=act == "fp16"))]
     if awq and bn >= 128:
         kernels.append(("pairs", pairs, dict(common, DOT_F32=False)))
-    elif not awq and bk * bits >= 512:  # 16 words per slice
+    elif not awq and bk * bits >= PAIRS_MIN_WORDS * 32:
         kernels.append(("pairs", pairs, dict(common, BITS=bits, DOT_F32=False)))
     rows = []
     for name, fn, const in kernels:

@@ -243,9 +243,15 @@ def _split_for(tiles: int, k_tiles: int, sms: int, m: int, k: int) -> int:
     return split
 
 
+PAIRS_MIN_WORDS = 16
+"""GPTQ pairs kernel: a K tile gives each of its 32 / bits slices one row per word, and tl.dot
+needs 16 (K tiles of 128 rows at 4 bits, 64 at 8)."""
+
+
 def _gptq_pairs(layout: str | None, block_k: int) -> bool:
-    """A GPTQ-layout weight whose K tile holds the 16 words per slice the pairs kernel needs."""
-    return (layout == "gptq4" and block_k >= 128) or (layout == "gptq8" and block_k >= 64)
+    """A GPTQ-layout weight ("gptq4"/"gptq8") whose K tile holds the words the pairs kernel needs."""
+    bits = {"gptq4": 4, "gptq8": 8}.get(layout or "")
+    return bits is not None and block_k * bits >= PAIRS_MIN_WORDS * 32
 
 
 def default_config(m: int, n: int, k: int, device: torch.device, gemv: bool | None = None,

@@ -53,13 +53,10 @@ counts, not times: no GPU was lent when this was written.
 import torch
 
 from qpage.kernels.quant_gemv import _split4, _split8
-from qpage.kernels.quant_matmul import MatmulConfig, col_zero_scale
+from qpage.kernels.quant_matmul import PAIRS_MIN_WORDS, MatmulConfig, col_zero_scale
 from qpage.kernels.split_k import finish_tile, split_k_output, split_k_range
 from qpage.kernels.triton_utils import INTERPRET, tl, triton
 
-GPTQ_MIN_WORDS = 16
-"""GPTQ: a K tile gives each of its 32 / bits slices one row per word, and tl.dot needs 16
-(K tiles of 128 at 4 bits, 64 at 8)."""
 AWQ_MIN_BLOCK_N = 128
 """AWQ: a column tile gives each of its 8 slices BLOCK_N / 8 columns, and tl.dot needs 16."""
 
@@ -231,7 +228,7 @@ def pairs_apply(x: torch.Tensor, bits: int, awq: bool, has_g_idx: bool, group_si
         return False
     if awq:  # each of the 8 dots is BLOCK_N / 8 columns wide, and tl.dot needs 16
         return bits == 4 and config.block_n % AWQ_MIN_BLOCK_N == 0 and config.block_k >= 16
-    return config.block_k % (GPTQ_MIN_WORDS * 32 // bits) == 0
+    return config.block_k % (PAIRS_MIN_WORDS * 32 // bits) == 0
 
 
 def pairs_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor | None,
