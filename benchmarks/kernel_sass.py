@@ -5,6 +5,9 @@ with the ptxas that ships inside the Triton wheel, disassembles the cubin with i
 and counts the SASS instructions in the kernel's main loop per weight each thread handles.
 Specialization mirrors the JIT's for a 4096x14336 call (unit strides become compile-time 1;
 pointers and 16-divisible ints carry ``tt.divisibility=16``), so the code is what a GPU runs.
+The GEMVs counted: in-place and shift (``quant_gemv``) and, for 4-bit weights, half2
+(``quant_gemv_h2``, whose inline PTX only ever runs on a GPU: compiling it here is also its
+check that ptxas accepts it).
 
 ``--attention`` adds the paged decode kernel (Llama-3-8B heads: 8 KV heads, GQA 4, d=128,
 64-token tiles) for each cache mode: loop instructions per token, registers, shared memory,
@@ -113,16 +116,19 @@ def main_loop(sass: str) -> tuple[int, collections.Counter[str]]:
 
 def gemv_rows(archs: list[int], configs: list[tuple[int, int, int]], quick: bool) -> list[dict[str, Any]]:
     from qpage.kernels.quant_gemv import _gptq_gemv_kernel, _int_gemv_kernel
+    from qpage.kernels.quant_gemv_h2 import _gptq_h2_gemv_kernel
 
     rows = []
     cases = [(4, True), (4, False), (8, False)] if not quick else [(4, True)]
     for arch in archs:
         for bits, zeros in cases:
             for block_n, block_k, warps in configs:
-                kernels = (("in-place", _gptq_gemv_kernel, {}), ("shift", _int_gemv_kernel, {"AWQ": False}))
+                kernels = [("in-place", _gptq_gemv_kernel, {"BITS": bits}),
+                           ("shift", _int_gemv_kernel, {"BITS": bits, "AWQ": False})]
+                if bits == 4:  # fp16 pairs, the inline-PTX path a GPU runs (quant_gemv_h2)
+                    kernels.append(("half2", _gptq_h2_gemv_kernel, {"ASM": True}))
                 for name, fn, extra in kernels:
-                    const = dict(BITS=bits, HAS_ZEROS=zeros, SPLIT_K=8, SERIAL=True, BLOCK_N=block_n,
-                                 BLOCK_K=block_k, **extra)
+                    const = dict(HAS_ZEROS=zeros, SPLIT_K=8, SERIAL=True, BLOCK_N=block_n, BLOCK_K=block_k, **extra)
                     t = time.perf_counter()
                     sass, regs, spill = sass_of(compile_cubin(fn, const, arch, warps, 3).asm["cubin"])
                     n, ops = main_loop(sass)
@@ -266,16 +272,19 @@ def _small_m_tile(arch: int, layout: str, act: str, types: dict[str, str], tile:
 
 
 def summary(rows: list[dict[str, Any]]) -> list[str]:
-    """Per arch and case: the in-place kernel's instructions per weight against the shift kernel's."""
+    """Per arch and case: the in-place kernel's instructions per weight against the shift kernel's
+    (and the half2 kernel's, 4-bit)."""
     out = []
     keys = sorted({(r["arch"], r["bits"], r["zeros"], r["block_n"], r["block_k"], r["num_warps"]) for r in rows})
     for key in keys:
         pair = {r["kernel"]: r["per_weight"] for r in rows
                 if (r["arch"], r["bits"], r["zeros"], r["block_n"], r["block_k"], r["num_warps"]) == key}
-        if len(pair) == 2:
+        if {"in-place", "shift"} <= set(pair):
+            half2 = f", half2 {pair['half2']:.2f} ({pair['half2'] / pair['in-place']:.2f}x in-place)" \
+                if "half2" in pair else ""
             out.append(f"sm_{key[0]} int{key[1]} {'asym' if key[2] else 'sym'} bn={key[3]} bk={key[4]} w={key[5]}: "
                        f"in-place {pair['in-place']:.2f} vs shift {pair['shift']:.2f} per weight "
-                       f"({pair['shift'] / pair['in-place']:.2f}x fewer)")
+                       f"({pair['shift'] / pair['in-place']:.2f}x fewer){half2}")
     return out
 
 

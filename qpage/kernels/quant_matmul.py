@@ -15,7 +15,9 @@ omit zeros (zero = 2**(bits-1)). INT8 weight-only per-channel is the GPTQ layout
 bits=8 and one group spanning K. Packing and the torch references: ``int_packing``.
 
 Four paths, chosen by ``MatmulConfig``:
-- **GEMV** (``quant_gemv``): M = 1, multiply-add without tensor cores.
+- **GEMV** (``quant_gemv``): M = 1, multiply-add without tensor cores; for 4-bit GPTQ
+  weights with fp16 activations optionally in packed fp16 pairs (``quant_gemv_h2``:
+  ``MatmulConfig.half2``, from a GPU's tuned table or ``QPAGE_GEMV_HALF2=1``).
 - **pairs** (``quant_pairs``): decode batches of GPTQ (4 and 8 bits) and AWQ weights,
   tl.dot fed without a reshape, two values dequantized per 32-bit operation.
 - **tl.dot** (here): a [BLOCK_M, BLOCK_N] tile of y per program, K split over SPLIT_K
@@ -30,7 +32,8 @@ Four paths, chosen by ``MatmulConfig``:
 """
 
 import functools
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -76,6 +79,9 @@ class MatmulConfig:
     operation and fed to one tl.dot per value position (``quant_pairs``); where it does not
     apply (``g_idx``, a tile across groups, GPTQ K tiles under 16 words, AWQ column tiles not
     a multiple of 128) the kernel here runs instead."""
+    half2: bool = False
+    """GEMV (M = 1) of 4-bit GPTQ weights with fp16 activations: products and each word's
+    8-term sum in packed fp16 pairs (``quant_gemv_h2``); elsewhere the GEMV above."""
 
 
 @triton.jit
@@ -299,12 +305,18 @@ def default_config(m: int, n: int, k: int, device: torch.device, gemv: bool | No
 @functools.lru_cache(maxsize=4096)
 def choose_config(device: torch.device, kind: str | None, m: int, n: int, k: int, group_size: int | None
                   ) -> MatmulConfig:
-    """The shipped tuned config of this GPU for the problem (``tuned``), else the heuristic."""
+    """The shipped tuned config of this GPU for the problem (``tuned``), else the heuristic;
+    ``QPAGE_GEMV_HALF2=1`` (or ``0``) turns the half2 GEMV on (or off) wherever the GEMV runs."""
     fields = tuned_matmul(table_for(device), kind, m, n, k)
     if fields:
-        return MatmulConfig(**fields)
-    layout = {"int4": "gptq4", "int8": "gptq8", "awq": "awq"}.get((kind or "").split("-")[0])
-    return default_config(m, n, k, device, group_size=group_size, pairs_layout=layout)
+        cfg = MatmulConfig(**fields)
+    else:
+        layout = {"int4": "gptq4", "int8": "gptq8", "awq": "awq"}.get((kind or "").split("-")[0])
+        cfg = default_config(m, n, k, device, group_size=group_size, pairs_layout=layout)
+    half2 = os.environ.get("QPAGE_GEMV_HALF2", "")
+    if cfg.gemv and half2 in ("0", "1"):  # the half2 GEMV forced on or off (quant_gemv_h2)
+        cfg = replace(cfg, half2=half2 == "1")
+    return cfg
 
 
 def int_matmul(
@@ -345,6 +357,10 @@ def int_matmul(
     one_group = g_idx is None and group_size % cfg.block_k == 0
     if cfg.gemv and m == 1 and one_group:
         from qpage.kernels.quant_gemv import int_gemv
+        from qpage.kernels.quant_gemv_h2 import h2_applies, h2_gemv
+
+        if cfg.half2 and h2_applies(x2, bits, awq):
+            return h2_gemv(x2, qweight, scales, qzeros, group_size=group_size, config=cfg).view(*lead, n)
 
         return int_gemv(x2, qweight, scales, qzeros, bits=bits, group_size=group_size, awq=awq, config=cfg
                         ).view(*lead, n)

@@ -1,0 +1,222 @@
+"""INT4 GEMV (M = 1, GPTQ layout, fp16 activations) in packed fp16 pairs: two weights per instruction.
+
+Why: the in-place GEMV (``quant_gemv``) spends 4.3-4.5 SASS instructions per weight in its
+loop, three of them fp32 (an AND, a subtraction, an FMA), and on an H200 its time follows
+instructions rather than bytes (``benchmarks/NOTES-kernels.md``: 23 us for 4096x14336,
+against ~7 us to stream the weight). Here every instruction of the per-weight work handles
+two weights, the way ExLlama and Marlin work on CUDA cores:
+
+- Values j and j + 4 of a word sit 16 bits apart. For j = 0, 1 one LOP3,
+  ``(word & (0xF << 4j) * 0x10001) | 0x64006400``, leaves the two fp16 1024 + q * 16**j in
+  place (the fp16 mantissa holds bits 0-9); values 2, 3, 6 and 7 come the same way after one
+  shift of the word by 8.
+- One ``sub.f16x2`` of 1024 + z (j even), or one ``fma.rn.f16x2`` by 1/16 minus 64 + z
+  (j odd), gives the two q - z exactly.
+- ``fma.rn.f16x2`` with the activation pair (x_j, x_{j+4}) accumulates the word's 8
+  products in two fp16 lanes; the lanes are added (fp16), converted to fp32 once per word,
+  and the K loop accumulates in fp32.
+- The activations of each word are first scaled by a power of two that puts their largest
+  magnitude in [1, 2): the fp16 products and sums stay below 8 * 15 * 2 = 240 (no overflow,
+  whatever the activations' range), and the power of two returns exactly in fp32.
+
+Per word and column that is 4 LOP3, 1 shift, 2 subtractions, 6 packed FMAs/multiplies, an
+add, a conversion and two fp32 operations (the word's power of two and the group scale):
+about 2.1 instructions per weight plus loads, against 4.3-4.5
+(``benchmarks/kernel_sass.py`` prints both).
+
+Numerics: each word's 8 products are rounded and summed in fp16 (unit roundoff 2**-11 per
+operation, relative to the word's partial sum, about the output's own fp16 rounding);
+across words the accumulation is fp32. That differs from the other kernels, which multiply
+and accumulate in fp32, so this kernel is opt-in (``MatmulConfig(half2=True)``), picked by
+a GPU's tuned table only where the sweep timed it faster and its result matched the
+reference, until a GPU run says it should be the default.
+
+The interpreter cannot run inline assembly; there the same arithmetic runs as Triton fp16
+operations (``_word_sums_emulated``), and ``tests/kernels/test_quant_gemv_h2.py`` executes
+the PTX text below instruction by instruction (a numpy model of its opcodes) against the
+exact sums. ``ptxas`` checks it when ``benchmarks/kernel_sass.py`` compiles the kernel.
+"""
+
+import torch
+
+from qpage.kernels.quant_gemv import _split8
+from qpage.kernels.quant_matmul import MatmulConfig, col_zero_scale
+from qpage.kernels.split_k import finish_split_k, split_k_output, split_k_range
+from qpage.kernels.triton_utils import INTERPRET, tl, triton
+
+WORD_SUMS_PTX = tl.constexpr("""
+{
+.reg .b32 t, a, w8, c16;
+.reg .f16 lo, hi, s;
+mov.b32 c16, 0x2C002C00;
+lop3.b32 t, $1, 0x000F000F, 0x64006400, 0xEA;
+sub.rn.f16x2 t, t, $2;
+mul.rn.f16x2 a, t, $4;
+lop3.b32 t, $1, 0x00F000F0, 0x64006400, 0xEA;
+fma.rn.f16x2 t, t, c16, $3;
+fma.rn.f16x2 a, t, $5, a;
+shr.u32 w8, $1, 8;
+lop3.b32 t, w8, 0x000F000F, 0x64006400, 0xEA;
+sub.rn.f16x2 t, t, $2;
+fma.rn.f16x2 a, t, $6, a;
+lop3.b32 t, w8, 0x00F000F0, 0x64006400, 0xEA;
+fma.rn.f16x2 t, t, c16, $3;
+fma.rn.f16x2 a, t, $7, a;
+mov.b32 {lo, hi}, a;
+add.rn.f16 s, lo, hi;
+cvt.f32.f16 $0, s;
+}
+""")
+"""$0 (f32) = sum over the 8 values of word $1 of (q - z) * x. $2: fp16 1024 + z in both
+halves; $3: fp16 -(64 + z) in both; $4..$7: the activation pairs (x0, x4), (x1, x5), (x2, x6),
+(x3, x7). LOP3 0xEA is (a & b) | c; 0x2C00 is fp16 1/16."""
+
+PAIR_PTX = tl.constexpr("cvt.rn.f16x2.f32 $0, $2, $1;")
+"""$0 = fp16($1) in the low half, fp16($2) in the high half (round to nearest even)."""
+
+
+@triton.jit
+def _pack2(lo, hi):
+    """Two fp16 tensors as one int32 tensor, ``lo`` in the low half."""
+    lo_bits = lo.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    return lo_bits | (hi.to(tl.int16, bitcast=True).to(tl.int32) << 16)
+
+
+@triton.jit
+def _unpack2(pair):
+    """The inverse of ``_pack2``."""
+    lo = (pair & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)
+    hi = (pair >> 16).to(tl.int16).to(tl.float16, bitcast=True)
+    return lo, hi
+
+
+@triton.jit
+def _pair(lo, hi, ASM: tl.constexpr):
+    """Two fp32 tensors rounded to fp16 and packed into one int32 tensor, ``lo`` in the low half
+    (one ``cvt.rn.f16x2.f32`` under ASM)."""
+    if ASM:
+        return tl.inline_asm_elementwise(PAIR_PTX, "=r,f,f", [lo, hi], dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        return _pack2(lo.to(tl.float16), hi.to(tl.float16))
+
+
+@triton.jit
+def _word_activations(xt, ASM: tl.constexpr):
+    """xt [words, 8] fp32 -> the four fp16 pairs of ``WORD_SUMS_PTX`` (int32 [words]) and each
+    word's power of two 2**e (fp32 [words]), with 2**-e scaling the word's largest |x| into
+    [1, 2). An all-zero word gets 2**-e = 2**127 (its x stay 0) and 2**e = 0."""
+    amax = tl.max(tl.abs(xt), axis=1)
+    pow_bits = amax.to(tl.int32, bitcast=True) & 0x7F800000  # the float 2**floor(log2 amax)
+    inv = (0x7F000000 - pow_bits).to(tl.float32, bitcast=True)  # 2**-e: exponent 254 - (e + 127)
+    x0, x1, x2, x3, x4, x5, x6, x7 = _split8(xt * inv[:, None])
+    return (_pair(x0, x4, ASM), _pair(x1, x5, ASM), _pair(x2, x6, ASM), _pair(x3, x7, ASM),
+            pow_bits.to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def _zero_pairs(z):
+    """Column zeros (int32, 0..15) as the fp16 pairs 1024 + z and -(64 + z) (int32 bit patterns)."""
+    return (0x6400 + z) * 0x10001, (0xD400 + (z << 4)) * 0x10001
+
+
+@triton.jit
+def _halves_f16(words, MASK: tl.constexpr):
+    """The two fp16 of ``(words & MASK) | 0x64006400``."""
+    return _unpack2((words & MASK) | 0x64006400)
+
+
+@triton.jit
+def _word_sums_emulated(w, z_even, z_odd, x04, x15, x26, x37):
+    """``WORD_SUMS_PTX`` in Triton fp16 operations (the interpreter's path)."""
+    ze, _ze = _unpack2(z_even)
+    zo, _zo = _unpack2(z_odd)
+    w8 = (w.to(tl.uint32, bitcast=True) >> 8).to(tl.int32, bitcast=True)
+    x0, x4 = _unpack2(x04)
+    x1, x5 = _unpack2(x15)
+    x2, x6 = _unpack2(x26)
+    x3, x7 = _unpack2(x37)
+    lo, hi = _halves_f16(w, 0x000F000F)
+    a_lo = (lo - ze) * x0
+    a_hi = (hi - ze) * x4
+    lo, hi = _halves_f16(w, 0x00F000F0)
+    a_lo += (lo * 0.0625 + zo) * x1
+    a_hi += (hi * 0.0625 + zo) * x5
+    lo, hi = _halves_f16(w8, 0x000F000F)
+    a_lo += (lo - ze) * x2
+    a_hi += (hi - ze) * x6
+    lo, hi = _halves_f16(w8, 0x00F000F0)
+    a_lo += (lo * 0.0625 + zo) * x3
+    a_hi += (hi * 0.0625 + zo) * x7
+    return (a_lo + a_hi).to(tl.float32)
+
+
+@triton.jit
+def _word_sums(w, z_even, z_odd, x04, x15, x26, x37, ASM: tl.constexpr):
+    """fp32 [words, columns]: each word's sum of (q - z) * x (activations as scaled)."""
+    if ASM:
+        return tl.inline_asm_elementwise(WORD_SUMS_PTX, "=f,r,r,r,r,r,r,r", [w, z_even, z_odd, x04, x15, x26, x37],
+                                         dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        return _word_sums_emulated(w, z_even, z_odd, x04, x15, x26, x37)
+
+
+@triton.jit
+def _gptq_h2_gemv_kernel(
+    x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, lock_ptr,
+    N, K, group_size,
+    stride_xk, stride_qk, stride_qn, stride_sg, stride_sn, stride_zg, stride_zn,
+    HAS_ZEROS: tl.constexpr, SPLIT_K: tl.constexpr, SERIAL: tl.constexpr, ASM: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    WORDS: tl.constexpr = BLOCK_K // 8
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    t_start, t_end = split_k_range(pid_k, K, BLOCK_K, SPLIT_K)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    j = tl.arange(0, 8)
+    acc = tl.zeros((WORDS, BLOCK_N), dtype=tl.float32)
+    for t in range(t_start, t_end):
+        grp = (t * BLOCK_K) // group_size
+        offs_kp = t * WORDS + tl.arange(0, WORDS)
+        kp_mask = offs_kp < tl.cdiv(K, 8)
+        w = tl.load(qw_ptr + offs_kp[:, None] * stride_qk + offs_n[None, :] * stride_qn,
+                    mask=kp_mask[:, None] & n_mask[None, :], other=0)
+        ks = offs_kp[:, None] * 8 + j[None, :]
+        xt = tl.load(x_ptr + ks * stride_xk, mask=ks < K, other=0.0).to(tl.float32)  # [WORDS, 8]
+        x04, x15, x26, x37, word_pow = _word_activations(xt, ASM)
+        z, s = col_zero_scale(s_ptr, z_ptr, grp, offs_n, n_mask, stride_sg, stride_sn, stride_zg, stride_zn,
+                              False, 4, HAS_ZEROS)
+        z_even, z_odd = _zero_pairs(z)
+        part = _word_sums(w, z_even[None, :], z_odd[None, :], x04[:, None], x15[:, None], x26[:, None],
+                          x37[:, None], ASM)
+        acc += part * (word_pow[:, None] * s[None, :])
+    finish_split_k(tl.sum(acc, axis=0), y_ptr + offs_n, n_mask, tl.arange(0, BLOCK_N), ws_ptr, lock_ptr, pid_n,
+                   tl.num_programs(0), pid_k, BLOCK_N, SPLIT_K, SERIAL)
+
+
+def h2_applies(x: torch.Tensor, bits: int, awq: bool) -> bool:
+    """The half2 GEMV serves 4-bit GPTQ-layout weights with fp16 activations (the caller has
+    checked M = 1, no ``g_idx`` and a K tile inside one group)."""
+    return bits == 4 and not awq and x.dtype == torch.float16
+
+
+def h2_gemv(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor | None, *,
+    group_size: int, config: MatmulConfig,
+) -> torch.Tensor:
+    """``x [1, K] @ W [K, N]`` for 4-bit GPTQ weights (``h2_applies``)."""
+    k = x.shape[1]
+    n = scales.shape[1]
+    split = config.split_k
+    grid = (triton.cdiv(n, config.block_n), split)
+    y, ws, locks, serial = split_k_output(1, n, x.dtype, x.device, split, config.serial, grid[0], config.block_n)
+    zeros = qzeros if qzeros is not None else qweight
+    _gptq_h2_gemv_kernel[grid](
+        x, qweight, scales, zeros, y, ws, locks, n, k, group_size,
+        x.stride(1), qweight.stride(0), qweight.stride(1), scales.stride(0), scales.stride(1),
+        zeros.stride(0), zeros.stride(1),
+        HAS_ZEROS=qzeros is not None, SPLIT_K=split, SERIAL=serial, ASM=not INTERPRET,
+        BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    return y.to(x.dtype)
