@@ -1,4 +1,4 @@
-"""INT4 GEMV (M = 1, GPTQ layout, fp16 activations) in packed fp16 pairs: two weights per instruction.
+"""INT4 GEMV (M = 1, GPTQ layout, fp16/bf16 activations) in packed fp16 pairs: two weights per instruction.
 
 Why: the in-place GEMV (``quant_gemv``) spends 4.3-4.5 SASS instructions per weight in its
 loop, three of them fp32 (an AND, a subtraction, an FMA), and on an H200 its time follows
@@ -196,9 +196,11 @@ def _gptq_h2_gemv_kernel(
 
 
 def h2_applies(x: torch.Tensor, bits: int, awq: bool) -> bool:
-    """The half2 GEMV serves 4-bit GPTQ-layout weights with fp16 activations (the caller has
-    checked M = 1, no ``g_idx`` and a K tile inside one group)."""
-    return bits == 4 and not awq and x.dtype == torch.float16
+    """The half2 GEMV serves 4-bit GPTQ-layout weights with fp16 or bf16 activations (the
+    caller has checked M = 1, no ``g_idx`` and a K tile inside one group). bf16 activations
+    lose nothing on the way in: scaled per word into [1, 2), their 8-bit mantissas fit fp16's
+    11. fp32 activations would, so they keep the fp32 GEMV."""
+    return bits == 4 and not awq and x.dtype in (torch.float16, torch.bfloat16)
 
 
 def h2_gemv(

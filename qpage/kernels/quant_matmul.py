@@ -16,7 +16,7 @@ bits=8 and one group spanning K. Packing and the torch references: ``int_packing
 
 Four paths, chosen by ``MatmulConfig``:
 - **GEMV** (``quant_gemv``): M = 1, multiply-add without tensor cores; for 4-bit GPTQ
-  weights with fp16 activations optionally in packed fp16 pairs (``quant_gemv_h2``:
+  weights with fp16/bf16 activations optionally in packed fp16 pairs (``quant_gemv_h2``:
   ``MatmulConfig.half2``, from a GPU's tuned table or ``QPAGE_GEMV_HALF2=1``).
 - **pairs** (``quant_pairs``): decode batches of GPTQ (4 and 8 bits) and AWQ weights,
   tl.dot fed without a reshape, two values dequantized per 32-bit operation.
@@ -80,7 +80,7 @@ class MatmulConfig:
     apply (``g_idx``, a tile across groups, GPTQ K tiles under 16 words, AWQ column tiles not
     a multiple of 128) the kernel here runs instead."""
     half2: bool = False
-    """GEMV (M = 1) of 4-bit GPTQ weights with fp16 activations: products and each word's
+    """GEMV (M = 1) of 4-bit GPTQ weights with fp16/bf16 activations: products and each word's
     8-term sum in packed fp16 pairs (``quant_gemv_h2``); elsewhere the GEMV above."""
 
 
