@@ -90,6 +90,7 @@ def bench_linears(args: argparse.Namespace, device: Any, timer: Timer, peak: flo
     import torch
 
     from qpage.kernels.fp8_matmul import fp8_matmul, fp8_matmul_ref
+    from qpage.kernels.quant_gemv_h2 import h2_gemv_ref
     from qpage.kernels.quant_matmul import choose_config, default_config, int_matmul, int_matmul_ref
 
     dtype = torch.float16 if device.type == "cuda" else torch.float32
@@ -150,7 +151,12 @@ def bench_linears(args: argparse.Namespace, device: Any, timer: Timer, peak: flo
             for name, (params, fn, ref, wbytes) in variants.items():
                 if not ONLY.get(name, lambda _: True)(m):
                     continue
-                err = rel_err(fn(x, params), ref(x, params))
+                out = fn(x, params)
+                err = rel_err(out, ref(x, params))
+                if name == "int4-h2" and x.dtype in (torch.float16, torch.bfloat16):
+                    # The PTX's first run: against the same arithmetic in torch (one output rounding apart).
+                    row["int4-h2_vs_h2_ref"] = rel_err(out, h2_gemv_ref(x, params["qweight"], params["scales"], None,
+                                                                        group_size=128))
                 nbytes = wbytes + io_bytes
                 nc = timer.copies(nbytes)
                 copies = [params] + [{key: v.clone() for key, v in params.items()} for _ in range(nc - 1)]
@@ -311,6 +317,9 @@ def print_tables(result: dict[str, Any], peak: float) -> None:
         worst = {n: max(r[n + "_relerr"] for r in lin if n + "_relerr" in r) for n in names
                  if any(n + "_relerr" in r for r in lin)}
         print("max relative error vs *_ref: " + ", ".join(f"{n} {e:.1e}" for n, e in worst.items()))
+        h2 = [r["int4-h2_vs_h2_ref"] for r in lin if "int4-h2_vs_h2_ref" in r]
+        if h2:  # the PTX against its own arithmetic in torch: one output rounding apart at most
+            print(f"int4-h2 vs h2_gemv_ref (the same arithmetic in torch): max relative error {max(h2):.1e}")
     for key in ("attention", "cache_write", "e2e"):
         rows = result.get(key)
         if not isinstance(rows, list):

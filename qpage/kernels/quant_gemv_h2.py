@@ -32,9 +32,11 @@ a GPU's tuned table only where the sweep timed it faster and its result matched 
 reference, until a GPU run says it should be the default.
 
 The interpreter cannot run inline assembly; there the same arithmetic runs as Triton fp16
-operations (``_word_sums_emulated``), and ``tests/kernels/test_quant_gemv_h2.py`` executes
-the PTX text below instruction by instruction (a numpy model of its opcodes) against the
-exact sums. ``ptxas`` checks it when ``benchmarks/kernel_sass.py`` compiles the kernel.
+operations (``_word_sums_emulated``, fused like the PTX), and ``h2_gemv_ref`` is that
+arithmetic in torch. ``tests/kernels/test_quant_gemv_h2.py`` executes the PTX text below
+instruction by instruction (a numpy model of its opcodes) and holds it bit for bit to the
+same arithmetic; ``ptxas`` checks it when ``benchmarks/kernel_sass.py`` compiles the kernel.
+``benchmarks/h2_numerics.py`` measures what the fp16 rounding does to the default model.
 """
 
 import torch
@@ -138,15 +140,15 @@ def _word_sums_emulated(w, z_even, z_odd, x04, x15, x26, x37):
     lo, hi = _halves_f16(w, 0x000F000F)
     a_lo = (lo - ze) * x0
     a_hi = (hi - ze) * x4
-    lo, hi = _halves_f16(w, 0x00F000F0)
-    a_lo += (lo * 0.0625 + zo) * x1
-    a_hi += (hi * 0.0625 + zo) * x5
+    lo, hi = _halves_f16(w, 0x00F000F0)  # q - z exact either way; the accumulation rounds once per fma
+    a_lo = tl.fma(lo * 0.0625 + zo, x1, a_lo)
+    a_hi = tl.fma(hi * 0.0625 + zo, x5, a_hi)
     lo, hi = _halves_f16(w8, 0x000F000F)
-    a_lo += (lo - ze) * x2
-    a_hi += (hi - ze) * x6
+    a_lo = tl.fma(lo - ze, x2, a_lo)
+    a_hi = tl.fma(hi - ze, x6, a_hi)
     lo, hi = _halves_f16(w8, 0x00F000F0)
-    a_lo += (lo * 0.0625 + zo) * x3
-    a_hi += (hi * 0.0625 + zo) * x7
+    a_lo = tl.fma(lo * 0.0625 + zo, x3, a_lo)
+    a_hi = tl.fma(hi * 0.0625 + zo, x7, a_hi)
     return (a_lo + a_hi).to(tl.float32)
 
 
@@ -222,3 +224,48 @@ def h2_gemv(
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return y.to(x.dtype)
+
+
+def _f16(t: torch.Tensor) -> torch.Tensor:
+    """Rounded to fp16 (nearest even), kept in fp32."""
+    return t.to(torch.float16).float()
+
+
+def h2_gemv_ref(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor | None, *,
+    group_size: int, rows_per_chunk: int = 16,
+) -> torch.Tensor:
+    """The kernel's arithmetic in torch, for any number of rows (4-bit GPTQ layout): per word,
+    activations scaled by 2**-e and rounded to fp16, lanes (values 0-3, 4-7) accumulated by
+    fused multiply-adds rounded to fp16, the lanes added in fp16, then fp32 times 2**e and the
+    group scale, summed over words in fp32. Products q - z times an fp16 are exact in fp32 and
+    so are most fused sums; the rare one that is not is rounded twice (fp32, then fp16).
+    ``x [..., K]`` -> ``[..., N]`` in x's dtype."""
+    from qpage.kernels.int_packing import unpack_cols, unpack_rows
+
+    lead, k = x.shape[:-1], x.shape[-1]
+    n = scales.shape[1]
+    words = -(-k // 8)
+    q = torch.zeros(words * 8, n, dtype=torch.int32, device=qweight.device)
+    q[:k] = unpack_rows(qweight, 4, k)
+    z = unpack_cols(qzeros, 4, n) if qzeros is not None else torch.full_like(scales, 8, dtype=torch.int32)
+    grp = torch.arange(words, device=q.device) * 8 // group_size
+    d = (q.view(words, 8, n) - z[grp][:, None, :]).float()  # exact
+    s = scales.float()[grp]  # [words, N]
+    x2 = torch.zeros(x[..., :1].numel(), words * 8, dtype=torch.float32, device=x.device)
+    x2[:, :k] = x.reshape(-1, k).float()
+    out = []
+    for xc in x2.split(rows_per_chunk):
+        xw = xc.view(-1, words, 8)
+        amax = xw.abs().amax(-1)
+        power = torch.where(amax > 0, torch.exp2(torch.floor(torch.log2(amax.clamp_min(1e-38)))), 0.0)
+        xs = _f16(xw / torch.where(power > 0, power, 1.0)[..., None])  # [rows, words, 8]
+        lanes = []
+        for first in (0, 4):
+            acc = _f16(xs[..., first, None] * d[None, :, first, :])
+            for j in range(first + 1, first + 4):
+                acc = _f16(acc + xs[..., j, None] * d[None, :, j, :])
+            lanes.append(acc)
+        word_sums = _f16(lanes[0] + lanes[1])  # [rows, words, N]
+        out.append((word_sums * power[..., None] * s[None]).sum(1))
+    return torch.cat(out).to(x.dtype).view(*lead, n)

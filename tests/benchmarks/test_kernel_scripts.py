@@ -48,6 +48,20 @@ def test_kv_cache_benchmark_smoke(tmp_path: Path) -> None:
     assert all(m["perplexity"] > 1 for m in modes.values())
 
 
+def test_h2_numerics_benchmark_smoke(tmp_path: Path) -> None:
+    """The half2 numerics benchmark quantizes the default model, scores one short window with
+    both arithmetics and reports a small, nonzero difference (the two paths do differ: an
+    emulation that fell back to the fp32 one would give exactly 0)."""
+    out = tmp_path / "h2.json"
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "h2_numerics.py"), "--windows", "1", "--window",
+                        "48", "--chunk", "16", "--data", str(ROOT / "README.md"), "--out", str(out)],
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    res = json.loads(out.read_text())
+    assert res["tokens_scored"] == 47 and all(p > 1 for p in res["perplexity"].values())
+    assert 0 < res["mean_kl"] < 1e-3 and abs(res["ppl_delta_pct"]) < 1.0, res
+
+
 def test_kv_cache_speed_smoke(tmp_path: Path) -> None:
     """--speed runs every mode on its default backend (the C kernels read FP8 caches too) and
     the FP8 per-token cache on cpu-blas for comparison."""
