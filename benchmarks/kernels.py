@@ -180,12 +180,13 @@ def bench_linears(args: argparse.Namespace, device: Any, timer: Timer, peak: flo
 def bench_e2e(args: argparse.Namespace, device: Any, timer: Timer) -> list[dict[str, Any]]:
     """Decode steps/s of a synthetic Llama-3-8B-shaped stack: FP16 (cuBLAS + paged FP16 KV)
     vs qpage INT4 g128 with the FP16 cache and with the FP8 per-token cache, batch 1, 8 (the
-    pairs kernel's 16-row tiles) and 32, context 4096, CUDA graphs."""
+    pairs kernel's 16-row tiles) and 32, context 4096, CUDA graphs; at batch 1 also INT4
+    through the half2 GEMV (``int4-h2``, FP16 cache)."""
     import torch
 
     from qpage.kernels.cache_write import write_kv_cache
     from qpage.kernels.paged_attention import paged_attention_decode
-    from qpage.kernels.quant_matmul import int_matmul
+    from qpage.kernels.quant_matmul import choose_config, int_matmul
 
     if device.type != "cuda":
         layers, hidden, inter, heads, kvh, dim, ctx, vocab = 1, 128, 256, 4, 2, 32, 32, 512
@@ -194,7 +195,7 @@ def bench_e2e(args: argparse.Namespace, device: Any, timer: Timer) -> list[dict[
     dtype = torch.float16 if device.type == "cuda" else torch.float32
     rows = []
     for batch in (1, 8, 32) if device.type == "cuda" else (1, 2):
-        for mode in ("fp16", "int4", "int4+fp8kv"):
+        for mode in ("fp16", "int4", "int4+fp8kv") + (("int4-h2",) if batch == 1 else ()):
             fmt = "e4m3" if mode.endswith("fp8kv") else None
             caches = [fill_cache(batch, ctx, kvh, dim, dtype, fmt, True, device) for _ in range(layers)]
             shapes = [(hidden, (heads + 2 * kvh) * dim), (heads * dim, hidden), (hidden, 2 * inter), (inter, hidden)]
@@ -209,8 +210,10 @@ def bench_e2e(args: argparse.Namespace, device: Any, timer: Timer) -> list[dict[
                 weights = [[make_int4(k, n, 128, device) for k, n in shapes] for _ in range(layers)]
                 head = torch.randn(vocab, hidden, device=device, dtype=dtype) * 0.02  # head stays fp16
 
-                def linear(x: Any, w: Any) -> Any:
-                    return int_matmul(x, w["qweight"], w["scales"], None, None, bits=4, group_size=128)
+                def linear(x: Any, w: Any, half2: bool = mode == "int4-h2") -> Any:
+                    cfg = replace(choose_config(x.device, "int4-g128", x.shape[0], w["scales"].shape[1], x.shape[1],
+                                                128), half2=True) if half2 else None
+                    return int_matmul(x, w["qweight"], w["scales"], None, None, bits=4, group_size=128, config=cfg)
             x0 = torch.randn(batch, hidden, device=device, dtype=dtype)
             slots = torch.zeros(batch, dtype=torch.int32, device=device)  # rewrite one slot each step
             lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
