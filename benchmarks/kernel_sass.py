@@ -5,9 +5,8 @@ with the ptxas that ships inside the Triton wheel, disassembles the cubin with i
 and counts the SASS instructions in the kernel's main loop per weight each thread handles.
 Specialization mirrors the JIT's for a 4096x14336 call (unit strides become compile-time 1;
 pointers and 16-divisible ints carry ``tt.divisibility=16``), so the code is what a GPU runs.
-The GEMVs counted: in-place and shift (``quant_gemv``) and, for 4-bit weights, half2
-(``quant_gemv_h2``, whose inline PTX only ever runs on a GPU: compiling it here is also its
-check that ptxas accepts it).
+The GEMVs counted: in-place and shift (``quant_gemv``) and half2 (``quant_gemv_h2``, whose
+inline PTX only ever runs on a GPU: compiling it here is also its check that ptxas accepts it).
 
 ``--attention`` adds the paged decode kernel (Llama-3-8B heads: 8 KV heads, GQA 4, d=128,
 64-token tiles) for each cache mode: loop instructions per token, registers, shared memory,
@@ -124,9 +123,8 @@ def gemv_rows(archs: list[int], configs: list[tuple[int, int, int]], quick: bool
         for bits, zeros in cases:
             for block_n, block_k, warps in configs:
                 kernels = [("in-place", _gptq_gemv_kernel, {"BITS": bits}),
-                           ("shift", _int_gemv_kernel, {"BITS": bits, "AWQ": False})]
-                if bits == 4:  # fp16 pairs, the inline-PTX path a GPU runs (quant_gemv_h2)
-                    kernels.append(("half2", _gptq_h2_gemv_kernel, {"ASM": True}))
+                           ("shift", _int_gemv_kernel, {"BITS": bits, "AWQ": False}),
+                           ("half2", _gptq_h2_gemv_kernel, {"BITS": bits, "ASM": True})]  # inline PTX, fp16 pairs
                 for name, fn, extra in kernels:
                     const = dict(HAS_ZEROS=zeros, SPLIT_K=8, SERIAL=True, BLOCK_N=block_n, BLOCK_K=block_k, **extra)
                     t = time.perf_counter()
@@ -272,8 +270,8 @@ def _small_m_tile(arch: int, layout: str, act: str, types: dict[str, str], tile:
 
 
 def summary(rows: list[dict[str, Any]]) -> list[str]:
-    """Per arch and case: the in-place kernel's instructions per weight against the shift kernel's
-    (and the half2 kernel's, 4-bit)."""
+    """Per arch and case: the in-place kernel's instructions per weight against the shift
+    kernel's and the half2 kernel's."""
     out = []
     keys = sorted({(r["arch"], r["bits"], r["zeros"], r["block_n"], r["block_k"], r["num_warps"]) for r in rows})
     for key in keys:

@@ -63,12 +63,13 @@ def parse_args() -> argparse.Namespace:
 
 ONLY: dict[str, Callable[[int], bool]] = {
     "int4-dot": lambda m: m == 1, "int4-shift": lambda m: m == 1, "int4-h2": lambda m: m == 1,
+    "int8-h2": lambda m: m == 1,
     "int4-atomic": lambda m: m <= 16,
     "int4-fused": lambda m: m >= 64, "int4-nopairs": lambda m: 2 <= m <= 32, "int4-prev": lambda m: 2 <= m <= 32,
     "awq-g128": lambda m: m <= 16, "awq-prev": lambda m: 2 <= m <= 16, "int8-prev": lambda m: 2 <= m <= 32,
     "int4-pairs": lambda m: m == 1, "awq-pairs": lambda m: m == 1}
 """Variants timed only at some M: the tl.dot kernel, the shift-unpacking GEMV and the half2
-GEMV (fp16 pairs, ``quant_gemv_h2``) at M=1 (the in-place GEMV's alternatives), the atomic
+GEMVs (fp16 pairs, ``quant_gemv_h2``: ``int4-h2``, ``int8-h2``) at M=1 (the in-place GEMV's alternatives), the atomic
 split-K reduction where K is split, the fused kernel where cuBLAS on a dequantized copy is
 the default, and at decode batches the general tl.dot kernel on the pairs kernel's tiles
 (``nopairs``) and on the tiles it had before the pairs kernel (``prev``: the heuristic as
@@ -124,6 +125,8 @@ def bench_linears(args: argparse.Namespace, device: Any, timer: Timer, peak: flo
         variants["int4-dot"] = alt("int4-g128", lambda x: default_config(1, n, k, x.device, gemv=False, group_size=128))
         variants["int4-shift"] = alt("int4-g128", lambda x: replace(chosen(x, 1), lean=False))
         variants["int4-h2"] = alt("int4-g128", lambda x: replace(chosen(x, 1), half2=True))
+        variants["int8-h2"] = alt("int8-chan", lambda x: replace(choose_config(x.device, "int8-chan", 1, n, k, k),
+                                                                 half2=True))
         variants["int4-nopairs"] = alt("int4-g128", lambda x: replace(chosen(x), pairs=False))
         for base in ("int4-g128", "awq-g128"):  # the tiles used before the pairs kernel
             variants[base.split("-")[0] + "-prev"] = alt(
@@ -153,10 +156,11 @@ def bench_linears(args: argparse.Namespace, device: Any, timer: Timer, peak: flo
                     continue
                 out = fn(x, params)
                 err = rel_err(out, ref(x, params))
-                if name == "int4-h2" and x.dtype in (torch.float16, torch.bfloat16):
+                if name.endswith("-h2") and x.dtype in (torch.float16, torch.bfloat16):
                     # The PTX's first run: against the same arithmetic in torch (one output rounding apart).
-                    row["int4-h2_vs_h2_ref"] = rel_err(out, h2_gemv_ref(x, params["qweight"], params["scales"], None,
-                                                                        group_size=128))
+                    bits, group = (4, 128) if name == "int4-h2" else (8, k)
+                    row[f"{name}_vs_h2_ref"] = rel_err(out, h2_gemv_ref(x, params["qweight"], params["scales"], None,
+                                                                        group_size=group, bits=bits))
                 nbytes = wbytes + io_bytes
                 nc = timer.copies(nbytes)
                 copies = [params] + [{key: v.clone() for key, v in params.items()} for _ in range(nc - 1)]
@@ -310,8 +314,8 @@ def print_tables(result: dict[str, Any], peak: float) -> None:
     lin = result.get("linears")
     if isinstance(lin, list):
         names = ["int4-g128", "int4-h2", "int4-dot", "int4-shift", "int4-nopairs", "int4-prev", "int4-atomic",
-                 "int4-fused", "int4-pairs", "awq-g128", "awq-prev", "awq-pairs", "int8-chan", "int8-prev", "fp8-chan",
-                 "fp8-block"]
+                 "int4-fused", "int4-pairs", "awq-g128", "awq-prev", "awq-pairs", "int8-chan", "int8-h2", "int8-prev",
+                 "fp8-chan", "fp8-block"]
         print(f"{'K':>6} {'N':>7} {'M':>4} {'fp16 us':>8} " + " ".join(f"{n + ' us (x, GB/s)':>28}" for n in names))
         for r in lin:
             cells = [f"{r[n + '_us']:8.1f} ({r[n + '_speedup']:4.2f}x {r[n + '_gbs']:5.0f})" if n + "_us" in r else "-"
@@ -320,9 +324,10 @@ def print_tables(result: dict[str, Any], peak: float) -> None:
         worst = {n: max(r[n + "_relerr"] for r in lin if n + "_relerr" in r) for n in names
                  if any(n + "_relerr" in r for r in lin)}
         print("max relative error vs *_ref: " + ", ".join(f"{n} {e:.1e}" for n, e in worst.items()))
-        h2 = [r["int4-h2_vs_h2_ref"] for r in lin if "int4-h2_vs_h2_ref" in r]
-        if h2:  # the PTX against its own arithmetic in torch: one output rounding apart at most
-            print(f"int4-h2 vs h2_gemv_ref (the same arithmetic in torch): max relative error {max(h2):.1e}")
+        for name in ("int4-h2", "int8-h2"):  # the PTX against its own arithmetic in torch: one rounding apart
+            h2 = [r[f"{name}_vs_h2_ref"] for r in lin if f"{name}_vs_h2_ref" in r]
+            if h2:
+                print(f"{name} vs h2_gemv_ref (the same arithmetic in torch): max relative error {max(h2):.1e}")
     for key in ("attention", "cache_write", "e2e"):
         rows = result.get(key)
         if not isinstance(rows, list):

@@ -15,7 +15,7 @@ omit zeros (zero = 2**(bits-1)). INT8 weight-only per-channel is the GPTQ layout
 bits=8 and one group spanning K. Packing and the torch references: ``int_packing``.
 
 Four paths, chosen by ``MatmulConfig``:
-- **GEMV** (``quant_gemv``): M = 1, multiply-add without tensor cores; for 4-bit GPTQ
+- **GEMV** (``quant_gemv``): M = 1, multiply-add without tensor cores; for GPTQ-layout
   weights with fp16/bf16 activations optionally in packed fp16 pairs (``quant_gemv_h2``:
   ``MatmulConfig.half2``, from a GPU's tuned table or ``QPAGE_GEMV_HALF2=1``).
 - **pairs** (``quant_pairs``): decode batches of GPTQ (4 and 8 bits) and AWQ weights,
@@ -80,8 +80,8 @@ class MatmulConfig:
     apply (``g_idx``, a tile across groups, GPTQ K tiles under 16 words, AWQ column tiles not
     a multiple of 128) the kernel here runs instead."""
     half2: bool = False
-    """GEMV (M = 1) of 4-bit GPTQ weights with fp16/bf16 activations: products and each word's
-    8-term sum in packed fp16 pairs (``quant_gemv_h2``); elsewhere the GEMV above."""
+    """GEMV (M = 1) of 4- and 8-bit GPTQ weights with fp16/bf16 activations: products and each
+    word's sum in packed fp16 pairs (``quant_gemv_h2``); elsewhere the GEMV above."""
 
 
 @triton.jit
@@ -360,7 +360,7 @@ def int_matmul(
         from qpage.kernels.quant_gemv_h2 import h2_applies, h2_gemv
 
         if cfg.half2 and h2_applies(x2, bits, awq):
-            return h2_gemv(x2, qweight, scales, qzeros, group_size=group_size, config=cfg).view(*lead, n)
+            return h2_gemv(x2, qweight, scales, qzeros, bits=bits, group_size=group_size, config=cfg).view(*lead, n)
 
         return int_gemv(x2, qweight, scales, qzeros, bits=bits, group_size=group_size, awq=awq, config=cfg
                         ).view(*lead, n)

@@ -1,4 +1,4 @@
-"""The half2 INT4 GEMV (``quant_gemv_h2``): its PTX, run by a numpy model of the instructions,
+"""The half2 INT4/INT8 GEMV (``quant_gemv_h2``): its PTX, run by a numpy model of the instructions,
 against exact sums; the kernel (the interpreter runs the same arithmetic as Triton fp16
 operations) against the reference; and where it does not apply, the other kernels.
 
@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from qpage.kernels import quant_gemv_h2
-from qpage.kernels.quant_gemv_h2 import PAIR_PTX, WORD_SUMS_PTX, h2_gemv_ref
+from qpage.kernels.quant_gemv_h2 import PAIR_PTX, WORD_SUMS8_PTX, WORD_SUMS_PTX, h2_gemv_ref
 from qpage.kernels.quant_matmul import MatmulConfig
 from tests.kernels.conftest import rel_err
 from tests.kernels.ptx_model import run_ptx
@@ -52,25 +52,32 @@ def test_ptx_model_instructions() -> None:
         run_ptx("add.f32 $0, $1, $1;", {1: np.float32(1.0)})
 
 
-def test_word_sums_ptx_against_exact_sums() -> None:
-    """``WORD_SUMS_PTX`` on 20k random words: each result is the exact sum over the word's 8
-    values of (q_j - z) * x_j (x_j as the fp16 the kernel passes) within 6 fp16 roundings of
-    the terms' magnitude; zeros 0..15, activations in [-2, 2) as the kernel scales them,
-    including exact zeros and fp16 subnormals."""
-    rng = np.random.default_rng(0)
+@pytest.mark.parametrize("bits", [4, 8])
+def test_word_sums_ptx_against_exact_sums(bits: int) -> None:
+    """``WORD_SUMS_PTX`` (4 bits) and ``WORD_SUMS8_PTX`` (8 bits) on 20k random words: each
+    result is the exact sum over the word's values of (q_j - z) * x_j (x_j as the fp16 the
+    kernel passes) within 6 fp16 roundings of the terms' magnitude; all zeros of the width,
+    activations in [-2, 2) as the kernel scales them, including exact zeros and fp16
+    subnormals."""
+    pack = 32 // bits
+    rng = np.random.default_rng(bits)
     n = 20000
     words = rng.integers(0, 2**32, n, dtype=np.uint64).astype(np.uint32)
-    z = rng.integers(0, 16, n).astype(np.uint32)
-    x = rng.uniform(-2, 2, (n, 8)).astype(np.float32)
+    z = rng.integers(0, 2**bits, n).astype(np.uint32)
+    x = rng.uniform(-2, 2, (n, pack)).astype(np.float32)
     x[::7, 3] = 0.0
-    x[::11, 5] = np.float32(3e-6)  # an fp16 subnormal
+    x[::11, pack - 1] = np.float32(3e-6)  # an fp16 subnormal
     x16 = x.astype(np.float16).astype(np.float64)
-    pairs = [run_ptx(PAIR_PTX.value, {1: x[:, j], 2: x[:, j + 4]})[0] for j in range(4)]
-    z_even = (0x6400 + z) * 0x10001
-    z_odd = (0xD400 + (z << 4)) * 0x10001
-    got = run_ptx(WORD_SUMS_PTX.value, {1: words, 2: z_even.astype(np.uint32), 3: z_odd.astype(np.uint32),
-                                        4: pairs[0], 5: pairs[1], 6: pairs[2], 7: pairs[3]})[0]
-    q = (words[:, None] >> (4 * np.arange(8, dtype=np.uint32))[None, :]) & 0xF
+    half = pack // 2
+    pairs = [run_ptx(PAIR_PTX.value, {1: x[:, j], 2: x[:, j + half]})[0] for j in range(half)]
+    z_even = ((0x6400 + z) * 0x10001).astype(np.uint32)
+    if bits == 4:
+        z_odd = ((0xD400 + (z << 4)) * 0x10001).astype(np.uint32)
+        got = run_ptx(WORD_SUMS_PTX.value, {1: words, 2: z_even, 3: z_odd, 4: pairs[0], 5: pairs[1], 6: pairs[2],
+                                            7: pairs[3]})[0]
+    else:
+        got = run_ptx(WORD_SUMS8_PTX.value, {1: words, 2: z_even, 3: pairs[0], 4: pairs[1]})[0]
+    q = (words[:, None] >> (bits * np.arange(pack, dtype=np.uint32))[None, :]) & ((1 << bits) - 1)
     terms = (q.astype(np.float64) - z[:, None]) * x16
     exact = terms.sum(axis=1)
     bound = 6 * 2.0**-11 * np.abs(terms).sum(axis=1) + 2.0**-24
@@ -78,11 +85,12 @@ def test_word_sums_ptx_against_exact_sums() -> None:
     assert (np.abs(got - exact) <= bound).all(), float(np.max(np.abs(got - exact) / bound))
     assert np.abs(got - exact).max() > 0  # it does round in fp16 (the bound is not vacuous)
     # And bit for bit the arithmetic that h2_gemv_ref and the interpreter's path do: per lane
-    # one rounded product, three fused multiply-adds, then the lanes' fp16 sum.
+    # (the first and the second half of the values) one rounded product, then fused
+    # multiply-adds, then the lanes' fp16 sum.
     lanes = []
-    for first in (0, 4):
-        acc = (terms[:, first] / 1).astype(np.float16).astype(np.float64)
-        for j in range(first + 1, first + 4):
+    for first in (0, half):
+        acc = terms[:, first].astype(np.float16).astype(np.float64)
+        for j in range(first + 1, first + half):
             acc = (acc + terms[:, j]).astype(np.float16).astype(np.float64)
         lanes.append(acc)
     np.testing.assert_array_equal(got, (lanes[0] + lanes[1]).astype(np.float16).astype(np.float32))
@@ -105,16 +113,18 @@ def h2_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 @pytest.mark.parametrize("sym", [False, True], ids=["asym", "sym"])
 @pytest.mark.parametrize("scale", [1.0, 3000.0, 1e-4], ids=["unit", "large", "tiny"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-def test_h2_gemv_matches_ref(sym: bool, scale: float, dtype: torch.dtype, h2_calls: list[int]) -> None:
+@pytest.mark.parametrize("bits", [4, 8])
+def test_h2_gemv_matches_ref(bits: int, sym: bool, scale: float, dtype: torch.dtype, h2_calls: list[int]) -> None:
     """M = 1, K = 324 (a half-filled last word and a short last tile), N = 96 (a partial column
     tile), groups of 64 with 64-row tiles and per-channel with 128-row tiles; K unsplit, split
-    serially in 2 and atomically in 3. Activations of unit size, large (|x| to 3e4, where an
-    unscaled fp16 product (q - z) * x would overflow) and tiny (1e-4: fp16 subnormals
-    without the per-word scaling), in fp16 and bf16."""
-    weights = (make_weight(324, 96, 4, 64, sym=sym, seed=3), make_weight(384, 64, 4, 384, sym=sym, seed=5))
+    serially in 2 and atomically in 3. Activations of unit size, large (|x| to 3e4 with 4-bit
+    weights, 1e3 with 8-bit ones: an unscaled fp16 product (q - z) * x would overflow, the
+    output not) and tiny (1e-4: fp16 subnormals without the per-word scaling), in fp16 and
+    bf16; 4- and 8-bit weights."""
+    weights = (make_weight(324, 96, bits, 64, sym=sym, seed=3), make_weight(384, 64, bits, 384, sym=sym, seed=5))
     for w in weights:
         k = w["q"].shape[0]
-        x = torch.randn(1, k, generator=torch.Generator().manual_seed(4)) * scale
+        x = torch.randn(1, k, generator=torch.Generator().manual_seed(4)) * (scale if bits == 4 or scale < 2 else 30.0)
         x[0, 5] *= 10
         x = x.to(dtype)
         assert torch.isfinite(x).all()
@@ -127,17 +137,17 @@ def test_h2_gemv_matches_ref(sym: bool, scale: float, dtype: torch.dtype, h2_cal
             assert rel_err(out, ref) < TOL[dtype], cfg
             # The same arithmetic in torch (h2_gemv_ref): equal but for the fp32 order of the
             # words' sums, at most one rounding step of the output apart.
-            same = h2_gemv_ref(x, w["qweight"], w["scales"], w["qzeros"], group_size=w["group"])
+            same = h2_gemv_ref(x, w["qweight"], w["scales"], w["qzeros"], group_size=w["group"], bits=bits)
             assert torch.allclose(out.float(), same.float(), rtol=2.0**-7 if dtype == torch.bfloat16 else 2.0**-10,
                                   atol=0), cfg
     assert len(h2_calls) == 6
 
 
 @pytest.mark.parametrize(("awq", "bits", "dtype"), [
-    (False, 4, torch.float32), (True, 4, torch.float16), (False, 8, torch.bfloat16)], ids=["fp32", "awq", "int8"])
+    (False, 4, torch.float32), (True, 4, torch.float16), (False, 8, torch.float32)], ids=["fp32", "awq", "int8-fp32"])
 def test_h2_falls_back_where_it_does_not_apply(awq: bool, bits: int, dtype: torch.dtype,
                                                h2_calls: list[int]) -> None:
-    """``half2`` on fp32 activations, AWQ or 8-bit weights runs the other GEMV."""
+    """``half2`` on fp32 activations or AWQ weights runs the other GEMV."""
     w = make_weight(256, 64, bits, 64, awq=awq, seed=6)
     x = torch.randn(1, 256, generator=torch.Generator().manual_seed(7)).to(dtype)
     out, ref = run(x, w, MatmulConfig(16, 64, 64, split_k=2, gemv=True, half2=True))
