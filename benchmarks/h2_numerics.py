@@ -22,7 +22,6 @@ next-token distributions.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import shutil
 import tempfile
@@ -76,6 +75,8 @@ def main() -> None:
     args = parse_args()
     if not Path(args.data).is_file():
         raise SystemExit(f"{args.data}: no such text file; pass --data FILE")
+    from kv_cache import write_json  # type: ignore[import-not-found]  (benchmarks/, the script's folder)
+
     from qpage import LLM
     from qpage.eval.perplexity import kl_rows, nll_sum, score_window, token_windows
     from qpage.formats.gguf import default_model_dir
@@ -118,10 +119,7 @@ def main() -> None:
         chunk=args.chunk, tokens_scored=count, perplexity=ppl, ppl_delta_pct=100 * (ppl["half2"] / ppl["fp32"] - 1),
         mean_kl=kl_sum / count, max_kl=kl_max)
     path = Path(args.out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result, indent=1))
-    tmp.replace(path)
+    write_json(result, path)
     print(f"\n{result['scheme']}, {len(windows)} windows x {args.window} tokens, {count} positions scored")
     print(f"{'linears as':<12} {'perplexity':>11}")
     for k, v in ppl.items():

@@ -33,7 +33,7 @@ import torch
 
 from qpage.kernels.quant_matmul import MatmulConfig, col_shift, col_zero_scale
 from qpage.kernels.split_k import finish_split_k, split_k_output, split_k_range
-from qpage.kernels.triton_utils import tl, triton
+from qpage.kernels.triton_utils import INTERPRET, tl, triton
 
 
 @triton.jit
@@ -199,27 +199,26 @@ def int_gemv(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor | None, *,
     bits: int, group_size: int, awq: bool, config: MatmulConfig,
 ) -> torch.Tensor:
-    """``x [1, K] @ W [K, N]``; the caller (``int_matmul``) checked that this kernel applies."""
+    """``x [1, K] @ W [K, N]``; the caller (``int_matmul``) checked that a GEMV applies. The
+    kernel: half2 (``quant_gemv_h2``) when ``config.half2`` and it applies, else in-place for
+    the GPTQ layout (``config.lean``), else shifts."""
+    from qpage.kernels import quant_gemv_h2
+
     k = x.shape[1]
     n = scales.shape[1]
     split = config.split_k
     grid = (triton.cdiv(n, config.block_n), split)
     y, ws, locks, serial = split_k_output(1, n, x.dtype, x.device, split, config.serial, grid[0], config.block_n)
     zeros = qzeros if qzeros is not None else qweight
-    if not awq and config.lean:
-        _gptq_gemv_kernel[grid](
-            x, qweight, scales, zeros, y, ws, locks, n, k, group_size, MAGIC,
-            x.stride(1), qweight.stride(0), qweight.stride(1), scales.stride(0), scales.stride(1),
-            zeros.stride(0), zeros.stride(1),
-            BITS=bits, HAS_ZEROS=qzeros is not None, SPLIT_K=split, SERIAL=serial,
-            BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.num_warps, num_stages=config.num_stages,
-        )
-        return y.to(x.dtype)
-    _int_gemv_kernel[grid](
-        x, qweight, scales, zeros, y, ws, locks, n, k, group_size,
-        x.stride(1), qweight.stride(0), qweight.stride(1), scales.stride(0), scales.stride(1),
-        zeros.stride(0), zeros.stride(1),
-        BITS=bits, AWQ=awq, HAS_ZEROS=qzeros is not None, SPLIT_K=split, SERIAL=serial,
-        BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.num_warps, num_stages=config.num_stages,
-    )
+    head = (x, qweight, scales, zeros, y, ws, locks, n, k, group_size)
+    strides = (x.stride(1), qweight.stride(0), qweight.stride(1), scales.stride(0), scales.stride(1),
+               zeros.stride(0), zeros.stride(1))
+    meta = dict(BITS=bits, HAS_ZEROS=qzeros is not None, SPLIT_K=split, SERIAL=serial, BLOCK_N=config.block_n,
+                BLOCK_K=config.block_k, num_warps=config.num_warps, num_stages=config.num_stages)
+    if config.half2 and quant_gemv_h2.h2_applies(x, bits, awq):
+        quant_gemv_h2._gptq_h2_gemv_kernel[grid](*head, *strides, ASM=not INTERPRET, **meta)
+    elif not awq and config.lean:
+        _gptq_gemv_kernel[grid](*head, MAGIC, *strides, **meta)
+    else:
+        _int_gemv_kernel[grid](*head, *strides, AWQ=awq, **meta)
     return y.to(x.dtype)

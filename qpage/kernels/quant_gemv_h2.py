@@ -48,9 +48,9 @@ same arithmetic; ``ptxas`` checks it when ``benchmarks/kernel_sass.py`` compiles
 import torch
 
 from qpage.kernels.quant_gemv import _split4, _split8
-from qpage.kernels.quant_matmul import MatmulConfig, col_zero_scale
-from qpage.kernels.split_k import finish_split_k, split_k_output, split_k_range
-from qpage.kernels.triton_utils import INTERPRET, tl, triton
+from qpage.kernels.quant_matmul import col_zero_scale
+from qpage.kernels.split_k import finish_split_k, split_k_range
+from qpage.kernels.triton_utils import tl, triton
 
 WORD_SUMS_PTX = tl.constexpr("""
 {
@@ -261,27 +261,6 @@ def h2_applies(x: torch.Tensor, bits: int, awq: bool) -> bool:
     lose nothing on the way in: scaled per word into [1, 2), their 8-bit mantissas fit fp16's
     11. fp32 activations would, so they keep the fp32 GEMV."""
     return bits in (4, 8) and not awq and x.dtype in (torch.float16, torch.bfloat16)
-
-
-def h2_gemv(
-    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor | None, *,
-    bits: int, group_size: int, config: MatmulConfig,
-) -> torch.Tensor:
-    """``x [1, K] @ W [K, N]`` for 4- or 8-bit GPTQ-layout weights (``h2_applies``)."""
-    k = x.shape[1]
-    n = scales.shape[1]
-    split = config.split_k
-    grid = (triton.cdiv(n, config.block_n), split)
-    y, ws, locks, serial = split_k_output(1, n, x.dtype, x.device, split, config.serial, grid[0], config.block_n)
-    zeros = qzeros if qzeros is not None else qweight
-    _gptq_h2_gemv_kernel[grid](
-        x, qweight, scales, zeros, y, ws, locks, n, k, group_size,
-        x.stride(1), qweight.stride(0), qweight.stride(1), scales.stride(0), scales.stride(1),
-        zeros.stride(0), zeros.stride(1),
-        BITS=bits, HAS_ZEROS=qzeros is not None, SPLIT_K=split, SERIAL=serial, ASM=not INTERPRET,
-        BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.num_warps, num_stages=config.num_stages,
-    )
-    return y.to(x.dtype)
 
 
 def _f16(t: torch.Tensor) -> torch.Tensor:

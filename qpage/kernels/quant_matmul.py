@@ -357,10 +357,6 @@ def int_matmul(
     one_group = g_idx is None and group_size % cfg.block_k == 0
     if cfg.gemv and m == 1 and one_group:
         from qpage.kernels.quant_gemv import int_gemv
-        from qpage.kernels.quant_gemv_h2 import h2_applies, h2_gemv
-
-        if cfg.half2 and h2_applies(x2, bits, awq):
-            return h2_gemv(x2, qweight, scales, qzeros, bits=bits, group_size=group_size, config=cfg).view(*lead, n)
 
         return int_gemv(x2, qweight, scales, qzeros, bits=bits, group_size=group_size, awq=awq, config=cfg
                         ).view(*lead, n)

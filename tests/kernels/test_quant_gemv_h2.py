@@ -20,7 +20,7 @@ import torch
 from qpage.kernels import quant_gemv_h2
 from qpage.kernels.quant_gemv_h2 import PAIR_PTX, WORD_SUMS8_PTX, WORD_SUMS_PTX, h2_gemv_ref
 from qpage.kernels.quant_matmul import MatmulConfig
-from tests.kernels.conftest import rel_err
+from tests.kernels.conftest import rel_err, spy
 from tests.kernels.ptx_model import run_ptx
 from tests.kernels.test_quant_matmul import TOL, make_weight, run
 
@@ -97,24 +97,17 @@ def test_word_sums_ptx_against_exact_sums(bits: int) -> None:
 
 
 @pytest.fixture
-def h2_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Counts the calls ``int_matmul`` makes into the half2 GEMV's launcher."""
-    calls: list[int] = []
-    launch = quant_gemv_h2.h2_gemv
-
-    def counted(*args: object, **kwargs: object) -> torch.Tensor:
-        calls.append(1)
-        return launch(*args, **kwargs)
-
-    monkeypatch.setattr(quant_gemv_h2, "h2_gemv", counted)
-    return calls
+def h2_calls(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Whether each GEMV ``int_matmul`` launches takes the half2 kernel (``int_gemv`` does
+    exactly when ``h2_applies`` says so)."""
+    return spy(monkeypatch, quant_gemv_h2, "h2_applies")
 
 
 @pytest.mark.parametrize("sym", [False, True], ids=["asym", "sym"])
 @pytest.mark.parametrize("scale", [1.0, 3000.0, 1e-4], ids=["unit", "large", "tiny"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("bits", [4, 8])
-def test_h2_gemv_matches_ref(bits: int, sym: bool, scale: float, dtype: torch.dtype, h2_calls: list[int]) -> None:
+def test_h2_gemv_matches_ref(bits: int, sym: bool, scale: float, dtype: torch.dtype, h2_calls: list[bool]) -> None:
     """M = 1, K = 324 (a half-filled last word and a short last tile), N = 96 (a partial column
     tile), groups of 64 with 64-row tiles and per-channel with 128-row tiles; K unsplit, split
     serially in 2 and atomically in 3. Activations of unit size, large (|x| to 3e4 with 4-bit
@@ -140,19 +133,19 @@ def test_h2_gemv_matches_ref(bits: int, sym: bool, scale: float, dtype: torch.dt
             same = h2_gemv_ref(x, w["qweight"], w["scales"], w["qzeros"], group_size=w["group"], bits=bits)
             assert torch.allclose(out.float(), same.float(), rtol=2.0**-7 if dtype == torch.bfloat16 else 2.0**-10,
                                   atol=0), cfg
-    assert len(h2_calls) == 6
+    assert h2_calls == [True] * 6
 
 
 @pytest.mark.parametrize(("awq", "bits", "dtype"), [
     (False, 4, torch.float32), (True, 4, torch.float16), (False, 8, torch.float32)], ids=["fp32", "awq", "int8-fp32"])
 def test_h2_falls_back_where_it_does_not_apply(awq: bool, bits: int, dtype: torch.dtype,
-                                               h2_calls: list[int]) -> None:
+                                               h2_calls: list[bool]) -> None:
     """``half2`` on fp32 activations or AWQ weights runs the other GEMV."""
     w = make_weight(256, 64, bits, 64, awq=awq, seed=6)
     x = torch.randn(1, 256, generator=torch.Generator().manual_seed(7)).to(dtype)
     out, ref = run(x, w, MatmulConfig(16, 64, 64, split_k=2, gemv=True, half2=True))
     assert rel_err(out, ref) < TOL[dtype]
-    assert h2_calls == []
+    assert h2_calls == [False]
 
 
 def test_half2_switch_on_the_gpu_heuristic(monkeypatch: pytest.MonkeyPatch) -> None:

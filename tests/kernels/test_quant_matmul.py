@@ -7,6 +7,8 @@ output dtype's rounding; accumulation is fp32 in both).
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -20,7 +22,7 @@ from qpage.kernels.quant_matmul import (
     unpack_cols,
     unpack_rows,
 )
-from tests.kernels.conftest import rel_err
+from tests.kernels.conftest import rel_err, spy
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 
@@ -189,25 +191,17 @@ def test_rejects_unsupported_bits() -> None:
 
 
 @pytest.fixture
-def pairs_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Counts the calls ``int_matmul`` makes into the pairs kernel's launcher."""
+def pairs_calls(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """The outputs of the calls ``int_matmul`` makes into the pairs kernel's launcher."""
     from qpage.kernels import quant_pairs
 
-    calls: list[int] = []
-    launch = quant_pairs.pairs_matmul
-
-    def counted(*args: object, **kwargs: object) -> torch.Tensor:
-        calls.append(1)
-        return launch(*args, **kwargs)
-
-    monkeypatch.setattr(quant_pairs, "pairs_matmul", counted)
-    return calls
+    return spy(monkeypatch, quant_pairs, "pairs_matmul")
 
 
 @pytest.mark.parametrize("layout", ["gptq", "gptq8", "awq"])
 @pytest.mark.parametrize("sym", [False, True], ids=["asym", "sym"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
-def test_pairs_kernel(layout: str, sym: bool, dtype: torch.dtype, pairs_calls: list[int]) -> None:
+def test_pairs_kernel(layout: str, sym: bool, dtype: torch.dtype, pairs_calls: list[Any]) -> None:
     """The pairs kernels (4-bit, decode batches) at M = 2, 16 and 21; K unsplit, split serially
     in 2 and atomically in 3. GPTQ: K = 320 in 128-row tiles ends in a half-masked tile, N = 96
     in a partial column tile, and a per-channel weight (one group spanning K = 384); 8-bit
@@ -241,7 +235,7 @@ def test_pairs_kernel(layout: str, sym: bool, dtype: torch.dtype, pairs_calls: l
     (False, 4, False, 64, 128, torch.float16)],
     ids=["awq-64-columns", "int8-bk32", "actorder", "bk64", "tile-across-groups"])
 def test_pairs_falls_back_where_it_does_not_apply(awq: bool, bits: int, act_order: bool, group: int,
-                                                  block_k: int, dtype: torch.dtype, pairs_calls: list[int]) -> None:
+                                                  block_k: int, dtype: torch.dtype, pairs_calls: list[Any]) -> None:
     """A ``pairs`` config on a weight or tile the kernel does not take runs the general tl.dot
     kernel (same tiles) and still matches the reference."""
     w = make_weight(256, 64, bits, group, awq=awq, act_order=act_order, seed=12)
