@@ -28,6 +28,6 @@ if [ -n "${TOKENIZER_DIR:-}" ]; then tok=(--tokenizer "$TOKENIZER_DIR"); fi
 timeout 200 python3 benchmarks/gpu_engine_check.py --quantized "${tok[@]}" --out "$out/gpu_engine_check.json" 2>&1 \
     | tee "$out/engine.log" || echo "engine check did not complete (see engine.log)"
 arch=$(python3 -c "import torch; a, b = torch.cuda.get_device_capability(); print(10 * a + b)" 2>/dev/null || echo 90)
-timeout 120 python3 benchmarks/kernel_sass.py --arch "$arch" --attention --small-m --out "$out/kernel_sass.json" 2>&1 \
+timeout 120 python3 benchmarks/kernel_sass.py --arch "$arch" --attention --small-m --fp8-matmul --out "$out/kernel_sass.json" 2>&1 \
     | tee "$out/kernel_sass.log" || echo "kernel_sass did not complete (see kernel_sass.log)"
 exit "$status"

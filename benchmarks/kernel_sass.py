@@ -12,7 +12,9 @@ inline PTX only ever runs on a GPU: compiling it here is also its check that ptx
 64-token tiles) for each cache mode: loop instructions per token, registers, shared memory,
 the resident warps per SM these allow, and the global loads (LDG: the block ids and per-token
 scales; with ``scales_ahead`` their results are used one iteration later) and shared-memory
-loads (LDS) in the loop.
+loads (LDS) in the loop; then the FP8 decoders side by side (the element-wise Triton bit
+trick against the packed PTX of ``fp8_codec``) and the prefill kernel. ``--fp8-matmul`` counts
+the FP8 weight matmul's loop per weight for each decoder.
 
 Why this figure: on an H200 the M=1 INT4 GEMV ran at 22.8 us for 4096x14336, a third of the
 memory floor and about half of the SMs' issue rate (benchmarks/NOTES-kernels.md), so the
@@ -23,6 +25,7 @@ is memory-bound; fewer instructions still free issue slots for the loads.
     python benchmarks/kernel_sass.py --arch 90 --quick
     python benchmarks/kernel_sass.py --arch 90 --attention
     python benchmarks/kernel_sass.py --arch 90 --small-m    # INT4 tl.dot kernels for 2 <= M <= 32
+    python benchmarks/kernel_sass.py --arch 86 --fp8-matmul # FP8 weights: bit trick vs PTX decoder
 """
 
 from __future__ import annotations
@@ -62,7 +65,7 @@ def tool(name: str) -> Path:
 
 
 def compile_cubin(fn: Any, constexprs: dict[str, Any], arch: int, num_warps: int, num_stages: int,
-                  types: dict[str, str] | None = None) -> Any:
+                  types: dict[str, str] | None = None, maxnreg: int | None = None) -> Any:
     """``fn`` compiled for ``sm_<arch>`` as the JIT would specialize it (module docstring)."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -74,8 +77,8 @@ def compile_cubin(fn: Any, constexprs: dict[str, Any], arch: int, num_warps: int
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
              if n not in const and (n.endswith("_ptr") or n in DIV16 or n.startswith("stride"))}
     src = ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                          options={"num_warps": num_warps, "num_stages": num_stages})
+    options = {"num_warps": num_warps, "num_stages": num_stages} | ({"maxnreg": maxnreg} if maxnreg else {})
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
 
 
 def sass_of(cubin: bytes) -> tuple[str, int, int]:
@@ -150,40 +153,56 @@ SMEM_PER_SM = {80: 164, 86: 100, 89: 100, 90: 228}
 
 
 def attention_rows(archs: list[int]) -> list[dict[str, Any]]:
-    """The decode kernel per cache mode and setting (module docstring)."""
+    """The decode kernel per cache mode and setting at 2 stages, as launched (module docstring);
+    then the FP8 decoders side by side: the element-wise Triton bit trick against its packed
+    PTX (e4m3 on sm_80/86, e5m2 everywhere), per-token, 4 warps."""
+    rows = []
+    modes = [("fp16", False, False, False), ("fp8 per-token", True, True, False), ("fp8 per-token", True, True, True),
+             ("fp8 per-tensor", True, False, False), ("fp8 per-tensor", True, False, True)]
+    for arch in archs:
+        for label, fp8, per_token, v_f16 in modes:
+            for warps in (4, 8):
+                rows.append(_decode_row(arch, label, fp8, per_token, v_f16, warps, "e4m3", None))
+        # 8 warps with registers capped at 80: three programs per SM (a tuned setting, maxnreg).
+        rows.append(_decode_row(arch, "fp8 per-token", True, True, True, 8, "e4m3", None, maxnreg=80))
+        for fmt in ("e4m3", "e5m2"):
+            if fmt == "e4m3" and arch >= 89:
+                continue  # hardware cvt there
+            for cvt in (0, 1):
+                rows.append(_decode_row(arch, f"decoder {fmt}", True, True, arch >= 90, 4, fmt, cvt))
+    rows += prefill_rows(archs)
+    return rows
+
+
+def _decode_row(arch: int, label: str, fp8: bool, per_token: bool, v_f16: bool, warps: int, fmt: str,
+                cvt: int | None, maxnreg: int | None = None) -> dict[str, Any]:
     import triton.language as tl
 
     from qpage.kernels.paged_attention import _decode_kernel
 
-    rows = []
-    modes = [("fp16", False, False, True, False), ("fp8 per-token", True, True, False, False),
-             ("fp8 per-token", True, True, True, False), ("fp8 per-token", True, True, True, True),
-             ("fp8 per-tensor", True, False, True, False), ("fp8 per-tensor", True, False, True, True)]
-    for arch in archs:
-        for label, fp8, per_token, ahead, v_f16 in modes:
-            for warps in (4, 8):
-                cache = "*u8" if fp8 else "*fp16"
-                types = dict(q_ptr="*fp16", kc_ptr=cache, vc_ptr=cache, ks_ptr="*fp16", vs_ptr="*fp16",
-                             bt_ptr="*i32", lens_ptr="*i32", out_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32",
-                             qk_scale="fp32", unit="fp32")
-                const = dict(KV_HEADS=8, QPK=4, Q_PAD=16, HEAD_DIM=128, DIM_PAD=128, PAGE=16, SPLIT=True, BLOCK_N=64,
-                             FP8=fp8, IS_E5M2=False, PER_TOKEN=per_token, HW_FP8=fp8 and arch >= 89,
-                             DOT_DTYPE=tl.float16, PRECISION="tf32", PREFETCH=False, SCALES_AHEAD=ahead, V_F16=v_f16,
-                             stride_op=1)
-                kernel = compile_cubin(_decode_kernel, const, arch, warps, 3, types)
-                sass, regs, spill = sass_of(kernel.asm["cubin"])
-                n, ops = main_loop(sass)
-                smem = kernel.metadata.shared
-                ctas = min(65536 // (max(regs, 1) * 32 * warps), SMEM_PER_SM[arch] * 1024 // max(smem, 1))
-                row = dict(arch=arch, mode=label, scales_ahead=ahead, v_f16=v_f16, num_warps=warps, loop_instructions=n,
-                           per_token=round(n / 64, 2), registers=regs, spill_bytes=spill, smem_bytes=smem,
-                           warps_per_sm=ctas * warps, ldg_in_loop=ops.get("LDG", 0), lds=ops.get("LDS", 0))
-                rows.append(row)
-                print(f"sm_{arch} decode {label:14s} ahead={int(ahead)} v_f16={int(v_f16)} warps={warps}: loop {n:4d} "
-                      f"({n / 64:5.2f}/token) regs {regs:3d} smem {smem:6d} -> {ctas * warps:2d} warps/SM, "
-                      f"{row['ldg_in_loop']} LDG, {row['lds']} LDS in the loop", flush=True)
-    rows += prefill_rows(archs)
-    return rows
+    cvt = cvt if cvt is not None else (2 if fmt == "e4m3" and arch >= 89 else 1) if fp8 else 0
+    cache = "*u8" if fp8 else "*fp16"
+    types = dict(q_ptr="*fp16", kc_ptr=cache, vc_ptr=cache, ks_ptr="*fp16", vs_ptr="*fp16",
+                 bt_ptr="*i32", lens_ptr="*i32", out_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32",
+                 qk_scale="fp32", unit="fp32")
+    const = dict(KV_HEADS=8, QPK=4, Q_PAD=16, HEAD_DIM=128, DIM_PAD=128, PAGE=16, SPLIT=True, BLOCK_N=64,
+                 FP8=fp8, IS_E5M2=fmt == "e5m2", PER_TOKEN=per_token, FP8_CVT=cvt,
+                 DOT_DTYPE=tl.float16, PRECISION="tf32", PREFETCH=False, SCALES_AHEAD=True, V_F16=v_f16,
+                 stride_op=1)
+    kernel = compile_cubin(_decode_kernel, const, arch, warps, 2, types, maxnreg)
+    sass, regs, spill = sass_of(kernel.asm["cubin"])
+    n, ops = main_loop(sass)
+    smem = kernel.metadata.shared
+    ctas = min(65536 // (max(regs, 1) * 32 * warps), SMEM_PER_SM[arch] * 1024 // max(smem, 1))
+    row = dict(arch=arch, mode=label, fp8_cvt=["bits", "ptx", "hw"][cvt] if fp8 else "", v_f16=v_f16,
+               num_warps=warps, maxnreg=maxnreg, loop_instructions=n, per_token=round(n / 64, 2), registers=regs,
+               spill_bytes=spill, smem_bytes=smem, warps_per_sm=ctas * warps, ldg_in_loop=ops.get("LDG", 0),
+               lds=ops.get("LDS", 0))
+    cap = f" maxnreg={maxnreg}" if maxnreg else ""
+    print(f"sm_{arch} decode {label:14s} cvt={row['fp8_cvt'] or '-':4s} v_f16={int(v_f16)} warps={warps}{cap}: "
+          f"loop {n:4d} ({n / 64:5.2f}/token) regs {regs:3d} smem {smem:6d} -> {ctas * warps:2d} warps/SM, "
+          f"{row['ldg_in_loop']} LDG, {row['lds']} LDS in the loop", flush=True)
+    return row
 
 
 def prefill_rows(archs: list[int]) -> list[dict[str, Any]]:
@@ -202,7 +221,8 @@ def prefill_rows(archs: list[int]) -> list[dict[str, Any]]:
             types = dict(q_ptr="*fp16", kc_ptr=cache, vc_ptr=cache, ks_ptr="*fp16", vs_ptr="*fp16", bt_ptr="*i32",
                          cu_ptr="*i32", ctx_ptr="*i32", out_ptr="*fp16", qk_scale="fp32", unit="fp32")
             const = dict(KV_HEADS=8, QPK=4, HEAD_DIM=128, DIM_PAD=128, PAGE=16, BLOCK_M=64, BLOCK_N=64, FP8=fp8,
-                         IS_E5M2=False, PER_TOKEN=per_token, HW_FP8=fp8 and arch >= 89, DOT_DTYPE=tl.float16,
+                         IS_E5M2=False, PER_TOKEN=per_token, FP8_CVT=(2 if arch >= 89 else 1) if fp8 else 0,
+                         DOT_DTYPE=tl.float16,
                          PRECISION="tf32", SCALE_ROWS=rows_)
             sass, regs, spill = sass_of(compile_cubin(_prefill_kernel, const, arch, 4, 2, types).asm["cubin"])
             n, ops = main_loop(sass)
@@ -269,6 +289,36 @@ def _small_m_tile(arch: int, layout: str, act: str, types: dict[str, str], tile:
     return rows
 
 
+FP8_MATMUL_TILES = [(16, 64, 128, 4), (16, 128, 128, 4), (64, 128, 64, 4), (128, 128, 64, 8)]
+"""(block_m, block_n, block_k, warps) of the FP8 weight matmul counted by ``--fp8-matmul``."""
+
+
+def fp8_matmul_rows(archs: list[int]) -> list[dict[str, Any]]:
+    """The FP8 (E4M3) weight matmul's loop per weight on GPUs without e4m3 conversion (sm_80/86):
+    the element-wise Triton bit trick against the packed PTX decoder (``fp8_codec.CVT_PTX``),
+    and on sm_89/90 the hardware conversion for scale."""
+    from qpage.kernels.fp8_matmul import _fp8_matmul_kernel
+
+    types = dict(x_ptr="*fp16", w_ptr="*u8", s_ptr="*fp32", y_ptr="*fp16", ws_ptr="*fp32", lock_ptr="*i32",
+                 unit="fp32")
+    rows = []
+    for arch in archs:
+        for bm, bn, bk, warps in FP8_MATMUL_TILES:
+            for cvt in (0, 1) if arch < 89 else (2,):
+                const = dict(BLOCK_SCALES=False, SCALE_BLOCK_=128, SPLIT_K=1, SERIAL=True, DOT_F32=False, FP8_CVT=cvt,
+                             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, stride_wk=1, stride_xk=1, stride_yn=1, stride_sk=1)
+                kernel = compile_cubin(_fp8_matmul_kernel, const, arch, warps, 3, types)
+                sass, regs, spill = sass_of(kernel.asm["cubin"])
+                n, _ = main_loop(sass)
+                per = n / (bn * bk / (32 * warps))
+                rows.append(dict(arch=arch, kernel="fp8 matmul", fp8_cvt=["bits", "ptx", "hw"][cvt], block_m=bm,
+                                 block_n=bn, block_k=bk, num_warps=warps, loop_instructions=n,
+                                 per_weight=round(per, 3), registers=regs, spill_bytes=spill))
+                print(f"sm_{arch} fp8 matmul {bm}x{bn}x{bk} w{warps} cvt={rows[-1]['fp8_cvt']:4s}: loop {n:4d} "
+                      f"({per:5.2f} per weight) regs {regs:3d} spill {spill}", flush=True)
+    return rows
+
+
 def summary(rows: list[dict[str, Any]]) -> list[str]:
     """Per arch and case: the in-place kernel's instructions per weight against the shift
     kernel's and the half2 kernel's."""
@@ -292,6 +342,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="one case and one tile config (a smoke run)")
     ap.add_argument("--attention", action="store_true", help="also the paged decode attention kernel")
     ap.add_argument("--small-m", action="store_true", help="also the INT4 tl.dot kernels at decode batch sizes")
+    ap.add_argument("--fp8-matmul", action="store_true", help="also the FP8 weight matmul, per FP8 decoder")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "kernel_sass.json")
     args = ap.parse_args()
     archs = args.arch or sorted(ARCHS)
@@ -304,10 +355,11 @@ def main() -> None:
     print("\n" + "\n".join(lines))
     attention = attention_rows(archs) if args.attention else []
     small_m = small_m_rows(archs, args.quick) if args.small_m else []
+    fp8_matmul = fp8_matmul_rows(archs) if args.fp8_matmul else []
     args.out.parent.mkdir(parents=True, exist_ok=True)
     tmp = args.out.with_suffix(".tmp")
     tmp.write_text(json.dumps({"triton": triton.__version__, "rows": rows, "summary": lines, "attention": attention,
-                               "small_m": small_m},
+                               "small_m": small_m, "fp8_matmul": fp8_matmul},
                               indent=1))
     tmp.replace(args.out)
     print(f"wrote {args.out}")

@@ -178,11 +178,15 @@ def tune_decode(device: Any, timer: Any, deadline: float, interpret: bool, table
 
     dtype = torch.float32 if interpret else torch.float16
     nseq, ctx, heads, kvh, dim = (2, 80, 4, 2, 64) if interpret else (32, 4096, 32, 8, 128)
-    # (block_n, warps, stages, partition, register prefetch, FP8 V staged as fp16), likeliest first:
-    # the sweep stops at its deadline.
-    grid = [(16, 4, 2, 32, False, False), (16, 4, 2, 32, True, False), (16, 4, 2, 32, False, True)] if interpret else [
-        (bn, w, s, part, pf, vf) for bn in (64, 128, 32) for w in (4, 8) for s in (3, 2) for part in (512, 1024, 256)
-        for pf, vf in ((False, False), (False, True), (True, False))]
+    # (block_n, warps, stages, partition, register prefetch, FP8 V staged as fp16, register cap),
+    # likeliest first: the sweep stops at its deadline. The cap fits one more program per SM
+    # (3 x 8 warps at 80 registers, 5 x 4 warps at 96) where FP8 V staging takes a few more.
+    grid = [(16, 4, 2, 32, False, False, None), (16, 4, 2, 32, True, False, None),
+            (16, 4, 2, 32, False, True, 96)] if interpret else [
+        (bn, w, s, part, pf, vf, cap) for bn in (64, 128, 32) for w in (4, 8) for s in (2, 3)
+        for part in (512, 1024, 256)
+        for pf, vf, cap in ((False, False, None), (False, True, None), (False, True, 80 if w == 8 else 96),
+                            (True, False, None))]
     q = torch.randn(nseq, heads, dim, device=device, dtype=dtype)
     lens = torch.full((nseq,), ctx, dtype=torch.int32, device=device)
     rows = []
@@ -196,12 +200,14 @@ def tune_decode(device: Any, timer: Any, deadline: float, interpret: bool, table
         best, best_t = None, float("inf")
         t_base = timer.time([lambda: paged_attention_decode(q, c["k_cache"], c["v_cache"], c["block_tables"], lens,
                                                             dim**-0.5, **kw)], reps=10)
-        for bn, warps, stages, part, pf, vf in grid:
+        for bn, warps, stages, part, pf, vf, cap in grid:
             if time.perf_counter() > deadline:
                 break
             if (pf or vf) and fmt is None:  # fp16 tiles go through the async-copy pipeline already
                 continue
             cfg = dict(block_n=bn, num_warps=warps, num_stages=stages, partition=part, prefetch=pf, v_f16=vf)
+            if cap:
+                cfg["maxnreg"] = cap
             args = dict(cfg, **kw)
             try:
                 out = paged_attention_decode(q, c["k_cache"], c["v_cache"], c["block_tables"], lens, dim**-0.5,

@@ -4,16 +4,34 @@ the FP8 cache write against torch's conversion)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
+from collections.abc import Iterator
 from typing import Any
 
 from kernel_common import DATASHEET_GBS, Timer, device_name, fill_cache, rel_err
+
+
+@contextlib.contextmanager
+def forced_decoder(name: str | None) -> Iterator[None]:
+    """``QPAGE_FP8_DECODER=name`` for the duration (nothing when None)."""
+    old = os.environ.get("QPAGE_FP8_DECODER")
+    if name:
+        os.environ["QPAGE_FP8_DECODER"] = name
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("QPAGE_FP8_DECODER", None)
+        else:
+            os.environ["QPAGE_FP8_DECODER"] = old
 
 
 def bench_attention(args: argparse.Namespace, device: Any, timer: Timer, peak: float) -> list[dict[str, Any]]:
     import torch
     import torch.nn.functional as F
 
-    from qpage.kernels.fp8_codec import sm90_plus
+    from qpage.kernels.fp8_codec import CVT_HW, fp8_decoder, sm90_plus
     from qpage.kernels.paged_attention import paged_attention_decode, paged_attention_decode_ref
     from qpage.kernels.paged_prefill import paged_attention_prefill, paged_attention_prefill_ref
 
@@ -35,7 +53,7 @@ def bench_attention(args: argparse.Namespace, device: Any, timer: Timer, peak: f
     peak = max(peak if peak == peak else 0.0, sdpa_bytes / t_sdpa / 1e9)
     sheet = next((v for key, v in DATASHEET_GBS.items() if key in str(device_name(device))), float("nan"))
     for label, fmt, per_token in (("fp16", None, False), ("fp8 e4m3 per-token", "e4m3", True),
-                                  ("fp8 e4m3 per-tensor", "e4m3", False)):
+                                  ("fp8 e4m3 per-tensor", "e4m3", False), ("fp8 e5m2 per-token", "e5m2", True)):
         c = fill_cache(nseq, ctx, kvh, dim, dtype, fmt, per_token, device)
         kw = dict(k_scale=c["k_scale"], v_scale=c["v_scale"], fp8_format=fmt)
         out = paged_attention_decode(q, c["k_cache"], c["v_cache"], c["block_tables"], lens, scale, **kw)
@@ -53,14 +71,23 @@ def bench_attention(args: argparse.Namespace, device: Any, timer: Timer, peak: f
         print(f"  decode paged {label}: {t * 1e6:.1f} us, {kv_bytes / t / 1e9:.0f} GB/s, relerr {err:.1e}",
               flush=True)
         # Side by side: per-token scales loaded within their own tile (before 2026-11-30's
-        # change), and FP8 V converted row-wise and staged as fp16.
+        # change), FP8 V converted row-wise (rows scaled) and staged as fp16, and that at 8 warps
+        # with and without registers capped at 80 (3 programs per SM instead of 2 on sm_90).
+        # The e4m3 "ptx decoder" row runs fp8_codec's packed PTX where the hardware conversion is
+        # the default (sm_89+): on the H200 it is the PTX's check against the reference.
         variants = ([("scales in-loop", {"scales_ahead": False})] if per_token else []) + (
-            [("v staged fp16", {"v_f16": True})] if fmt else [])
+            [("v staged fp16", {"v_f16": True}), ("v staged fp16 8 warps", {"v_f16": True, "num_warps": 8}),
+             ("v staged fp16 8 warps maxnreg 80", {"v_f16": True, "num_warps": 8, "maxnreg": 80})]
+            if fmt == "e4m3" else []) + (
+            [("ptx decoder", {"decoder": "ptx"})] if fmt == "e4m3" and fp8_decoder(device, fmt) == CVT_HW else [])
         for vlabel, vkw in variants:
-            vout = paged_attention_decode(q, c["k_cache"], c["v_cache"], c["block_tables"], lens, scale, **kw, **vkw)
-            verr = rel_err(vout[ref_rows], ref)
-            vt = timer.time([lambda a=vkw: paged_attention_decode(q, c["k_cache"], c["v_cache"], c["block_tables"],
-                                                                  lens, scale, max_seq_len=ctx, **kw, **a)])
+            with forced_decoder(vkw.get("decoder")):
+                vkw = {k: v for k, v in vkw.items() if k != "decoder"}
+                vout = paged_attention_decode(q, c["k_cache"], c["v_cache"], c["block_tables"], lens, scale, **kw,
+                                              **vkw)
+                verr = rel_err(vout[ref_rows], ref)
+                vt = timer.time([lambda a=vkw: paged_attention_decode(
+                    q, c["k_cache"], c["v_cache"], c["block_tables"], lens, scale, max_seq_len=ctx, **kw, **a)])
             rows.append(dict(kernel=f"decode paged {label} {vlabel}", us=vt * 1e6, gbs=kv_bytes / vt / 1e9,
                              pct_datasheet=100 * kv_bytes / vt / 1e9 / sheet, relerr=verr))
             print(f"  decode paged {label} {vlabel}: {vt * 1e6:.1f} us, {kv_bytes / vt / 1e9:.0f} GB/s, "

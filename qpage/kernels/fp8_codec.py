@@ -13,9 +13,20 @@ Decode trick: both formats' exponent and mantissa fit an fp16 bit pattern. e5m2 
 top byte of an fp16. For e4m3, ``(code & 0x7f) << 7`` is an fp16 with the same exponent
 field under bias 15 instead of 7, so multiplying by 2**8 gives the value; this also holds
 for subnormals, which map onto fp16 subnormals exactly (no fp32 flush-to-zero involved).
+
+Three ways a kernel decodes (``fp8_decoder`` picks one per device and format):
+- ``CVT_BITS``: the trick in Triton integer arithmetic, element by element (the interpreter);
+- ``CVT_PTX``: the same trick on four codes at once in inline PTX (``E4M3_PTX``, ``E5M2_PTX``):
+  two ``prmt`` move the bytes into the high bytes of two fp16 pairs, then an AND, a shift and a
+  LOP3 per pair. Triton's element-wise code spends several 16-bit-emulating instructions
+  per code, and decoding runs where ``tl.dot`` wants its operand, byte by byte: on sm_86 the
+  paged decode loop counted 1337 instructions per 64-token tile with it and 1093 with the PTX
+  (benchmarks/NOTES-kernels.md). GPUs only: the interpreter cannot run assembly.
+- ``CVT_HW``: e4m3 by the hardware's ``cvt`` (sm_89+), two codes per instruction.
 """
 
 import functools
+import os
 
 import torch
 
@@ -54,10 +65,57 @@ def fp8_to_f32(code, IS_E5M2: tl.constexpr):
         return h.to(tl.float32) * 256.0
 
 
-@functools.lru_cache(maxsize=16)
-def hardware_fp8(device: torch.device) -> bool:
-    """Whether Triton can convert e4m3 in hardware here (sm_89+); else the bit trick."""
-    return (not INTERPRET and device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9))
+CVT_BITS = 0
+CVT_PTX = 1
+CVT_HW = 2
+
+E4M3_PTX = tl.constexpr(
+    "{ .reg .b32 t0, t1, m0, m1; "
+    "prmt.b32 t0, $2, 0, 0x1404; "  # [0, c0, 0, c1]: codes 0 and 1 in the high bytes of two halves
+    "prmt.b32 t1, $2, 0, 0x3424; "  # [0, c2, 0, c3]
+    "and.b32 m0, t0, 0x7F007F00; "
+    "and.b32 m1, t1, 0x7F007F00; "
+    "shr.u32 m0, m0, 1; "  # (code & 0x7f) << 7 in each half
+    "shr.u32 m1, m1, 1; "
+    "lop3.b32 $0, t0, 0x80008000, m0, 0xEA; "  # | sign << 15: (a & b) | c
+    "lop3.b32 $1, t1, 0x80008000, m1, 0xEA; }"
+)
+"""Four e4m3 codes (one 32-bit register, code i in byte i) -> four fp16 equal to value / 2**8
+(``$0`` = codes 0 and 1, ``$1`` = codes 2 and 3, the lower index in the low half)."""
+
+E5M2_PTX = tl.constexpr("{ prmt.b32 $0, $2, 0, 0x1404; prmt.b32 $1, $2, 0, 0x3424; }")
+"""Four e5m2 codes -> four fp16 (each code is the high byte of its fp16)."""
+
+
+DECODERS = {"bits": CVT_BITS, "ptx": CVT_PTX, "hw": CVT_HW}
+
+
+def fp8_decoder(device: torch.device, fmt: str = "e4m3") -> int:
+    """How kernels on ``device`` decode ``fmt`` codes: ``CVT_HW`` for e4m3 on sm_89+,
+    ``CVT_PTX`` on other CUDA GPUs (and for e5m2), ``CVT_BITS`` under the interpreter.
+    ``QPAGE_FP8_DECODER=bits|ptx|hw`` forces one (to compare them on one GPU); a choice the
+    device cannot run raises."""
+    best = _best_decoder(device, fmt)
+    forced = os.environ.get("QPAGE_FP8_DECODER", "")
+    if not forced:
+        return best
+    if forced not in DECODERS:
+        raise ValueError(f"QPAGE_FP8_DECODER={forced!r}: expected one of {sorted(DECODERS)}")
+    cvt = DECODERS[forced]
+    if cvt > best:  # PTX needs a GPU (not the interpreter); hw needs e4m3 on sm_89+
+        why = "the interpreter and CPUs run no PTX" if best == CVT_BITS else "it needs e4m3 codes on sm_89 or later"
+        raise ValueError(f"QPAGE_FP8_DECODER={forced} is not available for {fmt} here ({why}); unset it or choose "
+                         f"{'bits' if best == CVT_BITS else 'bits or ptx'}")
+    return cvt
+
+
+@functools.lru_cache(maxsize=32)
+def _best_decoder(device: torch.device, fmt: str) -> int:
+    if INTERPRET or device.type != "cuda":
+        return CVT_BITS
+    if fmt == "e4m3" and torch.cuda.get_device_capability(device) >= (8, 9):
+        return CVT_HW
+    return CVT_PTX
 
 
 @functools.lru_cache(maxsize=16)
@@ -66,18 +124,23 @@ def sm90_plus(device: torch.device) -> bool:
     return not INTERPRET and device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
 
 
-def fp8_unit(fmt: str, hardware: bool) -> float:
-    """What ``fp8_to_f16`` leaves out: its result times this is the code's value."""
-    return 256.0 if fmt == "e4m3" and not hardware else 1.0
+def fp8_unit(fmt: str, cvt: int) -> float:
+    """What ``fp8_to_f16`` leaves out under decoder ``cvt``: its result times this is the value."""
+    return 256.0 if fmt == "e4m3" and cvt != CVT_HW else 1.0
 
 
 @triton.jit
-def fp8_to_f16(code, IS_E5M2: tl.constexpr, HW: tl.constexpr):
-    """uint8 codes -> fp16 equal to value / unit (``fp8_unit``): the bit trick alone for
-    e4m3 (value * 2**-8, exact), the hardware conversion when HW (sm_89+)."""
-    if IS_E5M2:
+def fp8_to_f16(code, IS_E5M2: tl.constexpr, CVT: tl.constexpr):
+    """uint8 codes -> fp16 equal to value / unit (``fp8_unit``): the bit trick for e4m3
+    (value * 2**-8, exact) and e5m2, in Triton or in PTX (``CVT``), or the hardware
+    conversion of e4m3 (``CVT_HW``, sm_89+)."""
+    if CVT == 1 and IS_E5M2:  # CVT_PTX
+        return tl.inline_asm_elementwise(E5M2_PTX, "=r,=r,r", [code], dtype=tl.float16, is_pure=True, pack=4)
+    elif CVT == 1:
+        return tl.inline_asm_elementwise(E4M3_PTX, "=r,=r,r", [code], dtype=tl.float16, is_pure=True, pack=4)
+    elif IS_E5M2:
         return (code.to(tl.int16) << 8).to(tl.float16, bitcast=True)
-    elif HW:
+    elif CVT == 2:  # CVT_HW
         return code.to(tl.float8e4nv, bitcast=True).to(tl.float16)
     else:
         c = code.to(tl.int16)

@@ -4,15 +4,16 @@ Layout (HF fp8 / compressed-tensors, DESIGN 7b): ``weight`` [N, K] E4M3 codes (a
 ``float8_e4m3fn`` tensor viewed as uint8), row n = output feature; scales fp32 either
 per channel, ``[N]`` (or ``[N, 1]``), or per 128x128 block, ``[ceil(N/128), ceil(K/128)]``
 (HF's ``weight_scale_inv``, which despite its name multiplies). Codes are decoded in
-registers with integer arithmetic (``fp8_codec``), so the kernel runs on GPUs without FP8
-units (sm_80/86) as well as on Hopper. Same tiling and split-K scheme as ``quant_matmul``.
+registers (``fp8_codec``: the integer bit trick, in PTX on GPUs without FP8 units such as
+sm_80/86; the hardware conversion on sm_89+), so the kernel runs on every GPU generation.
+Same tiling and split-K scheme as ``quant_matmul``.
 """
 
 from dataclasses import replace
 
 import torch
 
-from qpage.kernels.fp8_codec import decode_fp8_ref, fp8_to_f16, fp8_unit, hardware_fp8
+from qpage.kernels.fp8_codec import decode_fp8_ref, fp8_decoder, fp8_to_f16, fp8_unit
 from qpage.kernels.quant_matmul import MatmulConfig, choose_config
 from qpage.kernels.split_k import finish_tile, split_k_output, split_k_range
 from qpage.kernels.triton_utils import INTERPRET, tl, triton
@@ -27,7 +28,7 @@ def _fp8_matmul_kernel(
     stride_xm, stride_xk, stride_wn, stride_wk, stride_sn, stride_sk, stride_ym, stride_yn,
     unit,
     BLOCK_SCALES: tl.constexpr, SCALE_BLOCK_: tl.constexpr, SPLIT_K: tl.constexpr, SERIAL: tl.constexpr,
-    DOT_F32: tl.constexpr, HW_FP8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_F32: tl.constexpr, FP8_CVT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -45,7 +46,7 @@ def _fp8_matmul_kernel(
                     mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         codes = tl.load(w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk,
                         mask=k_mask[:, None] & n_mask[None, :], other=0)
-        w = fp8_to_f16(codes, False, HW_FP8)  # value / unit
+        w = fp8_to_f16(codes, False, FP8_CVT)  # value / unit
         if DOT_F32:
             part = tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision="ieee")
         else:
@@ -87,16 +88,16 @@ def fp8_matmul(
         raise ValueError(f"block scales need block_k and block_n to divide {SCALE_BLOCK}")
     s2 = scale if block else scale.reshape(n, 1)
     split = cfg.split_k
-    hw = hardware_fp8(x.device)
+    cvt = fp8_decoder(x.device)
     grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), split)
     y, ws, locks, serial = split_k_output(m, n, x.dtype, x.device, split, cfg.serial, grid[0] * grid[1],
                                   cfg.block_m * cfg.block_n)
     _fp8_matmul_kernel[grid](
         x2, codes, s2, y, ws, locks, m, n, k,
         x2.stride(0), x2.stride(1), codes.stride(0), codes.stride(1), s2.stride(0), s2.stride(1),
-        y.stride(0), y.stride(1), fp8_unit("e4m3", hw),
+        y.stride(0), y.stride(1), fp8_unit("e4m3", cvt),
         BLOCK_SCALES=block, SCALE_BLOCK_=SCALE_BLOCK, SPLIT_K=split, SERIAL=serial,
-        DOT_F32=INTERPRET or x.dtype == torch.float32, HW_FP8=hw,
+        DOT_F32=INTERPRET or x.dtype == torch.float32, FP8_CVT=cvt,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

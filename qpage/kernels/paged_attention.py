@@ -23,7 +23,7 @@ import math
 import torch
 
 from qpage.config import BLOCK_SIZE
-from qpage.kernels.fp8_codec import decode_fp8_ref, fp8_to_f16, fp8_unit, hardware_fp8, sm90_plus
+from qpage.kernels.fp8_codec import decode_fp8_ref, fp8_decoder, fp8_to_f16, fp8_unit, sm90_plus
 from qpage.kernels.triton_utils import INTERPRET, tl, triton
 from qpage.kernels.tuned import decode_settings
 
@@ -38,11 +38,11 @@ def _blocks(bt_ptr, offs_n, n_mask, PAGE: tl.constexpr):
 
 
 @triton.jit
-def _to_dot(raw, FP8: tl.constexpr, IS_E5M2: tl.constexpr, HW_FP8: tl.constexpr, DOT_DTYPE: tl.constexpr):
+def _to_dot(raw, FP8: tl.constexpr, IS_E5M2: tl.constexpr, FP8_CVT: tl.constexpr, DOT_DTYPE: tl.constexpr):
     """A loaded tile in the dot dtype. FP8 codes become value / (scale * unit): the caller
     applies the scale per token to the scores (K) or the probabilities (V), never per element."""
     if FP8:
-        return fp8_to_f16(raw, IS_E5M2, HW_FP8).to(DOT_DTYPE)
+        return fp8_to_f16(raw, IS_E5M2, FP8_CVT).to(DOT_DTYPE)
     else:
         return raw.to(DOT_DTYPE)
 
@@ -57,11 +57,11 @@ def _load_raw(c_ptr, blk, offs_n, n_mask, offs_d, d_mask, head, stride_cb, strid
 @triton.jit
 def _load_kv_tile(
     c_ptr, blk, offs_n, n_mask, offs_d, d_mask, head, stride_cb, stride_ct, stride_ch,
-    PAGE: tl.constexpr, FP8: tl.constexpr, IS_E5M2: tl.constexpr, HW_FP8: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    PAGE: tl.constexpr, FP8: tl.constexpr, IS_E5M2: tl.constexpr, FP8_CVT: tl.constexpr, DOT_DTYPE: tl.constexpr,
 ):
     """K or V rows of positions ``offs_n`` (in blocks ``blk``), [BLOCK_N, DIM_PAD] in DOT_DTYPE."""
     raw = _load_raw(c_ptr, blk, offs_n, n_mask, offs_d, d_mask, head, stride_cb, stride_ct, stride_ch, PAGE)
-    return _to_dot(raw, FP8, IS_E5M2, HW_FP8, DOT_DTYPE)
+    return _to_dot(raw, FP8, IS_E5M2, FP8_CVT, DOT_DTYPE)
 
 
 @triton.jit
@@ -87,6 +87,29 @@ def _tile_scales(ks_ptr, vs_ptr, bt, n0, end, head, unit,
 
 
 @triton.jit
+def _scale_v_rows(v, vs_ptr, blk, offs_n, n_mask, head, unit, KV_HEADS: tl.constexpr, PAGE: tl.constexpr,
+                  PER_TOKEN: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """Decoded V rows times their per-token scale (or 1, and 0 past the end, for a per-tensor scale).
+
+    A per-row factor stops Triton from loading V's codes in the MMA operand layout and
+    converting them there, which gathers each operand register byte by byte (P @ V reduces
+    over tokens while the codes run along d): V is converted row by row instead and staged
+    as fp16 for ``ldmatrix.trans``. Multiplying is how the per-token scale gets applied
+    anyway; a select did the same for the layout at about two instructions more per code
+    (split, select and re-pack each fp16 pair). fp16: the factor (an fp16 scale times a
+    power of two) is exact and the product rounds once, in packed halves; bf16 multiplies
+    in fp32 so the scale is not rounded to 8 bits first."""
+    if PER_TOKEN:
+        rows = _token_scale(vs_ptr, blk, offs_n, n_mask, head, unit, KV_HEADS, PAGE, PER_TOKEN)
+    else:
+        rows = tl.where(n_mask, 1.0, 0.0)
+    if DOT_DTYPE == tl.float16:  # noqa: SIM300 (a constexpr, not a constant)
+        return v * rows.to(tl.float16)[:, None]
+    else:
+        return (v.to(tl.float32) * rows[:, None]).to(DOT_DTYPE)
+
+
+@triton.jit
 def _decode_kernel(
     q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, lens_ptr, out_ptr, m_ptr, l_ptr,
     qk_scale, unit, partition,
@@ -95,7 +118,7 @@ def _decode_kernel(
     KV_HEADS: tl.constexpr, QPK: tl.constexpr, Q_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     DIM_PAD: tl.constexpr, PAGE: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_N: tl.constexpr, FP8: tl.constexpr, IS_E5M2: tl.constexpr, PER_TOKEN: tl.constexpr,
-    HW_FP8: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, PREFETCH: tl.constexpr,
+    FP8_CVT: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, PREFETCH: tl.constexpr,
     SCALES_AHEAD: tl.constexpr, V_F16: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -146,20 +169,16 @@ def _decode_kernel(
                                PAGE)
             v_next = _load_raw(vc_ptr, nxt_blk, nxt, nxt_mask, offs_d, d_mask, h, stride_cb, stride_ct, stride_ch,
                                PAGE)
-            k = _to_dot(k_raw, FP8, IS_E5M2, HW_FP8, DOT_DTYPE)
-            v = _to_dot(v_raw, FP8, IS_E5M2, HW_FP8, DOT_DTYPE)
+            k = _to_dot(k_raw, FP8, IS_E5M2, FP8_CVT, DOT_DTYPE)
+            v = _to_dot(v_raw, FP8, IS_E5M2, FP8_CVT, DOT_DTYPE)
         else:
             blk = _blocks(bt, offs_n, n_mask, PAGE)
             k = _load_kv_tile(kc_ptr, blk, offs_n, n_mask, offs_d, d_mask, h, stride_cb, stride_ct, stride_ch,
-                              PAGE, FP8, IS_E5M2, HW_FP8, DOT_DTYPE)
+                              PAGE, FP8, IS_E5M2, FP8_CVT, DOT_DTYPE)
             v = _load_kv_tile(vc_ptr, blk, offs_n, n_mask, offs_d, d_mask, h, stride_cb, stride_ct, stride_ch,
-                              PAGE, FP8, IS_E5M2, HW_FP8, DOT_DTYPE)
+                              PAGE, FP8, IS_E5M2, FP8_CVT, DOT_DTYPE)
         if FP8 and V_F16:
-            # A per-row select (a no-op: masked rows are zero already) stops Triton from loading
-            # V's codes in the MMA operand layout and converting there, which gathers each
-            # operand register byte by byte (P @ V reduces over tokens; the codes run along d).
-            # V is converted row by row instead and staged as fp16 for ldmatrix.trans.
-            v = tl.where(n_mask[:, None], v, 0.0).to(DOT_DTYPE)
+            v = _scale_v_rows(v, vs_ptr, blk, offs_n, n_mask, h, unit, KV_HEADS, PAGE, PER_TOKEN, DOT_DTYPE)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         if PER_TOKEN and SCALES_AHEAD:
             s = s * k_mul[None, :]
@@ -170,7 +189,9 @@ def _decode_kernel(
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        if PER_TOKEN and SCALES_AHEAD:
+        if PER_TOKEN and V_F16:  # V's scales are in its rows
+            pv_in = p
+        elif PER_TOKEN and SCALES_AHEAD:
             pv_in = p * v_mul_n[None, :]
         elif PER_TOKEN:
             pv_in = p * _token_scale(vs_ptr, blk, offs_n, n_mask, h, unit, KV_HEADS, PAGE, PER_TOKEN)[None, :]
@@ -225,11 +246,11 @@ def _launch_args(q: torch.Tensor, k_scale: torch.Tensor | None, fp8_format: str 
     """(qk_scale, unit) and the FP8 constexprs shared by the decode and prefill launches."""
     fp8 = fp8_format is not None
     per_token = fp8 and k_scale is not None and k_scale.dim() == 3
-    hw = fp8 and fp8_format == "e4m3" and hardware_fp8(q.device)
-    unit = fp8_unit(fp8_format, hw) if fp8 else 1.0
+    cvt = fp8_decoder(q.device, fp8_format) if fp8 else 0
+    unit = fp8_unit(fp8_format, cvt) if fp8 else 1.0
     dot_dtype = tl.float32 if (INTERPRET or q.dtype == torch.float32) else (
         tl.bfloat16 if q.dtype == torch.bfloat16 else tl.float16)
-    return [scale * LOG2E, unit], dict(FP8=fp8, IS_E5M2=fp8_format == "e5m2", PER_TOKEN=per_token, HW_FP8=hw,
+    return [scale * LOG2E, unit], dict(FP8=fp8, IS_E5M2=fp8_format == "e5m2", PER_TOKEN=per_token, FP8_CVT=cvt,
                                        DOT_DTYPE=dot_dtype, PRECISION="ieee" if dot_dtype == tl.float32 else "tf32")
 
 
@@ -247,7 +268,7 @@ def paged_attention_decode(
     v_scale: torch.Tensor | None = None, fp8_format: str | None = None, partition: int | None = None,
     max_seq_len: int | None = None, block_n: int | None = None, num_warps: int | None = None,
     num_stages: int | None = None, prefetch: bool | None = None, scales_ahead: bool | None = None,
-    v_f16: bool | None = None,
+    v_f16: bool | None = None, maxnreg: int | None = None,
 ) -> torch.Tensor:
     """q [B, H, D] -> out [B, H, D]. ``partition`` (tokens, a multiple of ``block_n``) enables
     split-KV; None picks one from ``max_seq_len`` (defaults to the longest of ``seq_lens``).
@@ -258,7 +279,11 @@ def paged_attention_decode(
     one iteration early: Triton pipelines the K/V codes by async copy but not these loads,
     which otherwise leave two dependent global-memory latencies exposed per tile. ``v_f16``
     converts FP8 V row by row and stages it as fp16 for the P @ V product (see the kernel;
-    default ``v_f16_default``).
+    default ``v_f16_default``), multiplying each row by its per-token scale on the way.
+    ``maxnreg`` caps registers per thread (ptxas), for one more resident program per SM: on
+    sm_90, 8 warps with FP8 V staged hold 86 registers (2 programs per SM); capped at 80, 3
+    fit, with no spills (``kernel_sass.py --attention``). Only the tuner's timing can say
+    whether the occupancy is worth the extra instructions, so it is a tuned setting.
 
     ``partition`` is a runtime argument, not a compile-time one: decode's max_seq_len grows
     every step, and a constexpr would compile a new kernel each time."""
@@ -275,6 +300,8 @@ def paged_attention_decode(
     prefetch = bool(tuned.get("prefetch", False)) if prefetch is None else prefetch
     scales_ahead = bool(tuned.get("scales_ahead", True)) if scales_ahead is None else scales_ahead
     v_f16 = bool(tuned.get("v_f16", v_f16_default(q.device))) if v_f16 is None else v_f16
+    maxnreg = maxnreg or tuned.get("maxnreg")
+    reg_cap = {"maxnreg": maxnreg} if maxnreg else {}
     if partition is None:
         split_from = tuned.get("partition", 512)
         if max_seq_len > 2 * split_from and not INTERPRET:
@@ -306,7 +333,7 @@ def paged_attention_decode(
         KV_HEADS=kvh, QPK=qpk, Q_PAD=max(16, triton.next_power_of_2(qpk)),
         HEAD_DIM=dim, DIM_PAD=dim_pad, PAGE=BLOCK_SIZE, SPLIT=split, BLOCK_N=block_n, PREFETCH=prefetch,
         SCALES_AHEAD=scales_ahead, V_F16=v_f16, **flags,
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, **reg_cap,
     )
     if split:
         _decode_reduce_kernel[(bsz, heads)](

@@ -31,7 +31,7 @@ def _prefill_kernel(
     stride_qt, stride_qh, stride_cb, stride_ct, stride_ch, stride_bt, stride_ot, stride_oh,
     KV_HEADS: tl.constexpr, QPK: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    FP8: tl.constexpr, IS_E5M2: tl.constexpr, PER_TOKEN: tl.constexpr, HW_FP8: tl.constexpr,
+    FP8: tl.constexpr, IS_E5M2: tl.constexpr, PER_TOKEN: tl.constexpr, FP8_CVT: tl.constexpr,
     DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, SCALE_ROWS: tl.constexpr,
 ):
     s_id = tl.program_id(0)
@@ -67,9 +67,9 @@ def _prefill_kernel(
             n_mask = offs_n < end
             blk = _blocks(bt, offs_n, n_mask, PAGE)
             k = _load_kv_tile(kc_ptr, blk, offs_n, n_mask, offs_d, d_mask, kvh, stride_cb, stride_ct, stride_ch,
-                              PAGE, FP8, IS_E5M2, HW_FP8, DOT_DTYPE)
+                              PAGE, FP8, IS_E5M2, FP8_CVT, DOT_DTYPE)
             v = _load_kv_tile(vc_ptr, blk, offs_n, n_mask, offs_d, d_mask, kvh, stride_cb, stride_ct, stride_ch,
-                              PAGE, FP8, IS_E5M2, HW_FP8, DOT_DTYPE)
+                              PAGE, FP8, IS_E5M2, FP8_CVT, DOT_DTYPE)
             if PER_TOKEN and SCALE_ROWS:  # see paged_attention_prefill
                 k = (k * _token_scale(ks_ptr, blk, offs_n, n_mask, kvh, unit, KV_HEADS, PAGE, PER_TOKEN
                                       ).to(DOT_DTYPE)[:, None]).to(DOT_DTYPE)

@@ -81,6 +81,19 @@ def run_ptx(text: str, inputs: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
         elif op == "lop3.b32":
             a, b, c = (np.asarray(val(t), dtype=np.uint32) for t in args[1:4])
             put(args[0], _lop3(a, b, c, int(args[4], 0)))
+        elif op == "and.b32":
+            put(args[0], np.asarray(val(args[1]), dtype=np.uint32) & np.asarray(val(args[2]), dtype=np.uint32))
+        elif op == "prmt.b32":  # default mode: result byte i = byte (selector nibble i) of {b, a}
+            a, b = (np.asarray(val(t), dtype=np.uint64) for t in args[1:3])
+            pool = (b << np.uint64(32)) | a
+            sel = int(args[3], 0)
+            out = np.zeros(np.broadcast(a, b).shape, dtype=np.uint32)
+            for i in range(4):
+                nib = (sel >> (4 * i)) & 0xF
+                if nib & 8:
+                    raise NotImplementedError("prmt sign-replicating selectors")
+                out |= (((pool >> np.uint64(8 * nib)) & np.uint64(0xFF)).astype(np.uint32) << np.uint32(8 * i))
+            put(args[0], out)
         elif op == "shr.u32":
             put(args[0], np.asarray(val(args[1]), dtype=np.uint32) >> np.uint32(int(args[2], 0)))
         elif parts[0] in F16X2_OPS and parts[-1] == "f16x2" and "rn" in parts:

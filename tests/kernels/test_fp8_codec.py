@@ -2,15 +2,30 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
-from qpage.kernels.fp8_codec import FP8_FORMATS, encode_fp8_ref, f32_to_fp8, fp8_to_f16, fp8_to_f32, fp8_unit
+from qpage.kernels.fp8_codec import (
+    CVT_BITS,
+    CVT_HW,
+    CVT_PTX,
+    E4M3_PTX,
+    E5M2_PTX,
+    FP8_FORMATS,
+    decode_fp8_ref,
+    encode_fp8_ref,
+    f32_to_fp8,
+    fp8_to_f16,
+    fp8_to_f32,
+    fp8_unit,
+)
 from qpage.kernels.triton_utils import tl, triton
+from tests.kernels.ptx_model import run_ptx
 
 
 @triton.jit
-def _roundtrip_kernel(x_ptr, codes_ptr, f32_ptr, f16_ptr, n, IS_E5M2: tl.constexpr, HW: tl.constexpr,
+def _roundtrip_kernel(x_ptr, codes_ptr, f32_ptr, f16_ptr, n, IS_E5M2: tl.constexpr, CVT: tl.constexpr,
                       BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
@@ -18,14 +33,14 @@ def _roundtrip_kernel(x_ptr, codes_ptr, f32_ptr, f16_ptr, n, IS_E5M2: tl.constex
     tl.store(codes_ptr + offs, f32_to_fp8(x, IS_E5M2), mask=mask)
     c = tl.load(codes_ptr + offs, mask=mask, other=0)
     tl.store(f32_ptr + offs, fp8_to_f32(c, IS_E5M2), mask=mask)
-    tl.store(f16_ptr + offs, fp8_to_f16(c, IS_E5M2, HW), mask=mask)
+    tl.store(f16_ptr + offs, fp8_to_f16(c, IS_E5M2, CVT), mask=mask)
 
 
-def _run(x: torch.Tensor, fmt: str, hw: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _run(x: torch.Tensor, fmt: str, cvt: int = CVT_BITS) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     codes = torch.empty(x.shape, dtype=torch.uint8)
     f32 = torch.empty(x.shape, dtype=torch.float32)
     f16 = torch.empty(x.shape, dtype=torch.float16)
-    _roundtrip_kernel[(triton.cdiv(x.numel(), 1024),)](x, codes, f32, f16, x.numel(), IS_E5M2=fmt == "e5m2", HW=hw,
+    _roundtrip_kernel[(triton.cdiv(x.numel(), 1024),)](x, codes, f32, f16, x.numel(), IS_E5M2=fmt == "e5m2", CVT=cvt,
                                                          BLOCK=1024)
     return codes, f32, f16
 
@@ -54,9 +69,9 @@ def test_encode_matches_torch_bit_for_bit(fmt: str) -> None:
                              f"want {want[bad[:5]].tolist()}"
 
 
-@pytest.mark.parametrize(("fmt", "hw"), [("e4m3", False), ("e4m3", True), ("e5m2", False)],
+@pytest.mark.parametrize(("fmt", "cvt"), [("e4m3", CVT_BITS), ("e4m3", CVT_HW), ("e5m2", CVT_BITS)],
                          ids=["e4m3-bits", "e4m3-hw", "e5m2"])
-def test_decode_every_code(fmt: str, hw: bool) -> None:
+def test_decode_every_code(fmt: str, cvt: int) -> None:
     """All 256 codes (NaNs aside: the encoder saturates and never writes them)."""
     dtype, _ = FP8_FORMATS[fmt]
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
@@ -64,14 +79,93 @@ def test_decode_every_code(fmt: str, hw: bool) -> None:
     finite = torch.isfinite(want)
     got32 = torch.empty(256)
     got16 = torch.empty(256, dtype=torch.float16)
-    _decode_only[(1,)](codes, got32, got16, IS_E5M2=fmt == "e5m2", HW=hw)
+    _decode_only[(1,)](codes, got32, got16, IS_E5M2=fmt == "e5m2", CVT=cvt)
     assert torch.equal(got32[finite], want[finite])
-    assert torch.equal(got16[finite].float() * fp8_unit(fmt, hw), want[finite])
+    assert torch.equal(got16[finite].float() * fp8_unit(fmt, cvt), want[finite])
 
 
 @triton.jit
-def _decode_only(c_ptr, f32_ptr, f16_ptr, IS_E5M2: tl.constexpr, HW: tl.constexpr):
+def _decode_only(c_ptr, f32_ptr, f16_ptr, IS_E5M2: tl.constexpr, CVT: tl.constexpr):
     offs = tl.arange(0, 256)
     c = tl.load(c_ptr + offs)
     tl.store(f32_ptr + offs, fp8_to_f32(c, IS_E5M2))
-    tl.store(f16_ptr + offs, fp8_to_f16(c, IS_E5M2, HW))
+    tl.store(f16_ptr + offs, fp8_to_f16(c, IS_E5M2, CVT))
+
+
+def test_ptx_model_prmt_and() -> None:
+    """The model's byte permute (result byte i = byte ``selector nibble i`` of {b, a}) and AND,
+    on values worked by hand."""
+    got = run_ptx("prmt.b32 $0, $1, 0, 0x1404; prmt.b32 $2, $1, $3, 0x0765; and.b32 $4, $1, 0x7F007F00;",
+                  {1: np.uint32(0xDDCCBBAA), 3: np.uint32(0x44332211)})
+    assert got[0] == 0xBB00AA00 and got[2] == 0xAA443322 and got[4] == 0x5D003B00
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_decode_ptx_bit_for_bit(fmt: str) -> None:
+    """``E4M3_PTX``/``E5M2_PTX`` (``CVT_PTX``, GPUs only: the interpreter cannot run assembly),
+    executed by the PTX model: every code in every byte position and 20k random words give
+    the fp16 bits of the Triton decode, in Triton's packing order (code i of the 32-bit input
+    in byte i; output register 0 holds codes 0 and 1, the lower in its low half), and those
+    times the unit are torch's values for every finite code."""
+    ptx = (E4M3_PTX if fmt == "e4m3" else E5M2_PTX).value
+    codes = np.arange(256, dtype=np.uint32)
+    rng = np.random.default_rng(0)
+    filler = rng.integers(0, 256, size=(256, 4), dtype=np.uint32)
+    words = [rng.integers(0, 2**32, size=20000, dtype=np.uint64).astype(np.uint32)]
+    for pos in range(4):  # code c at byte ``pos``, random bytes elsewhere
+        b = filler.copy()
+        b[:, pos] = codes
+        words.append(b[:, 0] | (b[:, 1] << 8) | (b[:, 2] << 16) | (b[:, 3] << 24))
+    w = np.concatenate(words)
+    out = run_ptx(ptx, {2: w})
+    got = np.stack([out[0] & 0xFFFF, out[0] >> 16, out[1] & 0xFFFF, out[1] >> 16], axis=1).astype(np.uint16)
+    c = np.stack([(w >> (8 * i)) & 0xFF for i in range(4)], axis=1).astype(np.uint8)
+    # The Triton decode (fp8_to_f16, CVT_BITS) on the same codes, run by the interpreter.
+    triton_bits = torch.empty(c.size, dtype=torch.float16)
+    flat = torch.from_numpy(c.reshape(-1).copy())
+    _decode_f16_kernel[(triton.cdiv(flat.numel(), 1024),)](flat, triton_bits, flat.numel(), IS_E5M2=fmt == "e5m2",
+                                                           BLOCK=1024)
+    want = triton_bits.view(torch.int16).numpy().view(np.uint16).reshape(c.shape)
+    assert np.array_equal(got, want)
+    value = decode_fp8_ref(flat, fmt).numpy().reshape(c.shape)
+    finite = np.isfinite(value)
+    decoded = got.view(np.float16)[finite].astype(np.float32) * fp8_unit(fmt, CVT_PTX)
+    assert np.array_equal(decoded, value[finite])
+
+
+@triton.jit
+def _decode_f16_kernel(c_ptr, f16_ptr, n, IS_E5M2: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    tl.store(f16_ptr + offs, fp8_to_f16(tl.load(c_ptr + offs, mask=mask, other=0), IS_E5M2, 0), mask=mask)
+
+
+def test_decoder_choice_and_override(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Per device (CUDA faked by its compute capability): hardware e4m3 on sm_89+, PTX below it
+    and for e5m2, the Triton bit trick under the interpreter; ``QPAGE_FP8_DECODER`` forces a
+    decoder the device can run and names the fix for one it cannot."""
+    from qpage.kernels import fp8_codec
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    monkeypatch.delenv("QPAGE_FP8_DECODER", raising=False)
+    monkeypatch.setattr(fp8_codec, "INTERPRET", False)
+    try:
+        for cc, e4m3, e5m2 in (((8, 6), CVT_PTX, CVT_PTX), ((8, 9), CVT_HW, CVT_PTX), ((9, 0), CVT_HW, CVT_PTX)):
+            monkeypatch.setattr(torch.cuda, "get_device_capability", lambda _=None, cc=cc: cc)
+            fp8_codec._best_decoder.cache_clear()
+            assert (fp8_codec.fp8_decoder(cuda, "e4m3"), fp8_codec.fp8_decoder(cuda, "e5m2")) == (e4m3, e5m2), cc
+        assert fp8_codec.fp8_decoder(cpu, "e4m3") == CVT_BITS
+        monkeypatch.setenv("QPAGE_FP8_DECODER", "ptx")  # on sm_90: the PTX instead of the hardware
+        assert fp8_codec.fp8_decoder(cuda, "e4m3") == CVT_PTX
+        monkeypatch.setenv("QPAGE_FP8_DECODER", "bits")
+        assert fp8_codec.fp8_decoder(cuda, "e4m3") == CVT_BITS
+        monkeypatch.setenv("QPAGE_FP8_DECODER", "hw")
+        with pytest.raises(ValueError, match="needs e4m3 codes on sm_89"):
+            fp8_codec.fp8_decoder(cuda, "e5m2")
+        with pytest.raises(ValueError, match="run no PTX"):
+            fp8_codec.fp8_decoder(cpu, "e4m3")
+        monkeypatch.setenv("QPAGE_FP8_DECODER", "fast")
+        with pytest.raises(ValueError, match="expected one of"):
+            fp8_codec.fp8_decoder(cuda, "e4m3")
+    finally:
+        fp8_codec._best_decoder.cache_clear()
