@@ -2,7 +2,8 @@
 # Everything a lent GPU session checks, in one command (see the device tool's notes: one
 # prepared script, well inside the 10-minute limit):
 #   1. benchmarks/kernels.py --tune: the tuning sweep (writes this GPU's table to OUTDIR/configs/
-#      and installs it), then every kernel section timed with that table, then end-to-end decode;
+#      and installs it), then every kernel section timed with that table (with the batch-1 linears
+#      at growing K: fixed cost against cost per row), then end-to-end decode;
 #   2. benchmarks/gpu_engine_check.py: the engine on CUDA against transformers, when the
 #      tokenizer files are at hand (TOKENIZER_DIR or the default model's package);
 #   3. benchmarks/kernel_sass.py for this GPU's architecture with this Triton: the static

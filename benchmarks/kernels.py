@@ -3,8 +3,10 @@
 Shapes are Llama-3-8B's: linears K x N in {4096x4096, 4096x14336, 14336x4096,
 4096x128256} at M in {1, 4, 16, 64, 256}; paged decode attention for 32 sequences x 4096
 tokens (32 query heads, 8 kv heads, head_dim 128); prefill attention over a 4096-token
-context; the cache write; and one end-to-end decode figure for a synthetic 8B-shaped layer
-stack (random weights, kernels only: no sampler, scheduler or tokenizer).
+context; the cache write; batch-1 linears at N=14336 and K from 512 to 8192, to split their
+time into a fixed cost and a cost per row (``kernels_scaling``); and one end-to-end decode
+figure for a synthetic 8B-shaped layer stack (random weights, kernels only: no sampler,
+scheduler or tokenizer).
 
 Method: every timed call is captured in a CUDA graph together with calls on other copies of
 its inputs (rotated so the bytes read exceed 4x the L2 cache), and the graph is replayed;
@@ -41,6 +43,7 @@ from kernel_common import (
     rel_err,
 )
 from kernels_attention import bench_attention, bench_cache_write
+from kernels_scaling import bench_scaling
 
 ROOT = Path(__file__).resolve().parent.parent
 LLAMA3_8B_LINEARS = [(4096, 4096), (4096, 14336), (14336, 4096), (4096, 128256)]
@@ -53,7 +56,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--interpret", action="store_true", help="CPU dry run under TRITON_INTERPRET=1, tiny shapes")
     p.add_argument("--quick", action="store_true", help="fewer M values and no tuning sweep")
     p.add_argument("--no-e2e", action="store_true", help="skip the end-to-end decode figure")
-    p.add_argument("--sections", default="", help="comma-separated subset: cache_write,attention,linears,e2e")
+    p.add_argument("--sections", default="",
+                   help="comma-separated subset: cache_write,attention,linears,scaling,e2e")
     p.add_argument("--tune", action="store_true",
                    help="first sweep kernel configurations (benchmarks/kernel_tune.py), write this GPU's table to "
                         "<out dir>/configs/ and time the other sections with it")
@@ -279,6 +283,7 @@ def main() -> None:
         ("cache_write", lambda: bench_cache_write(args, device, timer)),
         ("attention", lambda: bench_attention(args, device, timer, peak)),
         ("linears", lambda: bench_linears(args, device, timer, peak)),
+        ("scaling", lambda: bench_scaling(args, device, timer)),
     ]
     if args.tune:
         from kernel_tune import tune

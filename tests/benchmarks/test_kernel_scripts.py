@@ -22,8 +22,11 @@ def test_kernels_benchmark_interpret_dry_run(tmp_path: Path) -> None:
                         str(out)], capture_output=True, text=True, timeout=900, env=env)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     res = json.loads(out.read_text())
-    for section in ("cache_write", "attention", "linears", "e2e"):
+    for section in ("cache_write", "attention", "linears", "scaling", "e2e"):
         assert isinstance(res[section], list) and res[section], f"{section}: {res[section]}"
+    fits = {row["kernel"]: row for row in res["scaling"] if "fixed_us" in row}
+    assert set(fits) == {"fp16", "int4-g128", "int4-h2", "fp8-chan"}, fits
+    assert max(r[k] for r in res["scaling"] for k in r if k.endswith("_relerr")) < 1e-4
     assert all(row["bit_exact"] for row in res["cache_write"])
     assert max(r[k] for r in res["linears"] for k in r if k.endswith("_relerr")) < 1e-4
     assert all(row["relerr"] < 1e-4 for row in res["attention"] if "relerr" in row)
@@ -180,3 +183,12 @@ def test_cpu_attention_kernels_benchmark_smoke(tmp_path: Path) -> None:
     for row in rows:
         assert len(row["us"]) == 5 and all(t > 0 for t in row["us"].values())
         assert row["vs_fp32"]["fp32"] == 1.0
+
+
+def test_scaling_line_fit() -> None:
+    """The scaling section's fit recovers a known intercept and slope."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from kernels_scaling import line_fit
+
+    fixed, slope = line_fit([512.0, 1024.0, 2048.0, 4096.0], [3.0 + 0.004 * k for k in (512, 1024, 2048, 4096)])
+    assert abs(fixed - 3.0) < 1e-9 and abs(slope - 0.004) < 1e-12
