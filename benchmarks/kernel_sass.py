@@ -165,6 +165,8 @@ def attention_rows(archs: list[int]) -> list[dict[str, Any]]:
                 rows.append(_decode_row(arch, label, fp8, per_token, v_f16, warps, "e4m3", None))
         # 8 warps with registers capped at 80: three programs per SM (a tuned setting, maxnreg).
         rows.append(_decode_row(arch, "fp8 per-token", True, True, True, 8, "e4m3", None, maxnreg=80))
+        # A bf16 model: its FP8 codes are multiplied in fp16 too, the V scale on P (in fp32).
+        rows.append(_decode_row(arch, "fp8 per-token bf16", True, True, arch >= 90, 4, "e4m3", None, bf16=True))
         for fmt in ("e4m3", "e5m2"):
             if fmt == "e4m3" and arch >= 89:
                 continue  # hardware cvt there
@@ -175,7 +177,7 @@ def attention_rows(archs: list[int]) -> list[dict[str, Any]]:
 
 
 def _decode_row(arch: int, label: str, fp8: bool, per_token: bool, v_f16: bool, warps: int, fmt: str,
-                cvt: int | None, maxnreg: int | None = None) -> dict[str, Any]:
+                cvt: int | None, maxnreg: int | None = None, bf16: bool = False) -> dict[str, Any]:
     import triton.language as tl
 
     from qpage.kernels.paged_attention import _decode_kernel
@@ -188,7 +190,9 @@ def _decode_row(arch: int, label: str, fp8: bool, per_token: bool, v_f16: bool, 
     const = dict(KV_HEADS=8, QPK=4, Q_PAD=16, HEAD_DIM=128, DIM_PAD=128, PAGE=16, SPLIT=True, BLOCK_N=64,
                  FP8=fp8, IS_E5M2=fmt == "e5m2", PER_TOKEN=per_token, FP8_CVT=cvt,
                  DOT_DTYPE=tl.float16, PRECISION="tf32", PREFETCH=False, SCALES_AHEAD=True, V_F16=v_f16,
-                 stride_op=1)
+                 ROW_SCALES=not bf16, stride_op=1)
+    if bf16:  # a bf16 model: bf16 queries and output, the FP8 codes still multiplied in fp16
+        types.update(q_ptr="*bf16")
     kernel = compile_cubin(_decode_kernel, const, arch, warps, 2, types, maxnreg)
     sass, regs, spill = sass_of(kernel.asm["cubin"])
     n, ops = main_loop(sass)

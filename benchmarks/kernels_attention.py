@@ -79,15 +79,17 @@ def bench_attention(args: argparse.Namespace, device: Any, timer: Timer, peak: f
             [("v staged fp16", {"v_f16": True}), ("v staged fp16 8 warps", {"v_f16": True, "num_warps": 8}),
              ("v staged fp16 8 warps maxnreg 80", {"v_f16": True, "num_warps": 8, "maxnreg": 80})]
             if fmt == "e4m3" else []) + (
-            [("ptx decoder", {"decoder": "ptx"})] if fmt == "e4m3" and fp8_decoder(device, fmt) == CVT_HW else [])
+            [("ptx decoder", {"decoder": "ptx"})] if fmt == "e4m3" and fp8_decoder(device, fmt) == CVT_HW else []) + (
+            [("bf16 model", {"q_dtype": torch.bfloat16})] if fmt and device.type == "cuda" else [])
         for vlabel, vkw in variants:
             with forced_decoder(vkw.get("decoder")):
-                vkw = {k: v for k, v in vkw.items() if k != "decoder"}
-                vout = paged_attention_decode(q, c["k_cache"], c["v_cache"], c["block_tables"], lens, scale, **kw,
+                qv = q.to(vkw.get("q_dtype", q.dtype))  # a bf16 model's queries: FP8 codes still multiplied in fp16
+                vkw = {k: v for k, v in vkw.items() if k not in ("decoder", "q_dtype")}
+                vout = paged_attention_decode(qv, c["k_cache"], c["v_cache"], c["block_tables"], lens, scale, **kw,
                                               **vkw)
                 verr = rel_err(vout[ref_rows], ref)
-                vt = timer.time([lambda a=vkw: paged_attention_decode(
-                    q, c["k_cache"], c["v_cache"], c["block_tables"], lens, scale, max_seq_len=ctx, **kw, **a)])
+                vt = timer.time([lambda a=vkw, qv=qv: paged_attention_decode(
+                    qv, c["k_cache"], c["v_cache"], c["block_tables"], lens, scale, max_seq_len=ctx, **kw, **a)])
             rows.append(dict(kernel=f"decode paged {label} {vlabel}", us=vt * 1e6, gbs=kv_bytes / vt / 1e9,
                              pct_datasheet=100 * kv_bytes / vt / 1e9 / sheet, relerr=verr))
             print(f"  decode paged {label} {vlabel}: {vt * 1e6:.1f} us, {kv_bytes / vt / 1e9:.0f} GB/s, "

@@ -96,17 +96,15 @@ def _scale_v_rows(v, vs_ptr, blk, offs_n, n_mask, head, unit, KV_HEADS: tl.const
     over tokens while the codes run along d): V is converted row by row instead and staged
     as fp16 for ``ldmatrix.trans``. Multiplying is how the per-token scale gets applied
     anyway; a select did the same for the layout at about two instructions more per code
-    (split, select and re-pack each fp16 pair). fp16: the factor (an fp16 scale times a
-    power of two) is exact and the product rounds once, in packed halves; bf16 multiplies
-    in fp32 so the scale is not rounded to 8 bits first."""
+    (split, select and re-pack each fp16 pair). The factor (an fp16 scale times a power of
+    two) is exact in fp16 and the product rounds once, in packed halves. ``PER_TOKEN`` False
+    (per-tensor scales, or a bf16 model whose values need not fit fp16): rows of 1 and 0,
+    the scale applied elsewhere in fp32."""
     if PER_TOKEN:
         rows = _token_scale(vs_ptr, blk, offs_n, n_mask, head, unit, KV_HEADS, PAGE, PER_TOKEN)
     else:
         rows = tl.where(n_mask, 1.0, 0.0)
-    if DOT_DTYPE == tl.float16:  # noqa: SIM300 (a constexpr, not a constant)
-        return v * rows.to(tl.float16)[:, None]
-    else:
-        return (v.to(tl.float32) * rows[:, None]).to(DOT_DTYPE)
+    return v * rows.to(DOT_DTYPE)[:, None]
 
 
 @triton.jit
@@ -119,7 +117,7 @@ def _decode_kernel(
     DIM_PAD: tl.constexpr, PAGE: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_N: tl.constexpr, FP8: tl.constexpr, IS_E5M2: tl.constexpr, PER_TOKEN: tl.constexpr,
     FP8_CVT: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, PREFETCH: tl.constexpr,
-    SCALES_AHEAD: tl.constexpr, V_F16: tl.constexpr,
+    SCALES_AHEAD: tl.constexpr, V_F16: tl.constexpr, ROW_SCALES: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -178,7 +176,8 @@ def _decode_kernel(
             v = _load_kv_tile(vc_ptr, blk, offs_n, n_mask, offs_d, d_mask, h, stride_cb, stride_ct, stride_ch,
                               PAGE, FP8, IS_E5M2, FP8_CVT, DOT_DTYPE)
         if FP8 and V_F16:
-            v = _scale_v_rows(v, vs_ptr, blk, offs_n, n_mask, h, unit, KV_HEADS, PAGE, PER_TOKEN, DOT_DTYPE)
+            v = _scale_v_rows(v, vs_ptr, blk, offs_n, n_mask, h, unit, KV_HEADS, PAGE, PER_TOKEN and ROW_SCALES,
+                              DOT_DTYPE)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         if PER_TOKEN and SCALES_AHEAD:
             s = s * k_mul[None, :]
@@ -189,7 +188,7 @@ def _decode_kernel(
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        if PER_TOKEN and V_F16:  # V's scales are in its rows
+        if PER_TOKEN and V_F16 and ROW_SCALES:  # V's scales are in its rows
             pv_in = p
         elif PER_TOKEN and SCALES_AHEAD:
             pv_in = p * v_mul_n[None, :]
@@ -241,15 +240,26 @@ def _decode_reduce_kernel(
              mask=offs_d < HEAD_DIM)
 
 
-def _launch_args(q: torch.Tensor, k_scale: torch.Tensor | None, fp8_format: str | None, scale: float
-                 ) -> tuple[list, dict]:
-    """(qk_scale, unit) and the FP8 constexprs shared by the decode and prefill launches."""
+def _launch_args(q: torch.Tensor, k_scale: torch.Tensor | None, fp8_format: str | None, scale: float,
+                 scaled_rows: bool = False) -> tuple[list, dict]:
+    """(qk_scale, unit) and the FP8 constexprs shared by the decode and prefill launches.
+
+    The dot dtype is the activations' (fp32 under the interpreter), except that FP8 codes
+    under bf16 activations are multiplied in fp16: the decoded codes (value / unit, at most
+    448) are exact in fp16, which keeps 3 more mantissa bits than bf16 and saves converting
+    every code fp16 -> fp32 -> bf16 (sm_90 decode loop: 972 -> about 680 instructions). Not
+    where per-token scales multiply the K/V rows in the dot dtype (``scaled_rows``): a bf16
+    model's cache values need not fit fp16's range."""
     fp8 = fp8_format is not None
     per_token = fp8 and k_scale is not None and k_scale.dim() == 3
     cvt = fp8_decoder(q.device, fp8_format) if fp8 else 0
     unit = fp8_unit(fp8_format, cvt) if fp8 else 1.0
-    dot_dtype = tl.float32 if (INTERPRET or q.dtype == torch.float32) else (
-        tl.bfloat16 if q.dtype == torch.bfloat16 else tl.float16)
+    if INTERPRET or q.dtype == torch.float32:
+        dot_dtype = tl.float32
+    elif q.dtype == torch.bfloat16 and (not fp8 or (per_token and scaled_rows)):
+        dot_dtype = tl.bfloat16
+    else:
+        dot_dtype = tl.float16
     return [scale * LOG2E, unit], dict(FP8=fp8, IS_E5M2=fp8_format == "e5m2", PER_TOKEN=per_token, FP8_CVT=cvt,
                                        DOT_DTYPE=dot_dtype, PRECISION="ieee" if dot_dtype == tl.float32 else "tf32")
 
@@ -332,7 +342,7 @@ def paged_attention_decode(
         *strides,
         KV_HEADS=kvh, QPK=qpk, Q_PAD=max(16, triton.next_power_of_2(qpk)),
         HEAD_DIM=dim, DIM_PAD=dim_pad, PAGE=BLOCK_SIZE, SPLIT=split, BLOCK_N=block_n, PREFETCH=prefetch,
-        SCALES_AHEAD=scales_ahead, V_F16=v_f16, **flags,
+        SCALES_AHEAD=scales_ahead, V_F16=v_f16, ROW_SCALES=q.dtype != torch.bfloat16, **flags,
         num_warps=num_warps, num_stages=num_stages, **reg_cap,
     )
     if split:

@@ -122,8 +122,8 @@ def paged_attention_prefill(
     ks = k_scale if k_scale is not None else k_cache
     vs = v_scale if v_scale is not None else v_cache
     grid = (nseq, heads, triton.cdiv(max_q_len, block_m))
-    scalars, flags = _launch_args(q, k_scale, fp8_format, scale)
     scale_rows = sm90_plus(q.device) if scale_rows is None else scale_rows
+    scalars, flags = _launch_args(q, k_scale, fp8_format, scale, scaled_rows=scale_rows)
     _prefill_kernel[grid](
         q, k_cache, v_cache, ks, vs, block_tables, cu_seqlens_q, context_lens, out,
         *scalars,

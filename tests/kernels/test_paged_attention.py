@@ -131,3 +131,23 @@ def test_decode_compiles_once_as_the_context_grows(monkeypatch: pytest.MonkeyPat
         if name not in ("num_warps", "num_stages"):
             assert "constexpr" in str(params[name].annotation), name
     assert all(kw == launches[0] for kw in launches), "a compile-time argument changed with the context length"
+
+
+def test_dot_dtype_per_activation_and_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU (the interpreter computes in fp32) the dots run in the activations' dtype,
+    except FP8 codes under bf16 activations, which are exact in fp16 and multiplied there,
+    unless per-token scales multiply the K/V rows (a bf16 model's values need not fit fp16)."""
+    import triton.language as tl
+
+    from qpage.kernels import paged_attention as pa
+
+    monkeypatch.setattr(pa, "INTERPRET", False)
+    per_token = torch.ones(4, 16, 2, dtype=torch.float16)
+    cases = [(torch.float16, None, None, False, tl.float16), (torch.bfloat16, None, None, False, tl.bfloat16),
+             (torch.bfloat16, "e4m3", per_token, False, tl.float16),
+             (torch.bfloat16, "e5m2", None, True, tl.float16),  # per-tensor: nothing multiplies the rows
+             (torch.bfloat16, "e4m3", per_token, True, tl.bfloat16),
+             (torch.float16, "e4m3", per_token, True, tl.float16)]
+    for dtype, fmt, k_scale, rows, want in cases:
+        _, flags = pa._launch_args(torch.zeros(1, 4, 8, dtype=dtype), k_scale, fmt, 1.0, scaled_rows=rows)
+        assert flags["DOT_DTYPE"] == want, (dtype, fmt, rows)
