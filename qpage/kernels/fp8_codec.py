@@ -21,16 +21,20 @@ Three ways a kernel decodes (``fp8_decoder`` picks one per device and format):
   LOP3 per pair. Triton's element-wise code spends several 16-bit-emulating instructions
   per code, and decoding runs where ``tl.dot`` wants its operand, byte by byte: on sm_86 the
   paged decode loop counted 1337 instructions per 64-token tile with it and 1093 with the PTX
-  (benchmarks/NOTES-kernels.md). GPUs only: the interpreter cannot run assembly.
+  (benchmarks/NOTES-kernels.md). GPUs only: the interpreter cannot run assembly; each GPU
+  checks it once against torch before using it (``ptx_decoder_ok``).
 - ``CVT_HW``: e4m3 by the hardware's ``cvt`` (sm_89+), two codes per instruction.
 """
 
 import functools
+import logging
 import os
 
 import torch
 
 from qpage.kernels.triton_utils import INTERPRET, tl, triton
+
+logger = logging.getLogger("qpage")
 
 FP8_FORMATS: dict[str, tuple[torch.dtype, float]] = {
     "e4m3": (torch.float8_e4m3fn, 448.0),
@@ -92,9 +96,9 @@ DECODERS = {"bits": CVT_BITS, "ptx": CVT_PTX, "hw": CVT_HW}
 
 def fp8_decoder(device: torch.device, fmt: str = "e4m3") -> int:
     """How kernels on ``device`` decode ``fmt`` codes: ``CVT_HW`` for e4m3 on sm_89+,
-    ``CVT_PTX`` on other CUDA GPUs (and for e5m2), ``CVT_BITS`` under the interpreter.
-    ``QPAGE_FP8_DECODER=bits|ptx|hw`` forces one (to compare them on one GPU); a choice the
-    device cannot run raises."""
+    ``CVT_PTX`` on other CUDA GPUs (and for e5m2) once it has passed ``ptx_decoder_ok``,
+    ``CVT_BITS`` under the interpreter. ``QPAGE_FP8_DECODER=bits|ptx|hw`` forces one (to
+    compare them on one GPU); a choice the device cannot run raises."""
     best = _best_decoder(device, fmt)
     forced = os.environ.get("QPAGE_FP8_DECODER", "")
     if not forced:
@@ -102,20 +106,64 @@ def fp8_decoder(device: torch.device, fmt: str = "e4m3") -> int:
     if forced not in DECODERS:
         raise ValueError(f"QPAGE_FP8_DECODER={forced!r}: expected one of {sorted(DECODERS)}")
     cvt = DECODERS[forced]
-    if cvt > best:  # PTX needs a GPU (not the interpreter); hw needs e4m3 on sm_89+
-        why = "the interpreter and CPUs run no PTX" if best == CVT_BITS else "it needs e4m3 codes on sm_89 or later"
+    if cvt > best:
+        if best == CVT_BITS and device.type == "cuda" and not INTERPRET:
+            why = "the PTX decoder failed its check on this GPU (see the warning logged)"
+        elif best == CVT_BITS:
+            why = "the interpreter and CPUs run no PTX"
+        else:
+            why = "it needs e4m3 codes on sm_89 or later"
         raise ValueError(f"QPAGE_FP8_DECODER={forced} is not available for {fmt} here ({why}); unset it or choose "
                          f"{'bits' if best == CVT_BITS else 'bits or ptx'}")
     return cvt
 
 
-@functools.lru_cache(maxsize=32)
 def _best_decoder(device: torch.device, fmt: str) -> int:
     if INTERPRET or device.type != "cuda":
         return CVT_BITS
-    if fmt == "e4m3" and torch.cuda.get_device_capability(device) >= (8, 9):
+    if fmt == "e4m3" and _capability(device) >= (8, 9):
         return CVT_HW
-    return CVT_PTX
+    return CVT_PTX if ptx_decoder_ok(device, fmt) else CVT_BITS
+
+
+@functools.lru_cache(maxsize=16)
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
+_PTX_CHECKED: dict[tuple[str, str], bool] = {}
+
+
+def ptx_decoder_ok(device: torch.device, fmt: str) -> bool:
+    """Whether ``CVT_PTX`` decodes every finite code on ``device`` exactly as torch does, checked
+    once per process, device and format, at the first use outside a CUDA graph capture. On
+    CPU the PTX is checked only by a model of its instructions (tests); if this GPU, driver
+    or Triton disagree, kernels fall back to the element-wise bit trick with a warning
+    instead of attending to wrong values."""
+    key = (str(device), fmt)
+    if key not in _PTX_CHECKED:
+        if torch.cuda.is_current_stream_capturing():
+            return True  # no launch or sync inside a capture; the check runs at the next use
+        codes = torch.arange(1024, dtype=torch.int32).remainder(256).to(torch.uint8)
+        got = _decode_all(codes, device, fmt, CVT_PTX)
+        want = decode_fp8_ref(codes, fmt) / fp8_unit(fmt, CVT_PTX)
+        finite = torch.isfinite(want)
+        bad = int((got[finite] != want[finite]).sum())
+        if bad:
+            logger.warning("FP8 %s codes: the packed PTX decoder disagreed with torch on %d of %d codes on %s; "
+                           "using the element-wise decoder (slower). Please report this with the GPU, driver and "
+                           "Triton versions.", fmt, bad, int(finite.sum()), device)
+        _PTX_CHECKED[key] = bad == 0
+    return _PTX_CHECKED[key]
+
+
+def _decode_all(codes: torch.Tensor, device: torch.device, fmt: str, cvt: int) -> torch.Tensor:
+    """``codes`` (uint8 on CPU, 1024 of them) decoded on ``device`` by ``fp8_to_f16`` with
+    decoder ``cvt``; fp32 on CPU."""
+    c = codes.to(device)
+    out = torch.empty(c.shape, dtype=torch.float16, device=device)
+    _decode_kernel[(1,)](c, out, IS_E5M2=fmt == "e5m2", CVT=cvt, BLOCK=c.numel(), num_warps=4)
+    return out.float().cpu()
 
 
 @functools.lru_cache(maxsize=16)
@@ -145,6 +193,12 @@ def fp8_to_f16(code, IS_E5M2: tl.constexpr, CVT: tl.constexpr):
     else:
         c = code.to(tl.int16)
         return (((c & 0x7F) << 7) | ((c & 0x80) << 8)).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _decode_kernel(c_ptr, out_ptr, IS_E5M2: tl.constexpr, CVT: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tl.store(out_ptr + offs, fp8_to_f16(tl.load(c_ptr + offs), IS_E5M2, CVT))
 
 
 @triton.jit

@@ -149,10 +149,11 @@ def test_decoder_choice_and_override(monkeypatch: pytest.MonkeyPatch) -> None:
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     monkeypatch.delenv("QPAGE_FP8_DECODER", raising=False)
     monkeypatch.setattr(fp8_codec, "INTERPRET", False)
+    monkeypatch.setattr(fp8_codec, "ptx_decoder_ok", lambda device, fmt: True)
     try:
         for cc, e4m3, e5m2 in (((8, 6), CVT_PTX, CVT_PTX), ((8, 9), CVT_HW, CVT_PTX), ((9, 0), CVT_HW, CVT_PTX)):
             monkeypatch.setattr(torch.cuda, "get_device_capability", lambda _=None, cc=cc: cc)
-            fp8_codec._best_decoder.cache_clear()
+            fp8_codec._capability.cache_clear()
             assert (fp8_codec.fp8_decoder(cuda, "e4m3"), fp8_codec.fp8_decoder(cuda, "e5m2")) == (e4m3, e5m2), cc
         assert fp8_codec.fp8_decoder(cpu, "e4m3") == CVT_BITS
         monkeypatch.setenv("QPAGE_FP8_DECODER", "ptx")  # on sm_90: the PTX instead of the hardware
@@ -168,4 +169,44 @@ def test_decoder_choice_and_override(monkeypatch: pytest.MonkeyPatch) -> None:
         with pytest.raises(ValueError, match="expected one of"):
             fp8_codec.fp8_decoder(cuda, "e4m3")
     finally:
-        fp8_codec._best_decoder.cache_clear()
+        fp8_codec._capability.cache_clear()
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_ptx_decoder_checked_on_first_use(fmt: str, monkeypatch: pytest.MonkeyPatch,
+                                          caplog: pytest.LogCaptureFixture) -> None:
+    """On a GPU without e4m3 conversion (faked sm_86) the PTX decoder is used only after it
+    has decoded every code exactly as torch does; a decoder that gets one code wrong (here a
+    simulated one) is replaced by the element-wise bit trick, with a warning, and forcing it
+    then raises naming the failed check. The "GPU" decode runs the Triton bit trick under the
+    interpreter, so the passing case is the check's own logic against real decoded values."""
+    from qpage.kernels import fp8_codec
+
+    cuda = torch.device("cuda")
+    monkeypatch.delenv("QPAGE_FP8_DECODER", raising=False)
+    monkeypatch.setattr(fp8_codec, "INTERPRET", False)
+    monkeypatch.setattr(fp8_codec, "_PTX_CHECKED", {})
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda _=None: (8, 6))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    real = fp8_codec._decode_all
+    monkeypatch.setattr(fp8_codec, "_decode_all", lambda codes, device, f, cvt: real(codes, torch.device("cpu"), f,
+                                                                                         CVT_BITS))
+    try:
+        fp8_codec._capability.cache_clear()
+        assert fp8_codec.fp8_decoder(cuda, fmt) == CVT_PTX
+        assert not caplog.records
+
+        def off_by_one(codes: torch.Tensor, device: torch.device, f: str, cvt: int) -> torch.Tensor:
+            out = real(codes, torch.device("cpu"), f, CVT_BITS)
+            out[57] = out[57] * 2
+            return out
+
+        monkeypatch.setattr(fp8_codec, "_PTX_CHECKED", {})
+        monkeypatch.setattr(fp8_codec, "_decode_all", off_by_one)
+        assert fp8_codec.fp8_decoder(cuda, fmt) == CVT_BITS
+        assert "disagreed with torch on 1 of" in caplog.text
+        monkeypatch.setenv("QPAGE_FP8_DECODER", "ptx")
+        with pytest.raises(ValueError, match="failed its check"):
+            fp8_codec.fp8_decoder(cuda, fmt)
+    finally:
+        fp8_codec._capability.cache_clear()
