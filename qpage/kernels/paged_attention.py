@@ -40,7 +40,8 @@ def _blocks(bt_ptr, offs_n, n_mask, PAGE: tl.constexpr):
 @triton.jit
 def _to_dot(raw, FP8: tl.constexpr, IS_E5M2: tl.constexpr, FP8_CVT: tl.constexpr, DOT_DTYPE: tl.constexpr):
     """A loaded tile in the dot dtype. FP8 codes become value / (scale * unit): the caller
-    applies the scale per token to the scores (K) or the probabilities (V), never per element."""
+    applies the scale per token to the scores (K), and to the probabilities or, with V staged
+    as fp16, to V's rows (``_scale_v_rows``)."""
     if FP8:
         return fp8_to_f16(raw, IS_E5M2, FP8_CVT).to(DOT_DTYPE)
     else:
@@ -247,7 +248,7 @@ def _launch_args(q: torch.Tensor, k_scale: torch.Tensor | None, fp8_format: str 
     The dot dtype is the activations' (fp32 under the interpreter), except that FP8 codes
     under bf16 activations are multiplied in fp16: the decoded codes (value / unit, at most
     448) are exact in fp16, which keeps 3 more mantissa bits than bf16 and saves converting
-    every code fp16 -> fp32 -> bf16 (sm_90 decode loop: 972 -> about 680 instructions). Not
+    every code fp16 -> fp32 -> bf16 (sm_90 per-token decode loop: 972 -> 651 instructions). Not
     where per-token scales multiply the K/V rows in the dot dtype (``scaled_rows``): a bf16
     model's cache values need not fit fp16's range."""
     fp8 = fp8_format is not None
