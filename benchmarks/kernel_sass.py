@@ -190,7 +190,7 @@ def _decode_row(arch: int, label: str, fp8: bool, per_token: bool, v_f16: bool, 
     const = dict(KV_HEADS=8, QPK=4, Q_PAD=16, HEAD_DIM=128, DIM_PAD=128, PAGE=16, SPLIT=True, BLOCK_N=64,
                  FP8=fp8, IS_E5M2=fmt == "e5m2", PER_TOKEN=per_token, FP8_CVT=cvt,
                  DOT_DTYPE=tl.float16, PRECISION="tf32", PREFETCH=False, SCALES_AHEAD=True, V_F16=v_f16,
-                 ROW_SCALES=not bf16, stride_op=1)
+                 stride_op=1)
     if bf16:  # a bf16 model: bf16 queries and output, the FP8 codes still multiplied in fp16
         types.update(q_ptr="*bf16")
     kernel = compile_cubin(_decode_kernel, const, arch, warps, 2, types, maxnreg)

@@ -20,7 +20,7 @@ Three ways a kernel decodes (``fp8_decoder`` picks one per device and format):
   two ``prmt`` move the bytes into the high bytes of two fp16 pairs, then an AND, a shift and a
   LOP3 per pair. Triton's element-wise code spends several 16-bit-emulating instructions
   per code, and decoding runs where ``tl.dot`` wants its operand, byte by byte: on sm_86 the
-  paged decode loop counted 1337 instructions per 64-token tile with it and 1093 with the PTX
+  paged decode loop counted 1337 instructions per 64-token tile with it and 1076 with the PTX
   (benchmarks/NOTES-kernels.md). GPUs only: the interpreter cannot run assembly; each GPU
   checks it once against torch before using it (``ptx_decoder_ok``).
 - ``CVT_HW``: e4m3 by the hardware's ``cvt`` (sm_89+), two codes per instruction.
@@ -145,7 +145,7 @@ def ptx_decoder_ok(device: torch.device, fmt: str) -> bool:
         if torch.cuda.is_current_stream_capturing():
             return True  # no launch or sync inside a capture; the check runs at the next use
         codes = torch.arange(1024, dtype=torch.int32).remainder(256).to(torch.uint8)
-        got = _decode_all(codes, device, fmt, CVT_PTX)
+        got = _decode_all(codes, device, fmt, CVT_PTX).float()
         want = decode_fp8_ref(codes, fmt) / fp8_unit(fmt, CVT_PTX)
         finite = torch.isfinite(want)
         bad = int((got[finite] != want[finite]).sum())
@@ -158,12 +158,14 @@ def ptx_decoder_ok(device: torch.device, fmt: str) -> bool:
 
 
 def _decode_all(codes: torch.Tensor, device: torch.device, fmt: str, cvt: int) -> torch.Tensor:
-    """``codes`` (uint8 on CPU, 1024 of them) decoded on ``device`` by ``fp8_to_f16`` with
-    decoder ``cvt``; fp32 on CPU."""
-    c = codes.to(device)
+    """``codes`` (uint8 on CPU, a multiple of 1024 of them) decoded on ``device`` by
+    ``fp8_to_f16`` with decoder ``cvt``; fp16 on CPU."""
+    c = codes.reshape(-1).to(device)
+    if c.numel() % 1024:
+        raise ValueError(f"{c.numel()} codes: a multiple of 1024 expected")
     out = torch.empty(c.shape, dtype=torch.float16, device=device)
-    _decode_kernel[(1,)](c, out, IS_E5M2=fmt == "e5m2", CVT=cvt, BLOCK=c.numel(), num_warps=4)
-    return out.float().cpu()
+    _decode_kernel[(c.numel() // 1024,)](c, out, IS_E5M2=fmt == "e5m2", CVT=cvt, BLOCK=1024, num_warps=4)
+    return out.cpu().reshape(codes.shape)
 
 
 @functools.lru_cache(maxsize=16)
@@ -197,7 +199,7 @@ def fp8_to_f16(code, IS_E5M2: tl.constexpr, CVT: tl.constexpr):
 
 @triton.jit
 def _decode_kernel(c_ptr, out_ptr, IS_E5M2: tl.constexpr, CVT: tl.constexpr, BLOCK: tl.constexpr):
-    offs = tl.arange(0, BLOCK)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     tl.store(out_ptr + offs, fp8_to_f16(tl.load(c_ptr + offs), IS_E5M2, CVT))
 
 

@@ -118,8 +118,10 @@ def _decode_kernel(
     DIM_PAD: tl.constexpr, PAGE: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_N: tl.constexpr, FP8: tl.constexpr, IS_E5M2: tl.constexpr, PER_TOKEN: tl.constexpr,
     FP8_CVT: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, PREFETCH: tl.constexpr,
-    SCALES_AHEAD: tl.constexpr, V_F16: tl.constexpr, ROW_SCALES: tl.constexpr,
+    SCALES_AHEAD: tl.constexpr, V_F16: tl.constexpr,
 ):
+    # Per-token scales may multiply fp16 V rows unless the model is bf16 (its values need not fit fp16).
+    ROW_SCALES: tl.constexpr = q_ptr.dtype.element_ty != tl.bfloat16
     b = tl.program_id(0)
     h = tl.program_id(1)
     part = tl.program_id(2)
@@ -343,7 +345,7 @@ def paged_attention_decode(
         *strides,
         KV_HEADS=kvh, QPK=qpk, Q_PAD=max(16, triton.next_power_of_2(qpk)),
         HEAD_DIM=dim, DIM_PAD=dim_pad, PAGE=BLOCK_SIZE, SPLIT=split, BLOCK_N=block_n, PREFETCH=prefetch,
-        SCALES_AHEAD=scales_ahead, V_F16=v_f16, ROW_SCALES=q.dtype != torch.bfloat16, **flags,
+        SCALES_AHEAD=scales_ahead, V_F16=v_f16, **flags,
         num_warps=num_warps, num_stages=num_stages, **reg_cap,
     )
     if split:
