@@ -173,7 +173,8 @@ def tune_decode(device: Any, timer: Any, deadline: float, interpret: bool, table
     import torch
     from kernel_common import fill_cache, rel_err  # type: ignore[import-not-found]
 
-    from qpage.kernels.paged_attention import paged_attention_decode, paged_attention_decode_ref
+    from qpage.kernels.paged_attention import LOG2E, paged_attention_decode, paged_attention_decode_ref
+    from qpage.kernels.paged_decode_t import quantize_queries_ref
     from qpage.kernels.tuned import decode_key
 
     dtype = torch.float32 if interpret else torch.float16
@@ -187,6 +188,14 @@ def tune_decode(device: Any, timer: Any, deadline: float, interpret: bool, table
         for part in (512, 1024, 256)
         for pf, vf, cap in ((False, False, None), (False, True, None), (False, True, 80 if w == 8 else 96),
                             (True, False, None))]
+    grid_cfgs = [dict(block_n=bn, num_warps=w, num_stages=st, partition=part, prefetch=pf, v_f16=vf)
+                 | ({"maxnreg": cap} if cap else {}) for bn, w, st, part, pf, vf, cap in grid]
+    # The tokens-as-rows kernel (paged_decode_t; e4m3 only), tried first: by count it is the
+    # leanest FP8 loop. With qk_fp8 it is checked against the reference on its rounded q.
+    t_cfgs = [dict(block_n=16 if interpret else bn, num_warps=w, num_stages=st, partition=32 if interpret else part,
+                   decode_t=True, qk_fp8=qk8)
+              for qk8 in (True, False) for bn in (64, 128) for w in (4, 8) for st in (2, 3) for part in (512, 1024)
+              if not interpret or (bn, w, st, part) == (64, 4, 2, 512)]
     q = torch.randn(nseq, heads, dim, device=device, dtype=dtype)
     lens = torch.full((nseq,), ctx, dtype=torch.int32, device=device)
     rows = []
@@ -197,22 +206,21 @@ def tune_decode(device: Any, timer: Any, deadline: float, interpret: bool, table
         kw = dict(k_scale=c["k_scale"], v_scale=c["v_scale"], fp8_format=fmt, max_seq_len=ctx)
         ref = paged_attention_decode_ref(q[:2], c["k_cache"], c["v_cache"], c["block_tables"][:2], lens[:2],
                                          dim**-0.5, c["k_scale"], c["v_scale"], fmt)
+        ref_q8 = paged_attention_decode_ref(quantize_queries_ref(q[:2], dim**-0.5 * LOG2E), c["k_cache"], c["v_cache"],
+                                            c["block_tables"][:2], lens[:2], dim**-0.5, c["k_scale"], c["v_scale"], fmt)
         best, best_t = None, float("inf")
         t_base = timer.time([lambda: paged_attention_decode(q, c["k_cache"], c["v_cache"], c["block_tables"], lens,
                                                             dim**-0.5, **kw)], reps=10)
-        for bn, warps, stages, part, pf, vf, cap in grid:
+        for cfg in (t_cfgs if fmt == "e4m3" else []) + grid_cfgs:
             if time.perf_counter() > deadline:
                 break
-            if (pf or vf) and fmt is None:  # fp16 tiles go through the async-copy pipeline already
+            if (cfg.get("prefetch") or cfg.get("v_f16")) and fmt is None:  # fp16 tiles are async-copied already
                 continue
-            cfg = dict(block_n=bn, num_warps=warps, num_stages=stages, partition=part, prefetch=pf, v_f16=vf)
-            if cap:
-                cfg["maxnreg"] = cap
             args = dict(cfg, **kw)
             try:
                 out = paged_attention_decode(q, c["k_cache"], c["v_cache"], c["block_tables"], lens, dim**-0.5,
                                              **args)
-                if rel_err(out[:2], ref) > 2e-3:
+                if rel_err(out[:2], ref_q8 if cfg.get("qk_fp8") else ref) > 2e-3:
                     continue
                 t = timer.time([lambda a=args: paged_attention_decode(
                     q, c["k_cache"], c["v_cache"], c["block_tables"], lens, dim**-0.5, **a)], reps=10)

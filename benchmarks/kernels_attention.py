@@ -32,7 +32,13 @@ def bench_attention(args: argparse.Namespace, device: Any, timer: Timer, peak: f
     import torch.nn.functional as F
 
     from qpage.kernels.fp8_codec import CVT_HW, fp8_decoder, sm90_plus
-    from qpage.kernels.paged_attention import paged_attention_decode, paged_attention_decode_ref
+    from qpage.kernels.paged_attention import (
+        LOG2E,
+        decode_kernel_choice,
+        paged_attention_decode,
+        paged_attention_decode_ref,
+    )
+    from qpage.kernels.paged_decode_t import decode_t_unfit, quantize_queries_ref
     from qpage.kernels.paged_prefill import paged_attention_prefill, paged_attention_prefill_ref
 
     dtype = torch.float16 if device.type == "cuda" else torch.float32
@@ -58,8 +64,18 @@ def bench_attention(args: argparse.Namespace, device: Any, timer: Timer, peak: f
         kw = dict(k_scale=c["k_scale"], v_scale=c["v_scale"], fp8_format=fmt)
         out = paged_attention_decode(q, c["k_cache"], c["v_cache"], c["block_tables"], lens, scale, **kw)
         ref_rows = slice(0, 2)
-        ref = paged_attention_decode_ref(q[ref_rows], c["k_cache"], c["v_cache"], c["block_tables"][ref_rows],
-                                         lens[ref_rows], scale, **kw)
+
+        def reference(qv: Any, settings: dict[str, Any], c: dict[str, Any] = c, kw: dict[str, Any] = kw,
+                      per_token: bool = per_token) -> Any:
+            """The reference on q as the kernel multiplies it: paged_decode_t with qk_fp8 (its
+            default) rounds q to two e4m3 parts, and its relerr is against that."""
+            _, rounds = decode_kernel_choice(qv, c["k_cache"], kw["fp8_format"], None, settings.get("decode_t"),
+                                             settings.get("qk_fp8"), per_token=per_token)
+            qr = quantize_queries_ref(qv[ref_rows], scale * LOG2E).to(qv.dtype) if rounds else qv[ref_rows]
+            return paged_attention_decode_ref(qr, c["k_cache"], c["v_cache"], c["block_tables"][ref_rows],
+                                              lens[ref_rows], scale, **kw)
+
+        ref = reference(q, {})
         err = rel_err(out[ref_rows], ref)
         elem = 1 if fmt else 2
         kv_bytes = 2 * nseq * ctx * kvh * dim * elem + (2 * nseq * ctx * kvh * 2 if per_token else 0)
@@ -80,6 +96,12 @@ def bench_attention(args: argparse.Namespace, device: Any, timer: Timer, peak: f
              ("v staged fp16 8 warps maxnreg 80", {"v_f16": True, "num_warps": 8, "maxnreg": 80})]
             if fmt == "e4m3" else []) + (
             [("ptx decoder", {"decoder": "ptx"})] if fmt == "e4m3" and fp8_decoder(device, fmt) == CVT_HW else []) + (
+            # paged_decode_t (tokens as the MMA's rows). With qk_fp8 (its default) relerr is
+            # against the reference on q as the kernel rounds it (hi + lo e4m3).
+            [("tokens-as-rows", {"decode_t": True, "qk_fp8": True}),
+             ("tokens-as-rows 128-token tiles", {"decode_t": True, "qk_fp8": True, "block_n": 128}),
+             ("tokens-as-rows q fp16", {"decode_t": True, "qk_fp8": False})]
+            if fmt == "e4m3" and decode_t_unfit(q, c["k_cache"], fmt) is None else []) + (
             [("bf16 model", {"q_dtype": torch.bfloat16})] if fmt and device.type == "cuda" else [])
         for vlabel, vkw in variants:
             with forced_decoder(vkw.get("decoder")):
@@ -87,7 +109,7 @@ def bench_attention(args: argparse.Namespace, device: Any, timer: Timer, peak: f
                 vkw = {k: v for k, v in vkw.items() if k not in ("decoder", "q_dtype")}
                 vout = paged_attention_decode(qv, c["k_cache"], c["v_cache"], c["block_tables"], lens, scale, **kw,
                                               **vkw)
-                verr = rel_err(vout[ref_rows], ref)
+                verr = rel_err(vout[ref_rows], reference(qv, vkw))
                 vt = timer.time([lambda a=vkw, qv=qv: paged_attention_decode(
                     qv, c["k_cache"], c["v_cache"], c["block_tables"], lens, scale, max_seq_len=ctx, **kw, **a)])
             rows.append(dict(kernel=f"decode paged {label} {vlabel}", us=vt * 1e6, gbs=kv_bytes / vt / 1e9,

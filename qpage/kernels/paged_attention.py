@@ -24,6 +24,7 @@ import torch
 
 from qpage.config import BLOCK_SIZE
 from qpage.kernels.fp8_codec import decode_fp8_ref, fp8_decoder, fp8_to_f16, fp8_unit, sm90_plus
+from qpage.kernels.paged_decode_t import launch_decode_t, use_decode_t
 from qpage.kernels.triton_utils import INTERPRET, tl, triton
 from qpage.kernels.tuned import decode_settings
 
@@ -68,9 +69,14 @@ def _load_kv_tile(
 @triton.jit
 def _token_scale(s_ptr, blk, offs_n, n_mask, head, unit,
                  KV_HEADS: tl.constexpr, PAGE: tl.constexpr, PER_TOKEN: tl.constexpr):
-    """[BLOCK_N] fp32 multiplier of each position's decoded row (1 where there is none)."""
+    """[BLOCK_N] fp32 multiplier of each position's decoded row (1 where there is none).
+
+    The offset is 32-bit (``check_scale_offsets``): a scale tensor holds 2 bytes per cached
+    K or V row, so it stays under 2**31 elements long after the cache outgrows 32-bit byte
+    offsets, and 64-bit address arithmetic cost the sm_90 decode loop 27 instructions per
+    tile (672 -> 645, per-token, 4 warps; 8 warps: 413 -> 403 in 80 registers)."""
     if PER_TOKEN:
-        s = tl.load(s_ptr + (blk * PAGE + offs_n % PAGE) * KV_HEADS + head, mask=n_mask, other=0.0)
+        s = tl.load(s_ptr + (blk.to(tl.int32) * PAGE + offs_n % PAGE) * KV_HEADS + head, mask=n_mask, other=0.0)
         return s.to(tl.float32) * unit
     else:
         return tl.full(offs_n.shape, 1.0, dtype=tl.float32)
@@ -255,6 +261,8 @@ def _launch_args(q: torch.Tensor, k_scale: torch.Tensor | None, fp8_format: str 
     model's cache values need not fit fp16's range."""
     fp8 = fp8_format is not None
     per_token = fp8 and k_scale is not None and k_scale.dim() == 3
+    if per_token:
+        check_scale_offsets(k_scale)
     cvt = fp8_decoder(q.device, fp8_format) if fp8 else 0
     unit = fp8_unit(fp8_format, cvt) if fp8 else 1.0
     if INTERPRET or q.dtype == torch.float32:
@@ -267,6 +275,14 @@ def _launch_args(q: torch.Tensor, k_scale: torch.Tensor | None, fp8_format: str 
                                        DOT_DTYPE=dot_dtype, PRECISION="ieee" if dot_dtype == tl.float32 else "tf32")
 
 
+def check_scale_offsets(k_scale: torch.Tensor | None) -> None:
+    """Per-token scale tensors are indexed with 32-bit offsets in the kernels (``_token_scale``)."""
+    if k_scale is not None and k_scale.numel() >= 2**31:
+        raise ValueError(f"per-token KV scales hold {k_scale.numel()} elements, over the kernels' 32-bit offsets "
+                         f"(2**31): use fewer KV cache blocks per layer (--kv-cache-memory / "
+                         f"gpu_memory_utilization) or a per-tensor FP8 scale")
+
+
 def v_f16_default(device: torch.device) -> bool:
     """Stage FP8 V as fp16 unless tuned otherwise: on sm_90 (static count, benchmarks/NOTES-kernels.md)
     it cuts the loop's instructions and registers (per-token, 4 warps: 177 -> 140, so 3 programs
@@ -275,13 +291,26 @@ def v_f16_default(device: torch.device) -> bool:
     return sm90_plus(device)
 
 
+def decode_kernel_choice(q: torch.Tensor, k_cache: torch.Tensor, fp8_format: str | None, tuned: dict | None = None,
+                         decode_t: bool | None = None, qk_fp8: bool | None = None,
+                         per_token: bool = True) -> tuple[bool, bool]:
+    """(whether ``paged_attention_decode`` runs ``paged_decode_t``'s kernel, whether that one
+    rounds q to two e4m3 parts) for these arguments; ``tuned`` defaults to this GPU's table."""
+    if tuned is None:
+        tuned = decode_settings(q.device, fp8_format, per_token, q.shape[-1], q.shape[1] // k_cache.shape[2])
+    if not use_decode_t(q, k_cache, fp8_format, tuned, decode_t):
+        return False, False
+    return True, bool(tuned.get("qk_fp8", True)) if qk_fp8 is None else qk_fp8
+
+
 def paged_attention_decode(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, scale: float, k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None, fp8_format: str | None = None, partition: int | None = None,
     max_seq_len: int | None = None, block_n: int | None = None, num_warps: int | None = None,
     num_stages: int | None = None, prefetch: bool | None = None, scales_ahead: bool | None = None,
-    v_f16: bool | None = None, maxnreg: int | None = None,
+    v_f16: bool | None = None, maxnreg: int | None = None, decode_t: bool | None = None,
+    qk_fp8: bool | None = None,
 ) -> torch.Tensor:
     """q [B, H, D] -> out [B, H, D]. ``partition`` (tokens, a multiple of ``block_n``) enables
     split-KV; None picks one from ``max_seq_len`` (defaults to the longest of ``seq_lens``).
@@ -297,6 +326,9 @@ def paged_attention_decode(
     sm_90, 8 warps with FP8 V staged hold 86 registers (2 programs per SM); capped at 80, 3
     fit, with no spills (``kernel_sass.py --attention``). Only the tuner's timing can say
     whether the occupancy is worth the extra instructions, so it is a tuned setting.
+    ``decode_t`` runs ``paged_decode_t``'s kernel instead (tokens as the MMA's rows; e4m3
+    caches, fp16 models, sm_89+; default: the tuned table, else ``QPAGE_DECODE_T=1``), with
+    ``qk_fp8`` (default on) computing q K^T in FP8 with q split into two e4m3 parts.
 
     ``partition`` is a runtime argument, not a compile-time one: decode's max_seq_len grows
     every step, and a constexpr would compile a new kernel each time."""
@@ -338,16 +370,21 @@ def paged_attention_decode(
         strides = (out.stride(0), out.stride(1), 0)
     ks = k_scale if k_scale is not None else k_cache
     vs = v_scale if v_scale is not None else v_cache
-    _decode_kernel[(bsz, kvh, parts)](
-        q, k_cache, v_cache, ks, vs, block_tables, seq_lens, dst, m, lsum,
-        *scalars, partition,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        *strides,
-        KV_HEADS=kvh, QPK=qpk, Q_PAD=max(16, triton.next_power_of_2(qpk)),
-        HEAD_DIM=dim, DIM_PAD=dim_pad, PAGE=BLOCK_SIZE, SPLIT=split, BLOCK_N=block_n, PREFETCH=prefetch,
-        SCALES_AHEAD=scales_ahead, V_F16=v_f16, **flags,
-        num_warps=num_warps, num_stages=num_stages, **reg_cap,
-    )
+    use_t, qk_fp8 = decode_kernel_choice(q, k_cache, fp8_format, tuned, decode_t, qk_fp8)
+    if use_t:
+        launch_decode_t(q, k_cache, v_cache, ks, vs, block_tables, seq_lens, dst, m, lsum, strides, scalars[0],
+                        partition, parts, block_n, qk_fp8, num_warps, num_stages)
+    else:
+        _decode_kernel[(bsz, kvh, parts)](
+            q, k_cache, v_cache, ks, vs, block_tables, seq_lens, dst, m, lsum,
+            *scalars, partition,
+            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+            *strides,
+            KV_HEADS=kvh, QPK=qpk, Q_PAD=max(16, triton.next_power_of_2(qpk)),
+            HEAD_DIM=dim, DIM_PAD=dim_pad, PAGE=BLOCK_SIZE, SPLIT=split, BLOCK_N=block_n, PREFETCH=prefetch,
+            SCALES_AHEAD=scales_ahead, V_F16=v_f16, **flags,
+            num_warps=num_warps, num_stages=num_stages, **reg_cap,
+        )
     if split:
         _decode_reduce_kernel[(bsz, heads)](
             acc, m, lsum, out, parts, out.stride(0), out.stride(1),

@@ -30,6 +30,8 @@ def test_kernels_benchmark_interpret_dry_run(tmp_path: Path) -> None:
     assert all(row["bit_exact"] for row in res["cache_write"])
     assert max(r[k] for r in res["linears"] for k in r if k.endswith("_relerr")) < 1e-4
     assert all(row["relerr"] < 1e-4 for row in res["attention"] if "relerr" in row)
+    t_rows = [row["kernel"] for row in res["attention"] if "tokens-as-rows" in row["kernel"]]
+    assert len(t_rows) == 6, t_rows  # 3 settings x e4m3 per-token, per-tensor
     table = json.loads((tmp_path / "configs" / "cpu_triton_interpreter.json").read_text())
     assert table == res["tune"]["table"] and problems(table) == []
     assert table["matmul"], "the sweep kept no configuration"
@@ -40,13 +42,16 @@ def test_kv_cache_benchmark_smoke(tmp_path: Path) -> None:
     out = tmp_path / "kv.json"
     # Any text will do for a smoke run (a clean clone may not sit beside ../shared/data).
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kv_cache.py"), "--windows", "1", "--window", "64",
-                        "--chunk", "16", "--data", str(ROOT / "README.md"), "--out", str(out)],
+                        "--chunk", "16", "--data", str(ROOT / "README.md"), "--out", str(out), "--q-fp8"],
                        capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     res = json.loads(out.read_text())
     modes = {m["mode"]: m for m in res["modes"]}
     assert set(modes) == {"auto", "fp8_e4m3 per-token", "fp8_e4m3 per-tensor", "fp8_e5m2 per-token",
-                          "fp8_e5m2 per-tensor"}
+                          "fp8_e5m2 per-tensor", "e4m3 per-token q-fp8", "e4m3 per-token q-hi+lo",
+                          "e4m3 per-tensor q-hi+lo"}
+    # The rounded queries change the scores (an unpatched engine would give exactly the same KL).
+    assert modes["e4m3 per-token q-fp8"]["mean_kl"] != modes["fp8_e4m3 per-token"]["mean_kl"]
     assert modes["fp8_e4m3 per-token"]["vs_fp16"] <= 0.53
     assert all(m["perplexity"] > 1 for m in modes.values())
 
@@ -130,9 +135,19 @@ def test_kernel_sass_counts_the_gemv_loop(tmp_path: Path) -> None:
     f16 = next(a for a in res["attention"] if a["mode"] == "fp8 per-token" and a["v_f16"] == bf16["v_f16"]
                and a["num_warps"] == bf16["num_warps"] and not a["maxnreg"])
     assert bf16["loop_instructions"] <= 1.05 * f16["loop_instructions"], (bf16, f16)
-    att = [a for a in res["attention"] if not a["mode"].startswith(("prefill", "decoder"))
+    att = [a for a in res["attention"] if not a["mode"].startswith(("prefill", "decoder", "tokens-as-rows"))
            and not a["mode"].endswith("bf16")]
     assert {a["mode"] for a in att} == {"fp16", "fp8 per-token", "fp8 per-tensor"}
+    # The tokens-as-rows decode (paged_decode_t) exists to run q K^T as FP8 wgmma (QGMMA) straight
+    # from K's codes: with qk-fp8 it must, and its per-token loop must count under 0.75x the
+    # default kernel's (per-token, V staged, 4 warps), unspilled, in more resident warps.
+    t_rows = {(a["mode"], a["block_n"]): a for a in res["attention"] if a["mode"].startswith("tokens-as-rows")}
+    assert len(t_rows) == 8 and all(a["spill_bytes"] == 0 for a in t_rows.values())
+    t = t_rows[("tokens-as-rows per-token qk-fp8", 64)]
+    default = next(a for a in att if a["mode"] == "fp8 per-token" and a["v_f16"] and a["num_warps"] == 4)
+    assert t["mma"].get("QGMMA", 0) > 0 and t_rows[("tokens-as-rows per-token", 64)]["mma"].get("QGMMA", 0) == 0
+    assert t["loop_instructions"] < 0.75 * default["loop_instructions"], (t, default)
+    assert t["warps_per_sm"] > default["warps_per_sm"], (t, default)
     # The packed PTX FP8 decoder (e5m2 on sm_90; e4m3 too on sm_80/86) exists to cut the
     # element-wise bit trick's instructions; its PTX is compiled here, so ptxas accepts it.
     dec = {a["fp8_cvt"]: a for a in res["attention"] if a["mode"] == "decoder e5m2"}

@@ -32,6 +32,16 @@ def _pack(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
     return lo_bits | (hi_bits << 16)
 
 
+def _e4m3(code: np.ndarray) -> np.ndarray:
+    """e4m3 (``float8_e4m3fn``) codes -> float64 values from the format's definition (1-4-3,
+    bias 7, subnormals at exponent 0; exponent and mantissa all ones is NaN)."""
+    code = code.astype(np.int64)
+    sign = np.where(code & 0x80, -1.0, 1.0)
+    exp, man = (code >> 3) & 0xF, code & 0x7
+    value = np.where(exp == 0, man / 8.0 * 2.0**-6, (1 + man / 8.0) * np.exp2(exp - 7.0))
+    return np.where((code & 0x7F) == 0x7F, np.nan, sign * value)
+
+
 def _lop3(a: np.ndarray, b: np.ndarray, c: np.ndarray, lut: int) -> np.ndarray:
     """Bit i of the result is bit (a_i << 2 | b_i << 1 | c_i) of ``lut``."""
     out = np.zeros(np.broadcast(a, b, c).shape, dtype=np.uint32)
@@ -108,6 +118,9 @@ def run_ptx(text: str, inputs: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
             put(args[0], (a + b).astype(np.float16).view(np.uint16))
         elif op == "cvt.f32.f16":
             put(args[0], val(args[1]).view(np.float16).astype(np.float32))
+        elif op == "cvt.rn.f16x2.e4m3x2":  # a's low byte -> d's low half, its high byte -> the high half
+            a = np.asarray(val(args[1]), dtype=np.uint32)
+            put(args[0], _pack(_e4m3(a & 0xFF), _e4m3((a >> 8) & 0xFF)))
         elif op == "cvt.rn.f16x2.f32":  # d = {a in the high half, b in the low}
             put(args[0], _pack(np.asarray(val(args[2]), dtype=np.float64), np.asarray(val(args[1]), dtype=np.float64)))
         else:

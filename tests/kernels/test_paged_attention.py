@@ -14,7 +14,7 @@ import torch
 
 from qpage.config import BLOCK_SIZE
 from qpage.kernels.cache_write import write_kv_cache_ref
-from qpage.kernels.paged_attention import paged_attention_decode, paged_attention_decode_ref
+from qpage.kernels.paged_attention import check_scale_offsets, paged_attention_decode, paged_attention_decode_ref
 from qpage.kernels.paged_prefill import paged_attention_prefill, paged_attention_prefill_ref
 
 TOL = {torch.float16: 2e-3, torch.float32: 1e-5, torch.bfloat16: 2e-2}
@@ -151,3 +151,20 @@ def test_dot_dtype_per_activation_and_cache(monkeypatch: pytest.MonkeyPatch) -> 
     for dtype, fmt, k_scale, rows, want in cases:
         _, flags = pa._launch_args(torch.zeros(1, 4, 8, dtype=dtype), k_scale, fmt, 1.0, scaled_rows=rows)
         assert flags["DOT_DTYPE"] == want, (dtype, fmt, rows)
+
+
+def test_per_token_scales_past_32_bit_offsets_are_refused() -> None:
+    """The kernels index per-token scales with 32-bit offsets; a scale tensor of 2**31 elements
+    (an expanded view: no memory) is refused by name before any launch, decode and prefill alike."""
+    cache, tables = filled_cache([20], torch.float16, "e4m3", True)
+    huge = torch.ones(1, 1, 1, dtype=torch.float16).expand(2**27, BLOCK_SIZE, 1)
+    assert huge.numel() == 2**31
+    q = torch.randn(1, H, D, dtype=torch.float16)
+    with pytest.raises(ValueError, match="32-bit offsets"):
+        paged_attention_decode(q, cache["k_cache"], cache["v_cache"], tables, torch.tensor([20], dtype=torch.int32),
+                               0.125, k_scale=huge, v_scale=huge, fp8_format="e4m3")
+    with pytest.raises(ValueError, match="32-bit offsets"):
+        paged_attention_prefill(q, cache["k_cache"], cache["v_cache"], tables, torch.tensor([0, 1], dtype=torch.int32),
+                                torch.tensor([20], dtype=torch.int32), 1, 0.125, k_scale=huge, v_scale=huge,
+                                fp8_format="e4m3")
+    check_scale_offsets(huge[: 2**27 - 1])  # one block fewer fits

@@ -1,0 +1,330 @@
+"""Paged decode attention over an FP8 e4m3 cache with the tokens as the MMA's rows.
+
+``paged_attention._decode_kernel`` computes S = q K^T with the query heads of one KV head as
+the MMA's rows: 4 heads (Llama-3-8B's GQA) padded to 16 rows, the tokens as its columns.
+There every FP8 code passes through registers to become an fp16 operand, each warp reloads
+q from shared memory per tile, and on sm_90 the small M rules out wgmma. This kernel
+computes the transpose, S^T = K q^T: 64 tokens are the rows (one warpgroup's wgmma M) and
+the heads, padded to 8, the columns. Then
+
+- **QK^T in FP8** (``QK_FP8``, sm_89+): K's codes go from shared memory straight into the
+  FP8 MMA (QGMMA on sm_90, mma.sync e4m3 on sm_89): nothing is converted per tile. q is
+  split once per program into two e4m3 parts with a scale per head each, q ~ hi * u_hi +
+  lo * u_lo (lo: hi's rounding error), so S^T takes two FP8 MMAs with N = 8, and q keeps
+  about 8 significant bits where e4m3 alone keeps 4. On the default model (16 x 512 tokens
+  of wikitext-2, ``benchmarks/kv_cache.py --q-fp8``) e4m3 queries took the per-token FP8
+  cache's mean KL from the ``auto`` cache from 2.72e-3 to 5.64e-3, hi + lo to 2.80e-3
+  (perplexity +0.044% over ``auto``, against +0.078% with exact queries: noise);
+  ``quantize_queries_ref`` is the arithmetic. Off, K's codes are decoded to fp16 in
+  registers (the A operand) and q stays fp16.
+- **Per-token scales per row**: a row of S^T is one token, so each thread needs the K and V
+  scales of its own few rows (the other kernel needs the scales of every score column it
+  holds). V's scale multiplies P^T's rows (with P kept in fp16 range by a factor 2**8
+  removed at the end), so V's decoded codes go to the MMA unscaled.
+- **V's codes as 32-bit words** (``V_ASM``): four codes per load, decoded by two
+  ``cvt.rn.f16x2.e4m3x2`` in inline PTX; loaded as bytes, the values carried across the
+  software pipeline were one byte per register and re-packed with PRMT/LOP3/IMAD per pair.
+
+By static count (``benchmarks/kernel_sass.py --attention``: Llama-3-8B heads, 64-token tiles,
+4 warps, per-token scales) the sm_90 loop is 419 instructions in 84 registers (24 warps per SM)
+with QK^T in FP8 and 630 in 98 (20 warps) without, against 645 in 126 (16 warps) for the
+other kernel's default there: 26 warp instructions per token against 40. sm_89: 399 against
+842. Nothing here is timed: ``kernels.py`` times it beside the default, and the tuned table
+(``decode_t``, ``qk_fp8``) or ``QPAGE_DECODE_T=1`` selects it. Under the interpreter (CPU
+tests) the kernel runs with the codes decoded by the element-wise bit trick and fp32 dots;
+its PTX is checked by the PTX model, and each GPU checks the whole kernel against the
+reference on first use (``decode_t_ok``).
+
+Scope: e4m3 codes, fp16 activations on a GPU of compute capability 8.9+ (fp32 under the
+interpreter); bf16 activations would need P outside fp16's range handled, e5m2 and sm_80/86
+a PTX decoder for the words: ``decode_t_unfit`` names the reason and the caller uses the
+other kernel.
+"""
+
+import functools
+import logging
+import os
+
+import torch
+
+from qpage.kernels.fp8_codec import _capability, encode_fp8_ref, f32_to_fp8, fp8_to_f16
+from qpage.kernels.triton_utils import INTERPRET, tl, triton
+
+logger = logging.getLogger("qpage")
+
+E4M3_WORD_PTX = tl.constexpr(
+    "{ .reg .b16 lo, hi; .reg .b32 a, b; "
+    "mov.b32 {lo, hi}, $4; "
+    "cvt.rn.f16x2.e4m3x2 a, lo; "  # codes 0, 1 -> (low half, high half)
+    "cvt.rn.f16x2.e4m3x2 b, hi; "
+    "mov.b32 {$0, $1}, a; "
+    "mov.b32 {$2, $3}, b; }"
+)
+"""One 32-bit word of four e4m3 codes (code i in byte i) -> four fp16 values, code i in ``$i``."""
+
+P_SHIFT = 256.0
+"""P^T's rows times V's per-token scale are multiplied by this before the fp16 cast (and the
+output divided by it): with V scales up to 65504 / 448 (an fp16 model), products stay under
+fp16's maximum, and small probabilities stay clear of its subnormals."""
+
+
+@triton.jit
+def _v_words(vc_ptr, blk, offs_n, n_mask, head, stride_cb, stride_ct, stride_ch,
+             HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, PAGE: tl.constexpr, V_ASM: tl.constexpr,
+             DOT_DTYPE: tl.constexpr):
+    """V rows of positions ``offs_n`` decoded, [BLOCK_N, DIM_PAD] in DOT_DTYPE (value, or value
+    / 2**8 with the bit trick), loaded as 32-bit words of four codes."""
+    offs_w = tl.arange(0, DIM_PAD // 4)
+    row = (blk * stride_cb + (offs_n % PAGE) * stride_ct + head * stride_ch) // 4
+    mask = n_mask[:, None] & (offs_w < HEAD_DIM // 4)[None, :]
+    w = tl.load(vc_ptr.to(tl.pointer_type(tl.int32)) + row[:, None] + offs_w[None, :], mask=mask, other=0)
+    if V_ASM:
+        v0, v1, v2, v3 = tl.inline_asm_elementwise(
+            E4M3_WORD_PTX, "=h,=h,=h,=h,r", [w], dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+            is_pure=True, pack=1)
+    else:
+        v0 = fp8_to_f16((w & 0xFF).to(tl.uint8), False, 0)
+        v1 = fp8_to_f16(((w >> 8) & 0xFF).to(tl.uint8), False, 0)
+        v2 = fp8_to_f16(((w >> 16) & 0xFF).to(tl.uint8), False, 0)
+        v3 = fp8_to_f16(((w >> 24) & 0xFF).to(tl.uint8), False, 0)
+    v = tl.join(tl.join(v0, v2), tl.join(v1, v3))  # [BLOCK_N, words, 2, 2]: code 2i + j at [.., i, j]
+    return tl.reshape(v, (offs_n.shape[0], DIM_PAD)).to(DOT_DTYPE)
+
+
+@triton.jit
+def _e4m3_per_head(x):
+    """(unit, e4m3 codes) of x [DIM_PAD, Q_PAD] fp32: each head's largest |x| maps to 448."""
+    unit = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-30) / 448.0
+    return unit, f32_to_fp8(x / unit[None, :], False).to(tl.float8e4nv, bitcast=True)
+
+
+@triton.jit
+def _decode_t_kernel(
+    q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, lens_ptr, out_ptr, m_ptr, l_ptr,
+    qk_scale, v_unit, partition,
+    stride_qb, stride_qh, stride_cb, stride_ct, stride_ch, stride_bt,
+    stride_ob, stride_oh, stride_op,
+    KV_HEADS: tl.constexpr, QPK: tl.constexpr, Q_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+    DIM_PAD: tl.constexpr, PAGE: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
+    PER_TOKEN: tl.constexpr, QK_FP8: tl.constexpr, V_ASM: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    PRECISION: tl.constexpr, SHIFT: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    part = tl.program_id(2)
+    seq_len = tl.load(lens_ptr + b)
+    offs_q = tl.arange(0, Q_PAD)
+    offs_d = tl.arange(0, DIM_PAD)
+    q_mask = offs_q < QPK
+    d_mask = offs_d < HEAD_DIM
+    heads = h * QPK + offs_q
+    if PER_TOKEN:
+        v_out = 1.0 / SHIFT
+    else:  # per-tensor scales fold into q and the output
+        qk_scale = qk_scale * tl.load(ks_ptr).to(tl.float32)
+        v_out = tl.load(vs_ptr).to(tl.float32) * v_unit / SHIFT
+    # q^T [DIM_PAD, Q_PAD], scaled so that scores come out in log2 units.
+    qt = tl.load(q_ptr + b * stride_qb + heads[None, :] * stride_qh + offs_d[:, None],
+                 mask=q_mask[None, :] & d_mask[:, None], other=0.0).to(tl.float32) * qk_scale
+    if QK_FP8:  # q ~ hi * u_hi + lo * u_lo, both e4m3 per head (quantize_queries_ref)
+        q_unit, q_hi = _e4m3_per_head(qt)
+        lo_unit, q_lo = _e4m3_per_head(qt - q_hi.to(tl.float32) * q_unit[None, :])
+    else:
+        q_unit = tl.full((Q_PAD,), 1.0, dtype=tl.float32)
+        q_hi = qt.to(DOT_DTYPE)
+    m_i = tl.full((Q_PAD,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((Q_PAD,), dtype=tl.float32)
+    acc = tl.zeros((DIM_PAD, Q_PAD), dtype=tl.float32)  # O^T
+    start = part * partition
+    end = start + partition
+    if end > seq_len:
+        end = seq_len
+    bt = bt_ptr + b * stride_bt
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < end
+        blk = tl.load(bt + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
+        k = tl.load(kc_ptr + (blk * stride_cb + (offs_n % PAGE) * stride_ct + h * stride_ch)[:, None]
+                    + offs_d[None, :], mask=n_mask[:, None] & d_mask[None, :], other=0)
+        if QK_FP8:
+            k8 = k.to(tl.float8e4nv, bitcast=True)
+            st = tl.dot(k8, q_hi) * q_unit[None, :] + tl.dot(k8, q_lo) * lo_unit[None, :]
+        else:  # decoded value / 2**8 under the interpreter's bit trick: the 2**8 is in qk_scale
+            st = tl.dot(fp8_to_f16(k, False, 2 if V_ASM else 0).to(DOT_DTYPE), q_hi, input_precision=PRECISION)
+        v = _v_words(vc_ptr, blk, offs_n, n_mask, h, stride_cb, stride_ct, stride_ch, HEAD_DIM, DIM_PAD, PAGE,
+                     V_ASM, DOT_DTYPE)
+        if PER_TOKEN:  # 32-bit offsets: paged_attention.check_scale_offsets
+            sidx = (blk.to(tl.int32) * PAGE + offs_n % PAGE) * KV_HEADS + h
+            k_mul = tl.load(ks_ptr + sidx, mask=n_mask, other=0.0).to(tl.float32)
+            v_mul = tl.load(vs_ptr + sidx, mask=n_mask, other=0.0).to(tl.float32) * (v_unit * SHIFT)
+            st = st * k_mul[:, None]
+        st = tl.where(n_mask[:, None], st, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(st, axis=0))
+        p = tl.exp2(st - m_new[None, :])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=0)
+        if PER_TOKEN:
+            p = p * v_mul[:, None]
+        elif SHIFT != 1.0:
+            p = p * SHIFT
+        acc = acc * alpha[None, :] + tl.dot(tl.trans(v), p.to(DOT_DTYPE), input_precision=PRECISION)
+        m_i = m_new
+    acc = acc * v_out
+    out_mask = d_mask[:, None] & q_mask[None, :]
+    if SPLIT:
+        base = b * stride_ob + heads * stride_oh + part * stride_op
+        tl.store(out_ptr + (base * DIM_PAD)[None, :] + offs_d[:, None], acc, mask=out_mask)
+        tl.store(m_ptr + base, m_i, mask=q_mask)
+        tl.store(l_ptr + base, l_i, mask=q_mask)
+    else:
+        out = acc / l_i[None, :]
+        tl.store(out_ptr + b * stride_ob + heads[None, :] * stride_oh + offs_d[:, None],
+                 out.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+def decode_t_unfit(q: torch.Tensor, k_cache: torch.Tensor, fp8_format: str | None) -> str | None:
+    """Why ``_decode_t_kernel`` cannot serve this call (None: it can)."""
+    if fp8_format != "e4m3":
+        return f"cache {fp8_format or 'not FP8'}: the tokens-as-rows decode reads e4m3 codes only"
+    if q.shape[-1] % 4 or any(s % 4 for s in k_cache.stride()[:3]) or k_cache.data_ptr() % 4:
+        return "V is read in 4-byte words: head_dim, the cache strides and its start must be multiples of 4"
+    if q.shape[-1] < 32:
+        return f"head_dim {q.shape[-1]}: FP8 MMAs reduce over at least 32"
+    if INTERPRET:
+        return None if q.dtype == torch.float32 else "the interpreter runs it with fp32 queries only"
+    if q.device.type != "cuda" or _capability(q.device) < (8, 9):
+        return "it needs e4m3 conversion in hardware (compute capability 8.9+)"
+    if q.dtype != torch.float16:
+        return f"{q.dtype} activations: P times V's scales is kept in fp16, so fp16 models only"
+    return None
+
+
+def launch_decode_t(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor,
+                    v_scale: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, dst: torch.Tensor,
+                    m: torch.Tensor, lsum: torch.Tensor, out_strides: tuple[int, int, int], qk_scale: float,
+                    partition: int, parts: int, block_n: int, qk_fp8: bool, num_warps: int | None,
+                    num_stages: int) -> None:
+    """One launch over (sequence, kv head, partition) into ``paged_attention_decode``'s buffers.
+    ``qk_scale`` is softmax scale * log2(e)."""
+    bsz, heads, dim = q.shape
+    kvh = k_cache.shape[2]
+    qpk = heads // kvh
+    asm = not INTERPRET
+    per_token = k_scale.dim() == 3
+    unit = 1.0 if asm else 256.0  # what the decoder leaves out of each code (fp8_codec.fp8_unit)
+    if not qk_fp8:
+        qk_scale *= unit  # K's decoded codes: the unit goes to the scores through q
+    dot_dtype = tl.float32 if INTERPRET else tl.float16
+    _decode_t_kernel[(bsz, kvh, parts)](
+        q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, dst, m, lsum,
+        qk_scale, unit, partition,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        *out_strides,
+        KV_HEADS=kvh, QPK=qpk, Q_PAD=max(8, triton.next_power_of_2(qpk)), HEAD_DIM=dim,
+        DIM_PAD=triton.next_power_of_2(dim), PAGE=k_cache.shape[1], SPLIT=parts > 1, BLOCK_N=block_n,
+        PER_TOKEN=per_token, QK_FP8=qk_fp8, V_ASM=asm, DOT_DTYPE=dot_dtype,
+        PRECISION="ieee" if INTERPRET else "tf32", SHIFT=1.0 if INTERPRET else P_SHIFT,
+        num_warps=num_warps or 4, num_stages=num_stages,
+    )
+
+
+def _e4m3_per_head_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 values, unit) of x [..., D]: the largest |x| of each head maps to 448."""
+    unit = x.abs().amax(-1, keepdim=True).clamp_min(1e-30) / 448.0
+    return encode_fp8_ref(x / unit, "e4m3").view(torch.float8_e4m3fn).float(), unit
+
+
+def quantize_queries_ref(q: torch.Tensor, qk_scale: float = 1.0, split: bool = True) -> torch.Tensor:
+    """q [..., H, D] as ``_decode_t_kernel`` multiplies it with ``QK_FP8``, in q's units (fp32):
+    x = q * qk_scale rounded to e4m3 per head, plus (``split``) the rounding's residual rounded
+    to e4m3 per head likewise, x ~ hi * u_hi + lo * u_lo."""
+    x = q.float() * qk_scale
+    hi, u_hi = _e4m3_per_head_ref(x)
+    approx = hi * u_hi
+    if split:
+        lo, u_lo = _e4m3_per_head_ref(x - approx)
+        approx = approx + lo * u_lo
+    return approx / qk_scale
+
+
+def use_decode_t(q: torch.Tensor, k_cache: torch.Tensor, fp8_format: str | None, tuned: dict,
+                 decode_t: bool | None) -> bool:
+    """Whether this decode call runs ``_decode_t_kernel``. Asked for explicitly (``decode_t=True``)
+    where it cannot run: ValueError naming why. Asked for by the tuned table or
+    ``QPAGE_DECODE_T=1``: the reason is logged once and the other kernel runs."""
+    explicit = decode_t is not None
+    if decode_t is None:
+        decode_t = bool(tuned.get("decode_t", False)) or os.environ.get("QPAGE_DECODE_T", "") == "1"
+    if not decode_t:
+        return False
+    why = decode_t_unfit(q, k_cache, fp8_format)
+    if why is None and not INTERPRET and not decode_t_ok(q.device):
+        why = "it failed its first-use check on this GPU (see the warning logged)"
+    if why is None:
+        return True
+    if explicit:
+        raise ValueError(f"decode_t=True: {why}; leave decode_t unset to use the default decode kernel")
+    _log_once(why)
+    return False
+
+
+@functools.lru_cache(maxsize=8)
+def _log_once(reason: str) -> None:
+    logger.info("tokens-as-rows FP8 decode not used: %s", reason)
+
+
+_CHECKED: dict[str, bool] = {}
+
+
+def decode_t_ok(device: torch.device) -> bool:
+    """Whether the kernel (its inline PTX, its FP8 MMAs) matches the torch reference on
+    ``device``, with and without ``QK_FP8``: checked once per process and device at the first
+    use outside a CUDA graph capture, on two sequences with per-token and per-tensor scales.
+    A mismatch logs a warning and the default decode kernel serves instead."""
+    key = str(device)
+    if key not in _CHECKED:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return True  # no launch or sync inside a capture; the check runs at the next use
+        _CHECKED[key] = True  # the check's own launches
+        errors = [_check_error(device, per_token, qk_fp8) for per_token in (True, False) for qk_fp8 in (True, False)]
+        _CHECKED[key] = max(errors) < CHECK_TOLERANCE
+        if not _CHECKED[key]:
+            logger.warning("tokens-as-rows FP8 decode: relative errors %s against the reference on %s (tolerance "
+                           "%g); using the default decode kernel. Please report this with the GPU, driver and "
+                           "Triton versions.", ", ".join(f"{e:.2e}" for e in errors), device, CHECK_TOLERANCE)
+    return _CHECKED[key]
+
+
+CHECK_TOLERANCE = 5e-3
+"""fp16 queries, P and V in fp16 MMAs and an fp16 output: ~1e-3 from the reference when right;
+a wrong code order or scale lands far above."""
+
+
+def _check_error(device: torch.device, per_token: bool, qk_fp8: bool) -> float:
+    """Relative error of the kernel against the reference on a small random cache (CPU-built)."""
+    from qpage.kernels.cache_write import write_kv_cache_ref
+    from qpage.kernels.paged_attention import LOG2E, paged_attention_decode, paged_attention_decode_ref
+
+    g = torch.Generator().manual_seed(0)
+    kvh, heads, dim, page, lens = 2, 8, 128, 16, [100, 37]
+    kc = torch.zeros(16, page, kvh, dim, dtype=torch.uint8)
+    vc = torch.zeros_like(kc)
+    if per_token:
+        ks, vs = torch.zeros(16, page, kvh, dtype=torch.float16), torch.zeros(16, page, kvh, dtype=torch.float16)
+    else:
+        ks, vs = torch.tensor([0.03]), torch.tensor([0.02])
+    table = torch.randperm(16, generator=g)[:14].reshape(2, 7).to(torch.int32)
+    for i, n in enumerate(lens):
+        pos = torch.arange(n)
+        slots = table[i].long()[pos // page] * page + pos % page
+        write_kv_cache_ref(torch.randn(n, kvh, dim, generator=g), torch.randn(n, kvh, dim, generator=g),
+                           kc, vc, slots, ks, vs, "e4m3")
+    q = torch.randn(2, heads, dim, generator=g).to(torch.float32 if INTERPRET else torch.float16)
+    scale = dim**-0.5
+    seq = torch.tensor(lens, dtype=torch.int32)
+    on = [t.to(device) for t in (q, kc, vc, table, seq, ks, vs)]
+    got = paged_attention_decode(on[0], on[1], on[2], on[3], on[4], scale, k_scale=on[5], v_scale=on[6],
+                                 fp8_format="e4m3", decode_t=True, qk_fp8=qk_fp8).float().cpu()
+    q_ref = quantize_queries_ref(q, scale * LOG2E) if qk_fp8 else q.float()
+    want = paged_attention_decode_ref(q_ref, kc, vc, table, seq, scale, k_scale=ks, v_scale=vs, fp8_format="e4m3")
+    return float((got - want).norm() / want.norm())

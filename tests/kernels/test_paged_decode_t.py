@@ -1,0 +1,115 @@
+"""The tokens-as-rows FP8 decode kernel (``paged_decode_t``) against the reference, under the
+interpreter (fp32; its inline PTX by the PTX model), its query arithmetic, and when it runs."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+
+from qpage.kernels import paged_attention as pa
+from qpage.kernels import paged_decode_t as pdt
+from qpage.kernels.fp8_codec import decode_fp8_ref
+from qpage.kernels.paged_attention import LOG2E, paged_attention_decode, paged_attention_decode_ref
+from qpage.kernels.paged_decode_t import decode_t_unfit, quantize_queries_ref
+from tests.kernels.conftest import rel_err, spy
+from tests.kernels.ptx_model import run_ptx
+from tests.kernels.test_paged_attention import D, H, filled_cache
+
+SCALE = 0.125
+
+
+def _decode(cache: dict, tables: torch.Tensor, q: torch.Tensor, lens: list[int], **kw: object) -> torch.Tensor:
+    return paged_attention_decode(q, cache["k_cache"], cache["v_cache"], tables, torch.tensor(lens, dtype=torch.int32),
+                                  SCALE, k_scale=cache["k_scale"], v_scale=cache["v_scale"], fp8_format="e4m3", **kw)
+
+
+def _ref(cache: dict, tables: torch.Tensor, q: torch.Tensor, lens: list[int]) -> torch.Tensor:
+    return paged_attention_decode_ref(q, **cache, block_tables=tables, seq_lens=torch.tensor(lens), scale=SCALE)
+
+
+@pytest.mark.parametrize("per_token", [True, False], ids=["per-token", "per-tensor"])
+@pytest.mark.parametrize("qk_fp8", [True, False], ids=["qk-fp8", "qk-f16"])
+@pytest.mark.parametrize("partition", [None, 32], ids=["one-partition", "split"])
+def test_decode_t_matches_ref(per_token: bool, qk_fp8: bool, partition: int | None) -> None:
+    """fp32 under the interpreter (tolerance 1e-5, as the other kernel's fp32 case); with
+    ``qk_fp8`` the reference takes q as the kernel multiplies it (``quantize_queries_ref``)."""
+    lens = [37, 70, 5]
+    cache, tables = filled_cache(lens, torch.float32, "e4m3", per_token, seed=3)
+    q = torch.randn(len(lens), H, D, generator=torch.Generator().manual_seed(1))
+    got = _decode(cache, tables, q, lens, decode_t=True, qk_fp8=qk_fp8, partition=partition)
+    want = _ref(cache, tables, quantize_queries_ref(q, SCALE * LOG2E) if qk_fp8 else q, lens)
+    assert rel_err(got, want) < 1e-5
+    if qk_fp8:  # the split query moves the output by about 1e-3 of its norm, no more
+        assert 1e-5 < rel_err(want, _ref(cache, tables, q, lens)) < 3e-3
+
+
+def test_quantize_queries_split_error() -> None:
+    """e4m3 alone leaves up to 2**-4 relative per element (of the larger ones); hi + lo (the
+    kernel's split) cuts the error more than 8-fold, to below 2**-8 of each head's largest |q|."""
+    q = torch.randn(64, 8, 128, generator=torch.Generator().manual_seed(0)) * torch.logspace(-3, 3, 8)[None, :, None]
+    one = quantize_queries_ref(q, split=False)
+    two = quantize_queries_ref(q)
+    amax = q.abs().amax(-1, keepdim=True)
+    big = q.abs() > amax * 2**-6  # e4m3 normals under the per-head scale
+    assert ((one - q).abs()[big] <= q.abs()[big] * 2**-4 * (1 + 1e-6)).all()
+    assert ((two - q).abs() <= amax * 2**-8).all()
+    assert (two - q).norm() * 8 < (one - q).norm()
+    assert quantize_queries_ref(torch.zeros(2, 3, 8)).abs().max() == 0
+
+
+def test_word_ptx_bit_for_bit() -> None:
+    """``E4M3_WORD_PTX`` in the PTX model: every code in every byte of a word, and random words,
+    decode to torch's ``float8_e4m3fn`` value in output ``$i`` for byte i (NaN codes: NaN)."""
+    codes = np.arange(256, dtype=np.uint32)
+    words = [codes << (8 * i) | ((255 - codes) << (8 * ((i + 1) % 4))) for i in range(4)]
+    words.append(np.random.default_rng(0).integers(0, 2**32, 20000, dtype=np.uint64).astype(np.uint32))
+    word = np.concatenate(words)
+    out = run_ptx(pdt.E4M3_WORD_PTX.value, {4: word})
+    for i in range(4):
+        byte = torch.from_numpy(((word >> (8 * i)) & 0xFF).astype(np.uint8))
+        want = decode_fp8_ref(byte, "e4m3").half().numpy()
+        got = out[i].astype(np.uint16).view(np.float16)
+        finite = np.isfinite(want)
+        assert (got[finite].view(np.uint16) == want[finite].view(np.uint16)).all(), f"byte {i}"
+        assert np.isnan(got[~finite]).all()
+
+
+def test_when_it_runs(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Opt-in (argument, tuned table or QPAGE_DECODE_T=1); asked for explicitly where it cannot
+    run it raises naming why; asked for by the environment it logs the reason and the other
+    kernel serves the call."""
+    lens = [20, 9]
+    cache, tables = filled_cache(lens, torch.float32, "e4m3", True)
+    q = torch.randn(len(lens), H, D)
+    launches = spy(monkeypatch, pa, "launch_decode_t")
+    default = _decode(cache, tables, q, lens)
+    assert not launches
+    monkeypatch.setenv("QPAGE_DECODE_T", "1")
+    _decode(cache, tables, q, lens)
+    assert len(launches) == 1
+    assert decode_t_unfit(q.half(), cache["k_cache"], "e4m3") == "the interpreter runs it with fp32 queries only"
+    assert "e4m3 codes only" in decode_t_unfit(q, cache["k_cache"], "e5m2")
+    assert "multiples of 4" in decode_t_unfit(q[..., :62], cache["k_cache"][..., :62].contiguous(), "e4m3")
+    with pytest.raises(ValueError, match=r"decode_t=True: .*fp32 queries only"):
+        _decode(cache, tables, q.half(), lens, decode_t=True)
+    with caplog.at_level(logging.INFO, logger="qpage"):
+        half = _decode(cache, tables, q.half(), lens)  # the environment asks; the default kernel serves
+    assert len(launches) == 1 and "fp32 queries only" in caplog.text
+    assert rel_err(half, default) < 2e-2
+
+
+def test_first_use_check(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """``decode_t_ok`` runs the kernel against the reference once per device: it passes here, and
+    a reference that disagrees (a stand-in for a GPU whose PTX or FP8 MMA misbehaves) makes it
+    fail with a warning, after which the environment's request falls back to the default kernel."""
+    monkeypatch.setattr(pdt, "_CHECKED", {})
+    assert pdt.decode_t_ok(torch.device("cpu"))
+    monkeypatch.setattr(pdt, "_CHECKED", {})
+    real = pdt.quantize_queries_ref
+    monkeypatch.setattr(pdt, "quantize_queries_ref", lambda q, s=1.0, split=True: real(q, s, split) * 1.05)
+    with caplog.at_level(logging.WARNING, logger="qpage"):
+        assert not pdt.decode_t_ok(torch.device("cpu"))
+    assert "using the default decode kernel" in caplog.text
