@@ -192,10 +192,11 @@ def tune_decode(device: Any, timer: Any, deadline: float, interpret: bool, table
                  | ({"maxnreg": cap} if cap else {}) for bn, w, st, part, pf, vf, cap in grid]
     # The tokens-as-rows kernel (paged_decode_t; e4m3 only), tried first: by count it is the
     # leanest FP8 loop. With qk_fp8 it is checked against the reference on its rounded q.
+    # 16 query columns: FP8 wgmma with Triton < 3.8 (default_qk_fp8).
     t_cfgs = [dict(block_n=16 if interpret else bn, num_warps=w, num_stages=st, partition=32 if interpret else part,
-                   decode_t=True, qk_fp8=qk8)
-              for qk8 in (True, False) for bn in (64, 128) for w in (4, 8) for st in (2, 3) for part in (512, 1024)
-              if not interpret or (bn, w, st, part) == (64, 4, 2, 512)]
+                   decode_t=True, qk_fp8=qk8, q_pad=qp)
+              for qk8, qp in ((True, 8), (False, 8), (True, 16)) for bn in (64, 128) for w in (4, 8) for st in (2, 3)
+              for part in (512, 1024) if not interpret or (bn, w, st, part) == (64, 4, 2, 512)]
     q = torch.randn(nseq, heads, dim, device=device, dtype=dtype)
     lens = torch.full((nseq,), ctx, dtype=torch.int32, device=device)
     rows = []

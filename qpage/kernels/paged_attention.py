@@ -24,7 +24,7 @@ import torch
 
 from qpage.config import BLOCK_SIZE
 from qpage.kernels.fp8_codec import decode_fp8_ref, fp8_decoder, fp8_to_f16, fp8_unit, sm90_plus
-from qpage.kernels.paged_decode_t import launch_decode_t, use_decode_t
+from qpage.kernels.paged_decode_t import default_qk_fp8, launch_decode_t, use_decode_t
 from qpage.kernels.triton_utils import INTERPRET, tl, triton
 from qpage.kernels.tuned import decode_settings
 
@@ -300,7 +300,7 @@ def decode_kernel_choice(q: torch.Tensor, k_cache: torch.Tensor, fp8_format: str
         tuned = decode_settings(q.device, fp8_format, per_token, q.shape[-1], q.shape[1] // k_cache.shape[2])
     if not use_decode_t(q, k_cache, fp8_format, tuned, decode_t):
         return False, False
-    return True, bool(tuned.get("qk_fp8", True)) if qk_fp8 is None else qk_fp8
+    return True, bool(tuned.get("qk_fp8", default_qk_fp8())) if qk_fp8 is None else qk_fp8
 
 
 def paged_attention_decode(
@@ -310,7 +310,7 @@ def paged_attention_decode(
     max_seq_len: int | None = None, block_n: int | None = None, num_warps: int | None = None,
     num_stages: int | None = None, prefetch: bool | None = None, scales_ahead: bool | None = None,
     v_f16: bool | None = None, maxnreg: int | None = None, decode_t: bool | None = None,
-    qk_fp8: bool | None = None,
+    qk_fp8: bool | None = None, q_pad: int | None = None,
 ) -> torch.Tensor:
     """q [B, H, D] -> out [B, H, D]. ``partition`` (tokens, a multiple of ``block_n``) enables
     split-KV; None picks one from ``max_seq_len`` (defaults to the longest of ``seq_lens``).
@@ -327,8 +327,9 @@ def paged_attention_decode(
     fit, with no spills (``kernel_sass.py --attention``). Only the tuner's timing can say
     whether the occupancy is worth the extra instructions, so it is a tuned setting.
     ``decode_t`` runs ``paged_decode_t``'s kernel instead (tokens as the MMA's rows; e4m3
-    caches, fp16 models, sm_89+; default: the tuned table, else ``QPAGE_DECODE_T=1``), with
-    ``qk_fp8`` (default on) computing q K^T in FP8 with q split into two e4m3 parts.
+    caches, fp16 or bf16 models, sm_89+; default: the tuned table, else ``QPAGE_DECODE_T=1``), with
+    ``qk_fp8`` computing q K^T in FP8 with q split into two e4m3 parts (default: the tuned
+    table, else ``paged_decode_t.default_qk_fp8``) and ``q_pad`` query columns (8 or 16).
 
     ``partition`` is a runtime argument, not a compile-time one: decode's max_seq_len grows
     every step, and a constexpr would compile a new kernel each time."""
@@ -373,7 +374,7 @@ def paged_attention_decode(
     use_t, qk_fp8 = decode_kernel_choice(q, k_cache, fp8_format, tuned, decode_t, qk_fp8)
     if use_t:
         launch_decode_t(q, k_cache, v_cache, ks, vs, block_tables, seq_lens, dst, m, lsum, strides, scalars[0],
-                        partition, parts, block_n, qk_fp8, num_warps, num_stages)
+                        partition, parts, block_n, qk_fp8, num_warps, num_stages, q_pad or tuned.get("q_pad"))
     else:
         _decode_kernel[(bsz, kvh, parts)](
             q, k_cache, v_cache, ks, vs, block_tables, seq_lens, dst, m, lsum,

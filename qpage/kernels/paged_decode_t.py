@@ -29,16 +29,20 @@ By static count (``benchmarks/kernel_sass.py --attention``: Llama-3-8B heads, 64
 4 warps, per-token scales) the sm_90 loop is 419 instructions in 84 registers (24 warps per SM)
 with QK^T in FP8 and 630 in 98 (20 warps) without, against 645 in 126 (16 warps) for the
 other kernel's default there: 26 warp instructions per token against 40. sm_89: 399 against
-842. Nothing here is timed: ``kernels.py`` times it beside the default, and the tuned table
+842. With Triton 3.6-3.7 (the H200 machine had 3.6) wgmma needs 16 query columns on sm_90:
+there q K^T in FP8 (474 instructions with ``q_pad=16``) is off by default and the fp16 path
+runs on mma.sync (500 in 96 registers, 20 warps per SM; the default kernel: 671 in 144, 12
+warps; ``default_qk_fp8``). Nothing here is timed: ``kernels.py`` times it beside the default, and the tuned table
 (``decode_t``, ``qk_fp8``) or ``QPAGE_DECODE_T=1`` selects it. Under the interpreter (CPU
 tests) the kernel runs with the codes decoded by the element-wise bit trick and fp32 dots;
 its PTX is checked by the PTX model, and each GPU checks the whole kernel against the
 reference on first use (``decode_t_ok``).
 
-Scope: e4m3 codes, fp16 activations on a GPU of compute capability 8.9+ (fp32 under the
-interpreter); bf16 activations would need P outside fp16's range handled, e5m2 and sm_80/86
-a PTX decoder for the words: ``decode_t_unfit`` names the reason and the caller uses the
-other kernel.
+Scope: e4m3 codes, fp16 or bf16 activations on a GPU of compute capability 8.9+ (any float
+dtype under the interpreter, which multiplies in fp32); e5m2 and sm_80/86 would need a PTX
+decoder for the words: ``decode_t_unfit`` names the reason and the caller uses the other
+kernel. With bf16 activations the MMAs still take fp16 (decoded codes are exact there; q's
+fp16 path and P times V's scale as in ``paged_attention``'s kernel for bf16 models).
 """
 
 import functools
@@ -64,8 +68,16 @@ E4M3_WORD_PTX = tl.constexpr(
 
 P_SHIFT = 256.0
 """P^T's rows times V's per-token scale are multiplied by this before the fp16 cast (and the
-output divided by it): with V scales up to 65504 / 448 (an fp16 model), products stay under
-fp16's maximum, and small probabilities stay clear of its subnormals."""
+output divided by it) in fp16 models: with V scales up to 65504 / 448 there, products stay
+under fp16's maximum, and small probabilities stay clear of its subnormals."""
+
+
+def p_shift(dtype: torch.dtype) -> float:
+    """``P_SHIFT`` for fp16 models. A bf16 model's V values, and so its scales (stored in fp16,
+    up to 65504), may be larger: P (at most 1) times the scale alone always fits fp16, as in
+    ``paged_attention``'s kernel, which casts the same product to fp16 for bf16 models. The
+    interpreter multiplies in fp32 and needs none."""
+    return P_SHIFT if dtype == torch.float16 and not INTERPRET else 1.0
 
 
 @triton.jit
@@ -182,6 +194,22 @@ def _decode_t_kernel(
                  out.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
+def default_qk_fp8() -> bool:
+    """Whether q K^T runs in FP8 by default (tuned tables aside): with Triton 3.8+, which issues
+    it as FP8 wgmma with 8 query columns. Triton 3.6-3.7 take wgmma only from 16 columns on
+    sm_90 (8 fall back to mma.sync with the FP8 operands converted to fp16); there, by count,
+    fp16 q K^T with 8 columns (mma.sync) needs fewer warp instructions per token than the
+    FP8 wgmma with 16 (31.2 against 29.6, but 20 resident warps per SM against 16), and it
+    keeps q exact (``kernel_sass.py --attention`` with each Triton, NOTES-kernels.md)."""
+    return _triton_version() >= (3, 8)
+
+
+@functools.lru_cache(maxsize=1)
+def _triton_version() -> tuple[int, int]:
+    major, minor = triton.__version__.split(".")[:2]
+    return int(major), int(minor)
+
+
 def decode_t_unfit(q: torch.Tensor, k_cache: torch.Tensor, fp8_format: str | None) -> str | None:
     """Why ``_decode_t_kernel`` cannot serve this call (None: it can)."""
     if fp8_format != "e4m3":
@@ -190,12 +218,14 @@ def decode_t_unfit(q: torch.Tensor, k_cache: torch.Tensor, fp8_format: str | Non
         return "V is read in 4-byte words: head_dim, the cache strides and its start must be multiples of 4"
     if q.shape[-1] < 32:
         return f"head_dim {q.shape[-1]}: FP8 MMAs reduce over at least 32"
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return f"{q.dtype} queries"
     if INTERPRET:
-        return None if q.dtype == torch.float32 else "the interpreter runs it with fp32 queries only"
+        return None
     if q.device.type != "cuda" or _capability(q.device) < (8, 9):
         return "it needs e4m3 conversion in hardware (compute capability 8.9+)"
-    if q.dtype != torch.float16:
-        return f"{q.dtype} activations: P times V's scales is kept in fp16, so fp16 models only"
+    if q.dtype == torch.float32:
+        return "fp32 activations (its MMAs are fp16 and FP8)"
     return None
 
 
@@ -203,9 +233,9 @@ def launch_decode_t(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     v_scale: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, dst: torch.Tensor,
                     m: torch.Tensor, lsum: torch.Tensor, out_strides: tuple[int, int, int], qk_scale: float,
                     partition: int, parts: int, block_n: int, qk_fp8: bool, num_warps: int | None,
-                    num_stages: int) -> None:
+                    num_stages: int, q_pad: int | None = None) -> None:
     """One launch over (sequence, kv head, partition) into ``paged_attention_decode``'s buffers.
-    ``qk_scale`` is softmax scale * log2(e)."""
+    ``qk_scale`` is softmax scale * log2(e); ``q_pad`` the MMA's query columns (default 8)."""
     bsz, heads, dim = q.shape
     kvh = k_cache.shape[2]
     qpk = heads // kvh
@@ -220,10 +250,10 @@ def launch_decode_t(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         qk_scale, unit, partition,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         *out_strides,
-        KV_HEADS=kvh, QPK=qpk, Q_PAD=max(8, triton.next_power_of_2(qpk)), HEAD_DIM=dim,
+        KV_HEADS=kvh, QPK=qpk, Q_PAD=max(q_pad or 8, triton.next_power_of_2(qpk)), HEAD_DIM=dim,
         DIM_PAD=triton.next_power_of_2(dim), PAGE=k_cache.shape[1], SPLIT=parts > 1, BLOCK_N=block_n,
         PER_TOKEN=per_token, QK_FP8=qk_fp8, V_ASM=asm, DOT_DTYPE=dot_dtype,
-        PRECISION="ieee" if INTERPRET else "tf32", SHIFT=1.0 if INTERPRET else P_SHIFT,
+        PRECISION="ieee" if INTERPRET else "tf32", SHIFT=p_shift(q.dtype),
         num_warps=num_warps or 4, num_stages=num_stages,
     )
 
@@ -258,7 +288,7 @@ def use_decode_t(q: torch.Tensor, k_cache: torch.Tensor, fp8_format: str | None,
     if not decode_t:
         return False
     why = decode_t_unfit(q, k_cache, fp8_format)
-    if why is None and not INTERPRET and not decode_t_ok(q.device):
+    if why is None and not INTERPRET and not decode_t_ok(q.device, q.dtype):
         why = "it failed its first-use check on this GPU (see the warning logged)"
     if why is None:
         return True
@@ -273,34 +303,40 @@ def _log_once(reason: str) -> None:
     logger.info("tokens-as-rows FP8 decode not used: %s", reason)
 
 
-_CHECKED: dict[str, bool] = {}
+_CHECKED: dict[tuple[str, str], bool] = {}
 
 
-def decode_t_ok(device: torch.device) -> bool:
+def decode_t_ok(device: torch.device, dtype: torch.dtype = torch.float16) -> bool:
     """Whether the kernel (its inline PTX, its FP8 MMAs) matches the torch reference on
-    ``device``, with and without ``QK_FP8``: checked once per process and device at the first
-    use outside a CUDA graph capture, on two sequences with per-token and per-tensor scales.
-    A mismatch logs a warning and the default decode kernel serves instead."""
-    key = str(device)
+    ``device`` with ``dtype`` queries, with and without ``QK_FP8``: checked once per process,
+    device and dtype at the first use outside a CUDA graph capture, on two sequences with
+    per-token and per-tensor scales. A mismatch logs a warning and the default decode kernel
+    serves instead."""
+    key = (str(device), str(dtype))
     if key not in _CHECKED:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return True  # no launch or sync inside a capture; the check runs at the next use
         _CHECKED[key] = True  # the check's own launches
-        errors = [_check_error(device, per_token, qk_fp8) for per_token in (True, False) for qk_fp8 in (True, False)]
+        try:
+            errors = [_check_error(device, pt, qk8, dtype) for pt in (True, False) for qk8 in (True, False)]
+            found = ", ".join(f"{e:.2e}" for e in errors)
+        except Exception as e:  # e.g. this Triton cannot compile it
+            errors, found = [float("inf")], f"{type(e).__name__}: {e}"
         _CHECKED[key] = max(errors) < CHECK_TOLERANCE
         if not _CHECKED[key]:
-            logger.warning("tokens-as-rows FP8 decode: relative errors %s against the reference on %s (tolerance "
-                           "%g); using the default decode kernel. Please report this with the GPU, driver and "
-                           "Triton versions.", ", ".join(f"{e:.2e}" for e in errors), device, CHECK_TOLERANCE)
+            logger.warning("tokens-as-rows FP8 decode failed its check on %s with %s queries (relative errors "
+                           "against the reference, tolerance %g: %s); using the default decode kernel. Please "
+                           "report this with the GPU, driver and Triton versions.", device, dtype, CHECK_TOLERANCE,
+                           found)
     return _CHECKED[key]
 
 
-CHECK_TOLERANCE = 5e-3
-"""fp16 queries, P and V in fp16 MMAs and an fp16 output: ~1e-3 from the reference when right;
+CHECK_TOLERANCE = 1e-2
+"""fp16 MMAs and an fp16 or bf16 output: ~1e-3 (bf16: ~4e-3) from the reference when right;
 a wrong code order or scale lands far above."""
 
 
-def _check_error(device: torch.device, per_token: bool, qk_fp8: bool) -> float:
+def _check_error(device: torch.device, per_token: bool, qk_fp8: bool, dtype: torch.dtype) -> float:
     """Relative error of the kernel against the reference on a small random cache (CPU-built)."""
     from qpage.kernels.cache_write import write_kv_cache_ref
     from qpage.kernels.paged_attention import LOG2E, paged_attention_decode, paged_attention_decode_ref
@@ -319,7 +355,7 @@ def _check_error(device: torch.device, per_token: bool, qk_fp8: bool) -> float:
         slots = table[i].long()[pos // page] * page + pos % page
         write_kv_cache_ref(torch.randn(n, kvh, dim, generator=g), torch.randn(n, kvh, dim, generator=g),
                            kc, vc, slots, ks, vs, "e4m3")
-    q = torch.randn(2, heads, dim, generator=g).to(torch.float32 if INTERPRET else torch.float16)
+    q = torch.randn(2, heads, dim, generator=g).to(dtype)
     scale = dim**-0.5
     seq = torch.tensor(lens, dtype=torch.int32)
     on = [t.to(device) for t in (q, kc, vc, table, seq, ks, vs)]

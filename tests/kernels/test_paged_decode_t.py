@@ -46,6 +46,38 @@ def test_decode_t_matches_ref(per_token: bool, qk_fp8: bool, partition: int | No
         assert 1e-5 < rel_err(want, _ref(cache, tables, q, lens)) < 3e-3
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_decode_t_half_queries(dtype: torch.dtype) -> None:
+    """fp16 and bf16 models (on a GPU: fp16 MMAs, P times V's scale shifted by 2**8 for fp16
+    only, ``p_shift``); the output in the model's dtype, within its rounding (TOL of the other
+    kernel's tests)."""
+    lens = [33, 18]
+    cache, tables = filled_cache(lens, dtype, "e4m3", True, seed=7)
+    q = torch.randn(len(lens), H, D, generator=torch.Generator().manual_seed(4)).to(dtype)
+    got = _decode(cache, tables, q, lens, decode_t=True, qk_fp8=True)
+    assert got.dtype == dtype
+    want = _ref(cache, tables, quantize_queries_ref(q, SCALE * LOG2E), lens)
+    assert rel_err(got, want) < (2e-3 if dtype == torch.float16 else 2e-2)
+    assert pdt.p_shift(torch.bfloat16) == 1.0
+
+
+def test_decode_t_sixteen_query_columns(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``q_pad=16`` (FP8 wgmma with Triton < 3.8) computes the same; q K^T in FP8 is the default
+    from Triton 3.8 only (``default_qk_fp8``), and the tuned table's ``qk_fp8`` wins over it."""
+    lens = [21, 50]
+    cache, tables = filled_cache(lens, torch.float32, "e4m3", True, seed=5)
+    q = torch.randn(len(lens), H, D, generator=torch.Generator().manual_seed(2))
+    got = _decode(cache, tables, q, lens, decode_t=True, qk_fp8=True, q_pad=16)
+    assert rel_err(got, _ref(cache, tables, quantize_queries_ref(q, SCALE * LOG2E), lens)) < 1e-5
+    for version, want in (("3.6.0", False), ("3.7.1", False), ("3.8.0", True), ("3.9.0", True)):
+        monkeypatch.setattr(pdt.triton, "__version__", version)
+        pdt._triton_version.cache_clear()
+        assert pdt.default_qk_fp8() is want
+        assert pa.decode_kernel_choice(q, cache["k_cache"], "e4m3", {}, True) == (True, want)
+        assert pa.decode_kernel_choice(q, cache["k_cache"], "e4m3", {"qk_fp8": not want}, True) == (True, not want)
+    pdt._triton_version.cache_clear()
+
+
 def test_quantize_queries_split_error() -> None:
     """e4m3 alone leaves up to 2**-4 relative per element (of the larger ones); hi + lo (the
     kernel's split) cuts the error more than 8-fold, to below 2**-8 of each head's largest |q|."""
@@ -85,20 +117,26 @@ def test_when_it_runs(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCapture
     cache, tables = filled_cache(lens, torch.float32, "e4m3", True)
     q = torch.randn(len(lens), H, D)
     launches = spy(monkeypatch, pa, "launch_decode_t")
-    default = _decode(cache, tables, q, lens)
+    _decode(cache, tables, q, lens)
     assert not launches
     monkeypatch.setenv("QPAGE_DECODE_T", "1")
     _decode(cache, tables, q, lens)
     assert len(launches) == 1
-    assert decode_t_unfit(q.half(), cache["k_cache"], "e4m3") == "the interpreter runs it with fp32 queries only"
+    assert decode_t_unfit(q.half(), cache["k_cache"], "e4m3") is None  # any float dtype under the interpreter
+    assert decode_t_unfit(q.double(), cache["k_cache"], "e4m3") == "torch.float64 queries"
     assert "e4m3 codes only" in decode_t_unfit(q, cache["k_cache"], "e5m2")
     assert "multiples of 4" in decode_t_unfit(q[..., :62], cache["k_cache"][..., :62].contiguous(), "e4m3")
-    with pytest.raises(ValueError, match=r"decode_t=True: .*fp32 queries only"):
-        _decode(cache, tables, q.half(), lens, decode_t=True)
-    with caplog.at_level(logging.INFO, logger="qpage"):
-        half = _decode(cache, tables, q.half(), lens)  # the environment asks; the default kernel serves
-    assert len(launches) == 1 and "fp32 queries only" in caplog.text
-    assert rel_err(half, default) < 2e-2
+    assert "at least 32" in decode_t_unfit(q[..., :16], cache["k_cache"][..., :16].contiguous(), "e4m3")
+    e5, tables5 = filled_cache(lens, torch.float32, "e5m2", True)
+    seq = torch.tensor(lens, dtype=torch.int32)
+    args = (q, e5["k_cache"], e5["v_cache"], tables5, seq, SCALE)
+    kw = dict(k_scale=e5["k_scale"], v_scale=e5["v_scale"], fp8_format="e5m2")
+    with pytest.raises(ValueError, match=r"decode_t=True: cache e5m2"):
+        paged_attention_decode(*args, **kw, decode_t=True)
+    with caplog.at_level(logging.INFO, logger="qpage"):  # the environment asks; the default kernel serves
+        got = paged_attention_decode(*args, **kw)
+    assert len(launches) == 1 and "e4m3 codes only" in caplog.text
+    assert rel_err(got, paged_attention_decode_ref(q, **e5, block_tables=tables5, seq_lens=seq, scale=SCALE)) < 1e-5
 
 
 def test_first_use_check(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
@@ -113,3 +151,13 @@ def test_first_use_check(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCapt
     with caplog.at_level(logging.WARNING, logger="qpage"):
         assert not pdt.decode_t_ok(torch.device("cpu"))
     assert "using the default decode kernel" in caplog.text
+    # A kernel this Triton cannot compile fails the check the same way, naming the error.
+    monkeypatch.setattr(pdt, "_CHECKED", {})
+
+    def cannot_compile(*args: object) -> float:
+        raise RuntimeError("PassManager::run failed")
+
+    monkeypatch.setattr(pdt, "_check_error", cannot_compile)
+    with caplog.at_level(logging.WARNING, logger="qpage"):
+        assert not pdt.decode_t_ok(torch.device("cpu"))
+    assert "RuntimeError: PassManager::run failed" in caplog.text
