@@ -172,15 +172,19 @@ def attention_rows(archs: list[int]) -> list[dict[str, Any]]:
                 continue  # hardware cvt there
             for cvt in (0, 1):
                 rows.append(_decode_row(arch, f"decoder {fmt}", True, True, arch >= 90, 4, fmt, cvt))
-        if arch >= 89:  # paged_decode_t: e4m3 in hardware
+        if arch >= 89:  # paged_decode_t; q K^T in FP8 on sm_89+
             rows += [_decode_t_row(arch, per_token, qk_fp8, block_n) for per_token in (True, False)
                      for qk_fp8 in (True, False) for block_n in (64, 128)]
             rows.append(_decode_t_row(arch, True, True, 64, q_pad=16))  # FP8 wgmma with Triton < 3.8
+        else:  # sm_80/86: codes decoded by the packed PTX, q K^T in fp16
+            rows += [_decode_t_row(arch, per_token, False, 64) for per_token in (True, False)]
+        rows.append(_decode_t_row(arch, True, False, 64, fmt="e5m2"))
     rows += prefill_rows(archs)
     return rows
 
 
-def _decode_t_row(arch: int, per_token: bool, qk_fp8: bool, block_n: int, q_pad: int = 8) -> dict[str, Any]:
+def _decode_t_row(arch: int, per_token: bool, qk_fp8: bool, block_n: int, q_pad: int = 8,
+                  fmt: str = "e4m3") -> dict[str, Any]:
     """The tokens-as-rows decode (``paged_decode_t``), 4 warps, 2 stages, fp16 queries; ``mma``
     counts its tensor-core instructions by kind (QGMMA: FP8 wgmma; HGMMA: fp16 wgmma; HMMA:
     mma.sync), which shows whether q K^T really runs in FP8."""
@@ -191,7 +195,8 @@ def _decode_t_row(arch: int, per_token: bool, qk_fp8: bool, block_n: int, q_pad:
     types = dict(q_ptr="*fp16", kc_ptr="*u8", vc_ptr="*u8", ks_ptr="*fp16", vs_ptr="*fp16", bt_ptr="*i32",
                  lens_ptr="*i32", out_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32", qk_scale="fp32", v_unit="fp32")
     const = dict(KV_HEADS=8, QPK=4, Q_PAD=q_pad, HEAD_DIM=128, DIM_PAD=128, PAGE=16, SPLIT=True, BLOCK_N=block_n,
-                 PER_TOKEN=per_token, QK_FP8=qk_fp8, V_ASM=True, DOT_DTYPE=tl.float16, PRECISION="tf32",
+                 PER_TOKEN=per_token, QK_FP8=qk_fp8, IS_E5M2=fmt == "e5m2",
+                 CVT=2 if fmt == "e4m3" and arch >= 89 else 1, DOT_DTYPE=tl.float16, PRECISION="tf32",
                  SHIFT=P_SHIFT, stride_op=1)
     kernel = compile_cubin(_decode_t_kernel, const, arch, 4, 2, types)
     sass, regs, spill = sass_of(kernel.asm["cubin"])
@@ -199,8 +204,9 @@ def _decode_t_row(arch: int, per_token: bool, qk_fp8: bool, block_n: int, q_pad:
     smem = kernel.metadata.shared
     ctas = min(65536 // (max(regs, 1) * 32 * 4), SMEM_PER_SM[arch] * 1024 // max(smem, 1))
     label = (f"tokens-as-rows {'per-token' if per_token else 'per-tensor'}{' qk-fp8' if qk_fp8 else ''}"
-             f"{f' q_pad={q_pad}' if q_pad != 8 else ''}")
-    row = dict(arch=arch, mode=label, fp8_cvt="hw", v_f16=False, num_warps=4, maxnreg=None, block_n=block_n,
+             f"{f' q_pad={q_pad}' if q_pad != 8 else ''}{' e5m2' if fmt == 'e5m2' else ''}")
+    row = dict(arch=arch, mode=label, fp8_cvt=["bits", "ptx", "hw"][const["CVT"]], v_f16=False, num_warps=4,
+               maxnreg=None, block_n=block_n,
                q_pad=q_pad,
                loop_instructions=n, per_token=round(n / block_n, 2), registers=regs, spill_bytes=spill,
                smem_bytes=smem, warps_per_sm=ctas * 4, ldg_in_loop=ops.get("LDG", 0), lds=ops.get("LDS", 0),

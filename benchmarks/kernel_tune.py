@@ -190,12 +190,14 @@ def tune_decode(device: Any, timer: Any, deadline: float, interpret: bool, table
                             (True, False, None))]
     grid_cfgs = [dict(block_n=bn, num_warps=w, num_stages=st, partition=part, prefetch=pf, v_f16=vf)
                  | ({"maxnreg": cap} if cap else {}) for bn, w, st, part, pf, vf, cap in grid]
-    # The tokens-as-rows kernel (paged_decode_t; e4m3 only), tried first: by count it is the
-    # leanest FP8 loop. With qk_fp8 it is checked against the reference on its rounded q.
+    # The tokens-as-rows kernel (paged_decode_t), tried first for e4m3: by count it is the
+    # leanest FP8 loop. With qk_fp8 it is checked against the reference on its rounded q (and
+    # skipped where FP8 MMAs are missing); one stage fits 5 programs per SM on sm_86 (100 KB).
     # 16 query columns: FP8 wgmma with Triton < 3.8 (default_qk_fp8).
     t_cfgs = [dict(block_n=16 if interpret else bn, num_warps=w, num_stages=st, partition=32 if interpret else part,
                    decode_t=True, qk_fp8=qk8, q_pad=qp)
-              for qk8, qp in ((True, 8), (False, 8), (True, 16)) for bn in (64, 128) for w in (4, 8) for st in (2, 3)
+              for qk8, qp in ((True, 8), (False, 8), (True, 16))
+              for bn, w, st in ((64, 4, 2), (64, 4, 1), (64, 4, 3), (128, 4, 2), (64, 8, 2), (128, 8, 2))
               for part in (512, 1024) if not interpret or (bn, w, st, part) == (64, 4, 2, 512)]
     q = torch.randn(nseq, heads, dim, device=device, dtype=dtype)
     lens = torch.full((nseq,), ctx, dtype=torch.int32, device=device)

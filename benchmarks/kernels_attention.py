@@ -54,7 +54,7 @@ def bench_attention(args: argparse.Namespace, device: Any, timer: Timer, peak: f
         paged_attention_decode,
         paged_attention_decode_ref,
     )
-    from qpage.kernels.paged_decode_t import decode_t_unfit, quantize_queries_ref
+    from qpage.kernels.paged_decode_t import decode_t_unfit, qk_fp8_unfit, quantize_queries_ref
     from qpage.kernels.paged_prefill import paged_attention_prefill, paged_attention_prefill_ref
 
     dtype = torch.float16 if device.type == "cuda" else torch.float32
@@ -116,9 +116,10 @@ def bench_attention(args: argparse.Namespace, device: Any, timer: Timer, peak: f
             # against the reference on q as the kernel rounds it (hi + lo e4m3).
             [("tokens-as-rows", {"decode_t": True, "qk_fp8": True}),
              ("tokens-as-rows 128-token tiles", {"decode_t": True, "qk_fp8": True, "block_n": 128}),
-             ("tokens-as-rows 16 query columns", {"decode_t": True, "qk_fp8": True, "q_pad": 16}),
-             ("tokens-as-rows q fp16", {"decode_t": True, "qk_fp8": False})]
-            if fmt == "e4m3" and decode_t_unfit(q, c["k_cache"], fmt) is None else []) + (
+             ("tokens-as-rows 16 query columns", {"decode_t": True, "qk_fp8": True, "q_pad": 16})]
+            if decode_t_unfit(q, c["k_cache"], fmt) is None and qk_fp8_unfit(q, fmt) is None else []) + (
+            [("tokens-as-rows q fp16", {"decode_t": True, "qk_fp8": False})]
+            if decode_t_unfit(q, c["k_cache"], fmt) is None else []) + (
             [("bf16 model", {"q_dtype": torch.bfloat16})] if fmt and device.type == "cuda" else []) + (
             [("tokens-as-rows bf16 model", {"decode_t": True, "q_dtype": torch.bfloat16})]
             if fmt == "e4m3" and device.type == "cuda" and decode_t_unfit(q, c["k_cache"], fmt) is None else [])

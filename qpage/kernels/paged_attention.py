@@ -24,7 +24,7 @@ import torch
 
 from qpage.config import BLOCK_SIZE
 from qpage.kernels.fp8_codec import decode_fp8_ref, fp8_decoder, fp8_to_f16, fp8_unit, sm90_plus
-from qpage.kernels.paged_decode_t import default_qk_fp8, launch_decode_t, use_decode_t
+from qpage.kernels.paged_decode_t import default_qk_fp8, launch_decode_t, qk_fp8_unfit, use_decode_t
 from qpage.kernels.triton_utils import INTERPRET, tl, triton
 from qpage.kernels.tuned import decode_settings
 
@@ -300,7 +300,12 @@ def decode_kernel_choice(q: torch.Tensor, k_cache: torch.Tensor, fp8_format: str
         tuned = decode_settings(q.device, fp8_format, per_token, q.shape[-1], q.shape[1] // k_cache.shape[2])
     if not use_decode_t(q, k_cache, fp8_format, tuned, decode_t):
         return False, False
-    return True, bool(tuned.get("qk_fp8", default_qk_fp8())) if qk_fp8 is None else qk_fp8
+    why = qk_fp8_unfit(q, fp8_format)
+    if qk_fp8 and why:
+        raise ValueError(f"qk_fp8=True: {why}; leave qk_fp8 unset")
+    if qk_fp8 is None:
+        qk_fp8 = bool(tuned.get("qk_fp8", default_qk_fp8())) and why is None
+    return True, qk_fp8
 
 
 def paged_attention_decode(
@@ -326,10 +331,11 @@ def paged_attention_decode(
     sm_90, 8 warps with FP8 V staged hold 86 registers (2 programs per SM); capped at 80, 3
     fit, with no spills (``kernel_sass.py --attention``). Only the tuner's timing can say
     whether the occupancy is worth the extra instructions, so it is a tuned setting.
-    ``decode_t`` runs ``paged_decode_t``'s kernel instead (tokens as the MMA's rows; e4m3
-    caches, fp16 or bf16 models, sm_89+; default: the tuned table, else ``QPAGE_DECODE_T=1``), with
-    ``qk_fp8`` computing q K^T in FP8 with q split into two e4m3 parts (default: the tuned
-    table, else ``paged_decode_t.default_qk_fp8``) and ``q_pad`` query columns (8 or 16).
+    ``decode_t`` runs ``paged_decode_t``'s kernel instead (tokens as the MMA's rows; FP8
+    caches, fp16 or bf16 models, sm_80+; default: the tuned table, else ``QPAGE_DECODE_T=1``),
+    with ``qk_fp8`` computing q K^T in FP8 with q split into two e4m3 parts (e4m3, sm_89+;
+    default: the tuned table, else ``paged_decode_t.default_qk_fp8``) and ``q_pad`` query
+    columns (8 or 16).
 
     ``partition`` is a runtime argument, not a compile-time one: decode's max_seq_len grows
     every step, and a constexpr would compile a new kernel each time."""
@@ -374,7 +380,8 @@ def paged_attention_decode(
     use_t, qk_fp8 = decode_kernel_choice(q, k_cache, fp8_format, tuned, decode_t, qk_fp8)
     if use_t:
         launch_decode_t(q, k_cache, v_cache, ks, vs, block_tables, seq_lens, dst, m, lsum, strides, scalars[0],
-                        partition, parts, block_n, qk_fp8, num_warps, num_stages, q_pad or tuned.get("q_pad"))
+                        partition, parts, block_n, qk_fp8, num_warps, num_stages, fp8_format,
+                        q_pad or tuned.get("q_pad"))
     else:
         _decode_kernel[(bsz, kvh, parts)](
             q, k_cache, v_cache, ks, vs, block_tables, seq_lens, dst, m, lsum,

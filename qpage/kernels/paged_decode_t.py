@@ -21,28 +21,36 @@ the heads, padded to 8, the columns. Then
   scales of its own few rows (the other kernel needs the scales of every score column it
   holds). V's scale multiplies P^T's rows (with P kept in fp16 range by a factor 2**8
   removed at the end), so V's decoded codes go to the MMA unscaled.
-- **V's codes as 32-bit words** (``V_ASM``): four codes per load, decoded by two
-  ``cvt.rn.f16x2.e4m3x2`` in inline PTX; loaded as bytes, the values carried across the
-  software pipeline were one byte per register and re-packed with PRMT/LOP3/IMAD per pair.
+- **V's codes as 32-bit words**: four codes per load, decoded by two
+  ``cvt.rn.f16x2.e4m3x2`` in inline PTX (or ``fp8_codec``'s packed PTX, ``_word_asm``);
+  loaded as bytes, the values carried across the software pipeline were one byte per
+  register and re-packed with PRMT/LOP3/IMAD per pair.
 
 By static count (``benchmarks/kernel_sass.py --attention``: Llama-3-8B heads, 64-token tiles,
-4 warps, per-token scales) the sm_90 loop is 419 instructions in 84 registers (24 warps per SM)
-with QK^T in FP8 and 630 in 98 (20 warps) without, against 645 in 126 (16 warps) for the
-other kernel's default there: 26 warp instructions per token against 40. sm_89: 399 against
+4 warps, per-token scales) the sm_90 loop is 419 instructions in 83 registers (24 warps per SM)
+with QK^T in FP8 and 629 in 99 (20 warps) without, against 645 in 126 (16 warps) for the
+other kernel's default there: 26 warp instructions per token against 40. sm_89: 398 against
 842. With Triton 3.6-3.7 (the H200 machine had 3.6) wgmma needs 16 query columns on sm_90:
-there q K^T in FP8 (474 instructions with ``q_pad=16``) is off by default and the fp16 path
-runs on mma.sync (500 in 96 registers, 20 warps per SM; the default kernel: 671 in 144, 12
-warps; ``default_qk_fp8``). Nothing here is timed: ``kernels.py`` times it beside the default, and the tuned table
-(``decode_t``, ``qk_fp8``) or ``QPAGE_DECODE_T=1`` selects it. Under the interpreter (CPU
+there q K^T in FP8 (474 instructions in 122 registers with ``q_pad=16``) is off by default
+and the fp16 path runs on mma.sync (488 in 106; both 16 warps per SM; the default kernel: 671
+in 144, 12 warps; ``default_qk_fp8``). Nothing here is timed: ``kernels.py`` times it
+beside the default, and the tuned table (``decode_t``, ``qk_fp8``, ``q_pad``) or
+``QPAGE_DECODE_T=1`` selects it. Under the interpreter (CPU
 tests) the kernel runs with the codes decoded by the element-wise bit trick and fp32 dots;
 its PTX is checked by the PTX model, and each GPU checks the whole kernel against the
 reference on first use (``decode_t_ok``).
 
-Scope: e4m3 codes, fp16 or bf16 activations on a GPU of compute capability 8.9+ (any float
-dtype under the interpreter, which multiplies in fp32); e5m2 and sm_80/86 would need a PTX
-decoder for the words: ``decode_t_unfit`` names the reason and the caller uses the other
-kernel. With bf16 activations the MMAs still take fp16 (decoded codes are exact there; q's
-fp16 path and P times V's scale as in ``paged_attention``'s kernel for bf16 models).
+Scope: FP8 caches (e4m3, e5m2), fp16 or bf16 activations on a GPU of compute capability
+8.0+ (any float dtype under the interpreter, which multiplies in fp32). q K^T in FP8 needs
+e4m3 and sm_89+; elsewhere K's codes are decoded as ``fp8_codec.fp8_decoder`` chooses (the
+packed PTX on sm_80/86 and for e5m2) and q K^T runs in fp16 on mma.sync. By count this pays
+on sm_80 (per-token, 4 warps: 635 instructions, 16 warps per SM, against the default's 998
+and 12) and for e5m2 on sm_80/86 (481 against 888 on sm_86); on sm_86 the 35 KB of shared
+memory at 2 stages leaves 8 warps per SM (1 stage: 18.5 KB, 20 warps, a tuned setting), and
+e5m2 on sm_90 counts more than the default (768 against 674). ``decode_t_unfit`` names why
+it cannot run and the caller uses the other kernel. With bf16 activations the MMAs still take
+fp16 (decoded codes are exact there; q's fp16 path and P times V's scale as in
+``paged_attention``'s kernel for bf16 models).
 """
 
 import functools
@@ -51,7 +59,16 @@ import os
 
 import torch
 
-from qpage.kernels.fp8_codec import _capability, encode_fp8_ref, f32_to_fp8, fp8_to_f16
+from qpage.kernels.fp8_codec import (
+    E4M3_PTX,
+    E5M2_PTX,
+    _capability,
+    encode_fp8_ref,
+    f32_to_fp8,
+    fp8_decoder,
+    fp8_to_f16,
+    fp8_unit,
+)
 from qpage.kernels.triton_utils import INTERPRET, tl, triton
 
 logger = logging.getLogger("qpage")
@@ -64,7 +81,21 @@ E4M3_WORD_PTX = tl.constexpr(
     "mov.b32 {$0, $1}, a; "
     "mov.b32 {$2, $3}, b; }"
 )
-"""One 32-bit word of four e4m3 codes (code i in byte i) -> four fp16 values, code i in ``$i``."""
+"""One 32-bit word of four e4m3 codes (code i in byte i) -> four fp16 values, code i in ``$i``
+(the hardware conversion, sm_89+)."""
+
+
+def _word_asm(pairs_ptx: str) -> str:
+    """``fp8_codec``'s four-codes-to-two-fp16-pairs PTX (``$2`` in, ``$0``/``$1`` out) as one word
+    in (``$4``) and four fp16 out (``$0``-``$3``, code i in ``$i``), like ``E4M3_WORD_PTX``."""
+    body = pairs_ptx.replace("$2", "$4").replace("$0", "w0").replace("$1", "w1")
+    return "{ .reg .b32 w0, w1; " + body + " mov.b32 {$0, $1}, w0; mov.b32 {$2, $3}, w1; }"
+
+
+E4M3_BITS_WORD_PTX = tl.constexpr(_word_asm(E4M3_PTX.value))
+"""Four e4m3 codes -> four fp16 equal to value / 2**8 by bit arithmetic (sm_80/86)."""
+E5M2_WORD_PTX = tl.constexpr(_word_asm(E5M2_PTX.value))
+"""Four e5m2 codes -> four fp16 (each code is its fp16's high byte)."""
 
 P_SHIFT = 256.0
 """P^T's rows times V's per-token scale are multiplied by this before the fp16 cast (and the
@@ -82,23 +113,28 @@ def p_shift(dtype: torch.dtype) -> float:
 
 @triton.jit
 def _v_words(vc_ptr, blk, offs_n, n_mask, head, stride_cb, stride_ct, stride_ch,
-             HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, PAGE: tl.constexpr, V_ASM: tl.constexpr,
-             DOT_DTYPE: tl.constexpr):
-    """V rows of positions ``offs_n`` decoded, [BLOCK_N, DIM_PAD] in DOT_DTYPE (value, or value
-    / 2**8 with the bit trick), loaded as 32-bit words of four codes."""
+             HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, PAGE: tl.constexpr, IS_E5M2: tl.constexpr,
+             CVT: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """V rows of positions ``offs_n`` decoded, [BLOCK_N, DIM_PAD] in DOT_DTYPE (value / unit, as
+    ``fp8_codec.fp8_to_f16`` decodes under ``CVT``), loaded as 32-bit words of four codes."""
     offs_w = tl.arange(0, DIM_PAD // 4)
     row = (blk * stride_cb + (offs_n % PAGE) * stride_ct + head * stride_ch) // 4
     mask = n_mask[:, None] & (offs_w < HEAD_DIM // 4)[None, :]
     w = tl.load(vc_ptr.to(tl.pointer_type(tl.int32)) + row[:, None] + offs_w[None, :], mask=mask, other=0)
-    if V_ASM:
-        v0, v1, v2, v3 = tl.inline_asm_elementwise(
-            E4M3_WORD_PTX, "=h,=h,=h,=h,r", [w], dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
-            is_pure=True, pack=1)
-    else:
-        v0 = fp8_to_f16((w & 0xFF).to(tl.uint8), False, 0)
-        v1 = fp8_to_f16(((w >> 8) & 0xFF).to(tl.uint8), False, 0)
-        v2 = fp8_to_f16(((w >> 16) & 0xFF).to(tl.uint8), False, 0)
-        v3 = fp8_to_f16(((w >> 24) & 0xFF).to(tl.uint8), False, 0)
+    if CVT == 2:  # CVT_HW (e4m3)
+        v0, v1, v2, v3 = tl.inline_asm_elementwise(E4M3_WORD_PTX, "=h,=h,=h,=h,r", [w], is_pure=True, pack=1,
+                                                   dtype=(tl.float16, tl.float16, tl.float16, tl.float16))
+    elif CVT == 1 and IS_E5M2:  # CVT_PTX
+        v0, v1, v2, v3 = tl.inline_asm_elementwise(E5M2_WORD_PTX, "=h,=h,=h,=h,r", [w], is_pure=True, pack=1,
+                                                   dtype=(tl.float16, tl.float16, tl.float16, tl.float16))
+    elif CVT == 1:
+        v0, v1, v2, v3 = tl.inline_asm_elementwise(E4M3_BITS_WORD_PTX, "=h,=h,=h,=h,r", [w], is_pure=True, pack=1,
+                                                   dtype=(tl.float16, tl.float16, tl.float16, tl.float16))
+    else:  # CVT_BITS: the interpreter
+        v0 = fp8_to_f16((w & 0xFF).to(tl.uint8), IS_E5M2, 0)
+        v1 = fp8_to_f16(((w >> 8) & 0xFF).to(tl.uint8), IS_E5M2, 0)
+        v2 = fp8_to_f16(((w >> 16) & 0xFF).to(tl.uint8), IS_E5M2, 0)
+        v3 = fp8_to_f16(((w >> 24) & 0xFF).to(tl.uint8), IS_E5M2, 0)
     v = tl.join(tl.join(v0, v2), tl.join(v1, v3))  # [BLOCK_N, words, 2, 2]: code 2i + j at [.., i, j]
     return tl.reshape(v, (offs_n.shape[0], DIM_PAD)).to(DOT_DTYPE)
 
@@ -118,8 +154,8 @@ def _decode_t_kernel(
     stride_ob, stride_oh, stride_op,
     KV_HEADS: tl.constexpr, QPK: tl.constexpr, Q_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     DIM_PAD: tl.constexpr, PAGE: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
-    PER_TOKEN: tl.constexpr, QK_FP8: tl.constexpr, V_ASM: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    PRECISION: tl.constexpr, SHIFT: tl.constexpr,
+    PER_TOKEN: tl.constexpr, QK_FP8: tl.constexpr, IS_E5M2: tl.constexpr, CVT: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, SHIFT: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -130,8 +166,9 @@ def _decode_t_kernel(
     q_mask = offs_q < QPK
     d_mask = offs_d < HEAD_DIM
     heads = h * QPK + offs_q
+    # P^T's rows carry V's per-token scale times SHIFT; the decoder's unit and 1 / SHIFT go to the output.
     if PER_TOKEN:
-        v_out = 1.0 / SHIFT
+        v_out = v_unit / SHIFT
     else:  # per-tensor scales fold into q and the output
         qk_scale = qk_scale * tl.load(ks_ptr).to(tl.float32)
         v_out = tl.load(vs_ptr).to(tl.float32) * v_unit / SHIFT
@@ -162,13 +199,13 @@ def _decode_t_kernel(
             k8 = k.to(tl.float8e4nv, bitcast=True)
             st = tl.dot(k8, q_hi) * q_unit[None, :] + tl.dot(k8, q_lo) * lo_unit[None, :]
         else:  # decoded value / 2**8 under the interpreter's bit trick: the 2**8 is in qk_scale
-            st = tl.dot(fp8_to_f16(k, False, 2 if V_ASM else 0).to(DOT_DTYPE), q_hi, input_precision=PRECISION)
+            st = tl.dot(fp8_to_f16(k, IS_E5M2, CVT).to(DOT_DTYPE), q_hi, input_precision=PRECISION)
         v = _v_words(vc_ptr, blk, offs_n, n_mask, h, stride_cb, stride_ct, stride_ch, HEAD_DIM, DIM_PAD, PAGE,
-                     V_ASM, DOT_DTYPE)
+                     IS_E5M2, CVT, DOT_DTYPE)
         if PER_TOKEN:  # 32-bit offsets: paged_attention.check_scale_offsets
             sidx = (blk.to(tl.int32) * PAGE + offs_n % PAGE) * KV_HEADS + h
             k_mul = tl.load(ks_ptr + sidx, mask=n_mask, other=0.0).to(tl.float32)
-            v_mul = tl.load(vs_ptr + sidx, mask=n_mask, other=0.0).to(tl.float32) * (v_unit * SHIFT)
+            v_mul = tl.load(vs_ptr + sidx, mask=n_mask, other=0.0).to(tl.float32) * SHIFT
             st = st * k_mul[:, None]
         st = tl.where(n_mask[:, None], st, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(st, axis=0))
@@ -198,9 +235,9 @@ def default_qk_fp8() -> bool:
     """Whether q K^T runs in FP8 by default (tuned tables aside): with Triton 3.8+, which issues
     it as FP8 wgmma with 8 query columns. Triton 3.6-3.7 take wgmma only from 16 columns on
     sm_90 (8 fall back to mma.sync with the FP8 operands converted to fp16); there, by count,
-    fp16 q K^T with 8 columns (mma.sync) needs fewer warp instructions per token than the
-    FP8 wgmma with 16 (31.2 against 29.6, but 20 resident warps per SM against 16), and it
-    keeps q exact (``kernel_sass.py --attention`` with each Triton, NOTES-kernels.md)."""
+    fp16 q K^T with 8 columns (mma.sync) is level with the FP8 wgmma with 16 (30.5 against
+    29.6 warp instructions per token, 16 resident warps per SM each) and keeps q exact
+    (``kernel_sass.py --attention`` with each Triton, NOTES-kernels.md)."""
     return _triton_version() >= (3, 8)
 
 
@@ -212,8 +249,8 @@ def _triton_version() -> tuple[int, int]:
 
 def decode_t_unfit(q: torch.Tensor, k_cache: torch.Tensor, fp8_format: str | None) -> str | None:
     """Why ``_decode_t_kernel`` cannot serve this call (None: it can)."""
-    if fp8_format != "e4m3":
-        return f"cache {fp8_format or 'not FP8'}: the tokens-as-rows decode reads e4m3 codes only"
+    if fp8_format not in ("e4m3", "e5m2"):
+        return "the cache is not FP8: the tokens-as-rows decode reads FP8 codes"
     if q.shape[-1] % 4 or any(s % 4 for s in k_cache.stride()[:3]) or k_cache.data_ptr() % 4:
         return "V is read in 4-byte words: head_dim, the cache strides and its start must be multiples of 4"
     if q.shape[-1] < 32:
@@ -222,10 +259,19 @@ def decode_t_unfit(q: torch.Tensor, k_cache: torch.Tensor, fp8_format: str | Non
         return f"{q.dtype} queries"
     if INTERPRET:
         return None
-    if q.device.type != "cuda" or _capability(q.device) < (8, 9):
-        return "it needs e4m3 conversion in hardware (compute capability 8.9+)"
+    if q.device.type != "cuda" or _capability(q.device) < (8, 0):
+        return "it needs a CUDA GPU of compute capability 8.0+"
     if q.dtype == torch.float32:
         return "fp32 activations (its MMAs are fp16 and FP8)"
+    return None
+
+
+def qk_fp8_unfit(q: torch.Tensor, fp8_format: str | None) -> str | None:
+    """Why q K^T cannot run in FP8 here (None: it can): e4m3 codes and FP8 MMAs (sm_89+)."""
+    if fp8_format != "e4m3":
+        return f"q K^T in FP8 takes e4m3 codes, not {fp8_format}"
+    if not INTERPRET and (q.device.type != "cuda" or _capability(q.device) < (8, 9)):
+        return "q K^T in FP8 needs FP8 MMAs (compute capability 8.9+)"
     return None
 
 
@@ -233,15 +279,17 @@ def launch_decode_t(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     v_scale: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, dst: torch.Tensor,
                     m: torch.Tensor, lsum: torch.Tensor, out_strides: tuple[int, int, int], qk_scale: float,
                     partition: int, parts: int, block_n: int, qk_fp8: bool, num_warps: int | None,
-                    num_stages: int, q_pad: int | None = None) -> None:
+                    num_stages: int, fp8_format: str = "e4m3", q_pad: int | None = None) -> None:
     """One launch over (sequence, kv head, partition) into ``paged_attention_decode``'s buffers.
-    ``qk_scale`` is softmax scale * log2(e); ``q_pad`` the MMA's query columns (default 8)."""
+    ``qk_scale`` is softmax scale * log2(e); ``q_pad`` the MMA's query columns (default 8). The
+    codes are decoded as ``fp8_codec.fp8_decoder`` chooses for this device (hardware e4m3 on
+    sm_89+, packed PTX on sm_80/86 and for e5m2, the bit trick under the interpreter)."""
     bsz, heads, dim = q.shape
     kvh = k_cache.shape[2]
     qpk = heads // kvh
-    asm = not INTERPRET
     per_token = k_scale.dim() == 3
-    unit = 1.0 if asm else 256.0  # what the decoder leaves out of each code (fp8_codec.fp8_unit)
+    cvt = fp8_decoder(q.device, fp8_format)
+    unit = fp8_unit(fp8_format, cvt)  # what the decoder leaves out of each code
     if not qk_fp8:
         qk_scale *= unit  # K's decoded codes: the unit goes to the scores through q
     dot_dtype = tl.float32 if INTERPRET else tl.float16
@@ -252,7 +300,7 @@ def launch_decode_t(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         *out_strides,
         KV_HEADS=kvh, QPK=qpk, Q_PAD=max(q_pad or 8, triton.next_power_of_2(qpk)), HEAD_DIM=dim,
         DIM_PAD=triton.next_power_of_2(dim), PAGE=k_cache.shape[1], SPLIT=parts > 1, BLOCK_N=block_n,
-        PER_TOKEN=per_token, QK_FP8=qk_fp8, V_ASM=asm, DOT_DTYPE=dot_dtype,
+        PER_TOKEN=per_token, QK_FP8=qk_fp8, IS_E5M2=fp8_format == "e5m2", CVT=cvt, DOT_DTYPE=dot_dtype,
         PRECISION="ieee" if INTERPRET else "tf32", SHIFT=p_shift(q.dtype),
         num_warps=num_warps or 4, num_stages=num_stages,
     )
@@ -288,7 +336,7 @@ def use_decode_t(q: torch.Tensor, k_cache: torch.Tensor, fp8_format: str | None,
     if not decode_t:
         return False
     why = decode_t_unfit(q, k_cache, fp8_format)
-    if why is None and not INTERPRET and not decode_t_ok(q.device, q.dtype):
+    if why is None and not INTERPRET and not decode_t_ok(q.device, q.dtype, fp8_format or "e4m3"):
         why = "it failed its first-use check on this GPU (see the warning logged)"
     if why is None:
         return True
@@ -303,22 +351,23 @@ def _log_once(reason: str) -> None:
     logger.info("tokens-as-rows FP8 decode not used: %s", reason)
 
 
-_CHECKED: dict[tuple[str, str], bool] = {}
+_CHECKED: dict[tuple[str, str, str], bool] = {}
 
 
-def decode_t_ok(device: torch.device, dtype: torch.dtype = torch.float16) -> bool:
+def decode_t_ok(device: torch.device, dtype: torch.dtype = torch.float16, fp8_format: str = "e4m3") -> bool:
     """Whether the kernel (its inline PTX, its FP8 MMAs) matches the torch reference on
-    ``device`` with ``dtype`` queries, with and without ``QK_FP8``: checked once per process,
-    device and dtype at the first use outside a CUDA graph capture, on two sequences with
-    per-token and per-tensor scales. A mismatch logs a warning and the default decode kernel
-    serves instead."""
-    key = (str(device), str(dtype))
+    ``device`` with ``dtype`` queries and ``fp8_format`` codes, with and without ``QK_FP8``
+    where it can run: checked once per process, device, dtype and format at the first use
+    outside a CUDA graph capture, on two sequences with per-token and per-tensor scales. A
+    mismatch logs a warning and the default decode kernel serves instead."""
+    key = (str(device), str(dtype), fp8_format)
     if key not in _CHECKED:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return True  # no launch or sync inside a capture; the check runs at the next use
         _CHECKED[key] = True  # the check's own launches
         try:
-            errors = [_check_error(device, pt, qk8, dtype) for pt in (True, False) for qk8 in (True, False)]
+            fp8_qk = (True, False) if qk_fp8_unfit(torch.empty(0, device=device), fp8_format) is None else (False,)
+            errors = [_check_error(device, pt, qk8, dtype, fp8_format) for pt in (True, False) for qk8 in fp8_qk]
             found = ", ".join(f"{e:.2e}" for e in errors)
         except Exception as e:  # e.g. this Triton cannot compile it
             errors, found = [float("inf")], f"{type(e).__name__}: {e}"
@@ -336,7 +385,7 @@ CHECK_TOLERANCE = 1e-2
 a wrong code order or scale lands far above."""
 
 
-def _check_error(device: torch.device, per_token: bool, qk_fp8: bool, dtype: torch.dtype) -> float:
+def _check_error(device: torch.device, per_token: bool, qk_fp8: bool, dtype: torch.dtype, fmt: str) -> float:
     """Relative error of the kernel against the reference on a small random cache (CPU-built)."""
     from qpage.kernels.cache_write import write_kv_cache_ref
     from qpage.kernels.paged_attention import LOG2E, paged_attention_decode, paged_attention_decode_ref
@@ -354,13 +403,13 @@ def _check_error(device: torch.device, per_token: bool, qk_fp8: bool, dtype: tor
         pos = torch.arange(n)
         slots = table[i].long()[pos // page] * page + pos % page
         write_kv_cache_ref(torch.randn(n, kvh, dim, generator=g), torch.randn(n, kvh, dim, generator=g),
-                           kc, vc, slots, ks, vs, "e4m3")
+                           kc, vc, slots, ks, vs, fmt)
     q = torch.randn(2, heads, dim, generator=g).to(dtype)
     scale = dim**-0.5
     seq = torch.tensor(lens, dtype=torch.int32)
     on = [t.to(device) for t in (q, kc, vc, table, seq, ks, vs)]
     got = paged_attention_decode(on[0], on[1], on[2], on[3], on[4], scale, k_scale=on[5], v_scale=on[6],
-                                 fp8_format="e4m3", decode_t=True, qk_fp8=qk_fp8).float().cpu()
+                                 fp8_format=fmt, decode_t=True, qk_fp8=qk_fp8).float().cpu()
     q_ref = quantize_queries_ref(q, scale * LOG2E) if qk_fp8 else q.float()
-    want = paged_attention_decode_ref(q_ref, kc, vc, table, seq, scale, k_scale=ks, v_scale=vs, fp8_format="e4m3")
+    want = paged_attention_decode_ref(q_ref, kc, vc, table, seq, scale, k_scale=ks, v_scale=vs, fp8_format=fmt)
     return float((got - want).norm() / want.norm())

@@ -31,7 +31,7 @@ def test_kernels_benchmark_interpret_dry_run(tmp_path: Path) -> None:
     assert max(r[k] for r in res["linears"] for k in r if k.endswith("_relerr")) < 1e-4
     assert all(row["relerr"] < 1e-4 for row in res["attention"] if "relerr" in row)
     t_rows = [row["kernel"] for row in res["attention"] if "tokens-as-rows" in row["kernel"]]
-    assert len(t_rows) == 8, t_rows  # 4 settings x e4m3 per-token, per-tensor
+    assert len(t_rows) == 9, t_rows  # 4 settings x e4m3 per-token, per-tensor; e5m2 per-token (q fp16)
     table = json.loads((tmp_path / "configs" / "cpu_triton_interpreter.json").read_text())
     assert table == res["tune"]["table"] and problems(table) == []
     assert table["matmul"], "the sweep kept no configuration"
@@ -142,7 +142,7 @@ def test_kernel_sass_counts_the_gemv_loop(tmp_path: Path) -> None:
     # from K's codes: with qk-fp8 it must, and its per-token loop must count under 0.75x the
     # default kernel's (per-token, V staged, 4 warps), unspilled, in more resident warps.
     t_rows = {(a["mode"], a["block_n"]): a for a in res["attention"] if a["mode"].startswith("tokens-as-rows")}
-    assert len(t_rows) == 9 and all(a["spill_bytes"] == 0 for a in t_rows.values())
+    assert len(t_rows) == 10 and all(a["spill_bytes"] == 0 for a in t_rows.values())
     from qpage.kernels.paged_decode_t import default_qk_fp8
 
     t = t_rows[("tokens-as-rows per-token qk-fp8" + ("" if default_qk_fp8() else " q_pad=16"), 64)]

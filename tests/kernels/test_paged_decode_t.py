@@ -30,16 +30,20 @@ def _ref(cache: dict, tables: torch.Tensor, q: torch.Tensor, lens: list[int]) ->
     return paged_attention_decode_ref(q, **cache, block_tables=tables, seq_lens=torch.tensor(lens), scale=SCALE)
 
 
-@pytest.mark.parametrize("per_token", [True, False], ids=["per-token", "per-tensor"])
-@pytest.mark.parametrize("qk_fp8", [True, False], ids=["qk-fp8", "qk-f16"])
+@pytest.mark.parametrize(("fmt", "per_token", "qk_fp8"),
+                         [("e4m3", True, True), ("e4m3", True, False), ("e4m3", False, True), ("e4m3", False, False),
+                          ("e5m2", True, False)], ids=["e4m3-token-qk8", "e4m3-token", "e4m3-tensor-qk8",
+                                                       "e4m3-tensor", "e5m2-token"])
 @pytest.mark.parametrize("partition", [None, 32], ids=["one-partition", "split"])
-def test_decode_t_matches_ref(per_token: bool, qk_fp8: bool, partition: int | None) -> None:
+def test_decode_t_matches_ref(fmt: str, per_token: bool, qk_fp8: bool, partition: int | None) -> None:
     """fp32 under the interpreter (tolerance 1e-5, as the other kernel's fp32 case); with
     ``qk_fp8`` the reference takes q as the kernel multiplies it (``quantize_queries_ref``)."""
     lens = [37, 70, 5]
-    cache, tables = filled_cache(lens, torch.float32, "e4m3", per_token, seed=3)
+    cache, tables = filled_cache(lens, torch.float32, fmt, per_token, seed=3)
     q = torch.randn(len(lens), H, D, generator=torch.Generator().manual_seed(1))
-    got = _decode(cache, tables, q, lens, decode_t=True, qk_fp8=qk_fp8, partition=partition)
+    got = paged_attention_decode(q, cache["k_cache"], cache["v_cache"], tables, torch.tensor(lens, dtype=torch.int32),
+                                 SCALE, k_scale=cache["k_scale"], v_scale=cache["v_scale"], fp8_format=fmt,
+                                 decode_t=True, qk_fp8=qk_fp8, partition=partition)
     want = _ref(cache, tables, quantize_queries_ref(q, SCALE * LOG2E) if qk_fp8 else q, lens)
     assert rel_err(got, want) < 1e-5
     if qk_fp8:  # the split query moves the output by about 1e-3 of its norm, no more
@@ -92,21 +96,28 @@ def test_quantize_queries_split_error() -> None:
     assert quantize_queries_ref(torch.zeros(2, 3, 8)).abs().max() == 0
 
 
-def test_word_ptx_bit_for_bit() -> None:
-    """``E4M3_WORD_PTX`` in the PTX model: every code in every byte of a word, and random words,
-    decode to torch's ``float8_e4m3fn`` value in output ``$i`` for byte i (NaN codes: NaN)."""
+WORD_DECODERS = [("E4M3_WORD_PTX", "e4m3", 1.0), ("E4M3_BITS_WORD_PTX", "e4m3", 256.0), ("E5M2_WORD_PTX", "e5m2", 1.0)]
+
+
+@pytest.mark.parametrize(("name", "fmt", "unit"), WORD_DECODERS)
+def test_word_ptx_bit_for_bit(name: str, fmt: str, unit: float) -> None:
+    """The word decoders in the PTX model: every code in every byte of a word, and random words,
+    decode to torch's float8 value (over the decoder's unit) in output ``$i`` for byte i. The
+    hardware conversion and e5m2 keep NaN and infinity; the e4m3 bit trick gives the NaN code a
+    finite value (the cache write never stores it: it saturates)."""
     codes = np.arange(256, dtype=np.uint32)
     words = [codes << (8 * i) | ((255 - codes) << (8 * ((i + 1) % 4))) for i in range(4)]
     words.append(np.random.default_rng(0).integers(0, 2**32, 20000, dtype=np.uint64).astype(np.uint32))
     word = np.concatenate(words)
-    out = run_ptx(pdt.E4M3_WORD_PTX.value, {4: word})
+    out = run_ptx(getattr(pdt, name).value, {4: word})
     for i in range(4):
         byte = torch.from_numpy(((word >> (8 * i)) & 0xFF).astype(np.uint8))
-        want = decode_fp8_ref(byte, "e4m3").half().numpy()
+        want = (decode_fp8_ref(byte, fmt) / unit).half().numpy()
         got = out[i].astype(np.uint16).view(np.float16)
         finite = np.isfinite(want)
         assert (got[finite].view(np.uint16) == want[finite].view(np.uint16)).all(), f"byte {i}"
-        assert np.isnan(got[~finite]).all()
+        if name != "E4M3_BITS_WORD_PTX":
+            assert (np.isnan(got) == np.isnan(want)).all() and (np.isinf(got) == np.isinf(want)).all()
 
 
 def test_when_it_runs(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
@@ -124,19 +135,23 @@ def test_when_it_runs(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCapture
     assert len(launches) == 1
     assert decode_t_unfit(q.half(), cache["k_cache"], "e4m3") is None  # any float dtype under the interpreter
     assert decode_t_unfit(q.double(), cache["k_cache"], "e4m3") == "torch.float64 queries"
-    assert "e4m3 codes only" in decode_t_unfit(q, cache["k_cache"], "e5m2")
+    assert decode_t_unfit(q, cache["k_cache"], "e5m2") is None
+    assert "not FP8" in decode_t_unfit(q, cache["k_cache"], None)
+    assert "takes e4m3 codes" in pdt.qk_fp8_unfit(q, "e5m2")
     assert "multiples of 4" in decode_t_unfit(q[..., :62], cache["k_cache"][..., :62].contiguous(), "e4m3")
     assert "at least 32" in decode_t_unfit(q[..., :16], cache["k_cache"][..., :16].contiguous(), "e4m3")
     e5, tables5 = filled_cache(lens, torch.float32, "e5m2", True)
     seq = torch.tensor(lens, dtype=torch.int32)
-    args = (q, e5["k_cache"], e5["v_cache"], tables5, seq, SCALE)
-    kw = dict(k_scale=e5["k_scale"], v_scale=e5["v_scale"], fp8_format="e5m2")
-    with pytest.raises(ValueError, match=r"decode_t=True: cache e5m2"):
-        paged_attention_decode(*args, **kw, decode_t=True)
+    with pytest.raises(ValueError, match=r"qk_fp8=True: q K\^T in FP8 takes e4m3 codes"):
+        paged_attention_decode(q, e5["k_cache"], e5["v_cache"], tables5, seq, SCALE, k_scale=e5["k_scale"],
+                               v_scale=e5["v_scale"], fp8_format="e5m2", decode_t=True, qk_fp8=True)
+    plain, tables16 = filled_cache(lens, torch.float32, None, False)
+    with pytest.raises(ValueError, match=r"decode_t=True: the cache is not FP8"):
+        paged_attention_decode(q, plain["k_cache"], plain["v_cache"], tables16, seq, SCALE, decode_t=True)
     with caplog.at_level(logging.INFO, logger="qpage"):  # the environment asks; the default kernel serves
-        got = paged_attention_decode(*args, **kw)
-    assert len(launches) == 1 and "e4m3 codes only" in caplog.text
-    assert rel_err(got, paged_attention_decode_ref(q, **e5, block_tables=tables5, seq_lens=seq, scale=SCALE)) < 1e-5
+        got = paged_attention_decode(q, plain["k_cache"], plain["v_cache"], tables16, seq, SCALE)
+    assert len(launches) == 1 and "not FP8" in caplog.text
+    assert rel_err(got, paged_attention_decode_ref(q, **plain, block_tables=tables16, seq_lens=seq, scale=SCALE)) < 1e-5
 
 
 def test_first_use_check(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
