@@ -117,39 +117,65 @@ def main_loop(sass: str) -> tuple[int, collections.Counter[str]]:
 
 
 def gemv_rows(archs: list[int], configs: list[tuple[int, int, int]], quick: bool) -> list[dict[str, Any]]:
-    from qpage.kernels.quant_gemv import _gptq_gemv_kernel, _int_gemv_kernel
-    from qpage.kernels.quant_gemv_h2 import _gptq_h2_gemv_kernel
-
+    """The GEMV kernels per case and tile with their K loop pipelined in 2 stages, as launched
+    (``quant_gemv``); at the first tile also in 1 stage (``loop_stages``), as the H200 timed them
+    before 2026-12-01: their loads then wait for each tile in turn (no LDGSTS in the loop)."""
     rows = []
     cases = [(4, True), (4, False), (8, False)] if not quick else [(4, True)]
     for arch in archs:
         for bits, zeros in cases:
-            for block_n, block_k, warps in configs:
-                kernels = [("in-place", _gptq_gemv_kernel, {"BITS": bits}),
-                           ("shift", _int_gemv_kernel, {"BITS": bits, "AWQ": False}),
-                           ("half2", _gptq_h2_gemv_kernel, {"BITS": bits, "ASM": True})]  # inline PTX, fp16 pairs
-                for name, fn, extra in kernels:
-                    const = dict(HAS_ZEROS=zeros, SPLIT_K=8, SERIAL=True, BLOCK_N=block_n, BLOCK_K=block_k, **extra)
-                    t = time.perf_counter()
-                    sass, regs, spill = sass_of(compile_cubin(fn, const, arch, warps, 3).asm["cubin"])
-                    n, ops = main_loop(sass)
-                    per_thread = block_k * block_n / (32 * warps)
-                    rows.append(dict(arch=arch, gpu=ARCHS.get(arch, ""), kernel=name, bits=bits, zeros=zeros,
-                                     block_n=block_n, block_k=block_k, num_warps=warps, loop_instructions=n,
-                                     weights_per_thread=per_thread, per_weight=round(n / per_thread, 3),
-                                     registers=regs, spill_bytes=spill,
-                                     top_ops={k: round(v / per_thread, 3) for k, v in ops.most_common(8)},
-                                     compile_s=round(time.perf_counter() - t, 1)))
-                    r = rows[-1]
-                    case = f"int{bits} {'asym' if zeros else 'sym '}"
-                    print(f"sm_{arch} {name:8s} {case} bn={block_n:3d} bk={block_k} "
-                          f"w={warps}  {n:5d} instr / {per_thread:.0f} weights = {r['per_weight']:.2f} per weight"
-                          f"  regs {regs}  " + " ".join(f"{k}:{v}" for k, v in r["top_ops"].items()), flush=True)
+            for i, tile in enumerate(configs):
+                for stages in (2, 1) if i == 0 else (2,):
+                    rows += [_gemv_row(arch, name, bits, zeros, tile, stages) for name in ("in-place", "shift", "half2")
+                             if stages == 2 or name != "shift"]
     return rows
+
+
+def _gemv_row(arch: int, name: str, bits: int, zeros: bool, tile: tuple[int, int, int], stages: int
+              ) -> dict[str, Any]:
+    from qpage.kernels.quant_gemv import _gptq_gemv_kernel, _int_gemv_kernel
+    from qpage.kernels.quant_gemv_h2 import _gptq_h2_gemv_kernel
+
+    fn, extra = {"in-place": (_gptq_gemv_kernel, {"BITS": bits}),
+                 "shift": (_int_gemv_kernel, {"BITS": bits, "AWQ": False}),
+                 "half2": (_gptq_h2_gemv_kernel, {"BITS": bits, "ASM": True})}[name]  # half2: inline PTX, fp16 pairs
+    block_n, block_k, warps = tile
+    const = dict(HAS_ZEROS=zeros, SPLIT_K=8, SERIAL=True, BLOCK_N=block_n, BLOCK_K=block_k, LOOP_STAGES=stages,
+                 **extra)
+    t = time.perf_counter()
+    kernel = compile_cubin(fn, const, arch, warps, stages)
+    sass, regs, spill = sass_of(kernel.asm["cubin"])
+    n, ops = main_loop(sass)
+    per_thread = block_k * block_n / (32 * warps)
+    smem = kernel.metadata.shared
+    r = dict(arch=arch, gpu=ARCHS.get(arch, ""), kernel=name, bits=bits, zeros=zeros, block_n=block_n,
+             block_k=block_k, num_warps=warps, loop_stages=stages, loop_instructions=n, weights_per_thread=per_thread,
+             per_weight=round(n / per_thread, 3), registers=regs, spill_bytes=spill, smem_bytes=smem,
+             warps_per_sm=resident_warps(arch, regs, warps, smem), ldgsts_in_loop=ops.get("LDGSTS", 0),
+             top_ops={k: round(v / per_thread, 3) for k, v in ops.most_common(8)},
+             compile_s=round(time.perf_counter() - t, 1))
+    case = f"int{bits} {'asym' if zeros else 'sym '}"
+    print(f"sm_{arch} {name:8s} {case} bn={block_n:3d} bk={block_k} w={warps} stages={stages}  {n:5d} instr / "
+          f"{per_thread:.0f} weights = {r['per_weight']:.2f} per weight  regs {regs} -> {r['warps_per_sm']} warps/SM, "
+          f"{r['ldgsts_in_loop']} LDGSTS  " + " ".join(f"{k}:{v}" for k, v in r["top_ops"].items()), flush=True)
+    return r
 
 
 SMEM_PER_SM = {80: 164, 86: 100, 89: 100, 90: 228}
 """Shared memory per SM, KB (the CUDA programming guide's table)."""
+MAX_WARPS_PER_SM = {80: 64, 86: 48, 89: 48, 90: 64}
+
+
+def resident_warps(arch: int, regs: int, warps: int, smem: int) -> int:
+    """Warps per SM of a kernel with ``regs`` registers per thread, ``warps`` per program and
+    ``smem`` bytes of shared memory, as the occupancy calculator counts them: registers are
+    allocated per warp in units of 256 (so per thread in steps of 8), and each program holds
+    1 KB of shared memory beside its own."""
+    reg_units = -(-max(regs, 1) * 32 // 256) * 256
+    by_regs = 65536 // reg_units // warps
+    by_smem = SMEM_PER_SM[arch] * 1024 // (smem + 1024)
+    by_warps = MAX_WARPS_PER_SM[arch] // warps
+    return min(by_regs, by_smem, by_warps) * warps
 
 
 def attention_rows(archs: list[int]) -> list[dict[str, Any]]:
@@ -176,6 +202,9 @@ def attention_rows(archs: list[int]) -> list[dict[str, Any]]:
             rows += [_decode_t_row(arch, per_token, qk_fp8, block_n) for per_token in (True, False)
                      for qk_fp8 in (True, False) for block_n in (64, 128)]
             rows.append(_decode_t_row(arch, True, True, 64, q_pad=16))  # FP8 wgmma with Triton < 3.8
+            rows.append(_decode_t_row(arch, True, True, 64, loop_stages=3))  # every load pipelined
+            if arch == 90:  # without the default register cap
+                rows.append(_decode_t_row(arch, True, True, 64, maxnreg=0))
         else:  # sm_80/86: codes decoded by the packed PTX, q K^T in fp16
             rows += [_decode_t_row(arch, per_token, False, 64) for per_token in (True, False)]
         rows.append(_decode_t_row(arch, True, False, 64, fmt="e5m2"))
@@ -184,36 +213,39 @@ def attention_rows(archs: list[int]) -> list[dict[str, Any]]:
 
 
 def _decode_t_row(arch: int, per_token: bool, qk_fp8: bool, block_n: int, q_pad: int = 8,
-                  fmt: str = "e4m3") -> dict[str, Any]:
-    """The tokens-as-rows decode (``paged_decode_t``), 4 warps, 2 stages, fp16 queries; ``mma``
-    counts its tensor-core instructions by kind (QGMMA: FP8 wgmma; HGMMA: fp16 wgmma; HMMA:
-    mma.sync), which shows whether q K^T really runs in FP8."""
+                  fmt: str = "e4m3", maxnreg: int | None = None, loop_stages: int | None = None) -> dict[str, Any]:
+    """The tokens-as-rows decode (``paged_decode_t``), 4 warps, 2 stages, fp16 queries, with
+    the launcher's register cap (``default_maxnreg``: 80 or 96 on sm_90) unless ``maxnreg`` is given
+    (0: none); ``mma`` counts its tensor-core instructions by kind (QGMMA: FP8 wgmma; HGMMA:
+    fp16 wgmma; HMMA: mma.sync), which shows whether q K^T really runs in FP8."""
     import triton.language as tl
 
-    from qpage.kernels.paged_decode_t import P_SHIFT, _decode_t_kernel
+    from qpage.kernels.paged_decode_t import P_SHIFT, _decode_t_kernel, default_maxnreg
 
     types = dict(q_ptr="*fp16", kc_ptr="*u8", vc_ptr="*u8", ks_ptr="*fp16", vs_ptr="*fp16", bt_ptr="*i32",
                  lens_ptr="*i32", out_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32", qk_scale="fp32", v_unit="fp32")
     const = dict(KV_HEADS=8, QPK=4, Q_PAD=q_pad, HEAD_DIM=128, DIM_PAD=128, PAGE=16, SPLIT=True, BLOCK_N=block_n,
                  PER_TOKEN=per_token, QK_FP8=qk_fp8, IS_E5M2=fmt == "e5m2",
                  CVT=2 if fmt == "e4m3" and arch >= 89 else 1, DOT_DTYPE=tl.float16, PRECISION="tf32",
-                 SHIFT=P_SHIFT, stride_op=1)
-    kernel = compile_cubin(_decode_t_kernel, const, arch, 4, 2, types)
+                 SHIFT=P_SHIFT, stride_op=1, LOOP_STAGES=loop_stages)
+    cap = default_maxnreg((arch // 10, arch % 10), 4, block_n, q_pad) if maxnreg is None else maxnreg or None
+    kernel = compile_cubin(_decode_t_kernel, const, arch, 4, 2, types, cap)
     sass, regs, spill = sass_of(kernel.asm["cubin"])
     n, ops = main_loop(sass)
     smem = kernel.metadata.shared
-    ctas = min(65536 // (max(regs, 1) * 32 * 4), SMEM_PER_SM[arch] * 1024 // max(smem, 1))
+    resident = resident_warps(arch, regs, 4, smem)
     label = (f"tokens-as-rows {'per-token' if per_token else 'per-tensor'}{' qk-fp8' if qk_fp8 else ''}"
-             f"{f' q_pad={q_pad}' if q_pad != 8 else ''}{' e5m2' if fmt == 'e5m2' else ''}")
+             f"{f' q_pad={q_pad}' if q_pad != 8 else ''}{' e5m2' if fmt == 'e5m2' else ''}"
+             f"{' no cap' if maxnreg == 0 else f' maxnreg={maxnreg}' if maxnreg else ''}"
+             f"{f' loop_stages={loop_stages}' if loop_stages else ''}")
     row = dict(arch=arch, mode=label, fp8_cvt=["bits", "ptx", "hw"][const["CVT"]], v_f16=False, num_warps=4,
-               maxnreg=None, block_n=block_n,
-               q_pad=q_pad,
+               maxnreg=cap, block_n=block_n, q_pad=q_pad, loop_stages=loop_stages,
                loop_instructions=n, per_token=round(n / block_n, 2), registers=regs, spill_bytes=spill,
-               smem_bytes=smem, warps_per_sm=ctas * 4, ldg_in_loop=ops.get("LDG", 0), lds=ops.get("LDS", 0),
+               smem_bytes=smem, warps_per_sm=resident, ldg_in_loop=ops.get("LDG", 0), lds=ops.get("LDS", 0),
                warp_instr_per_token=round(n * 4 / block_n, 1),
                mma={k: v for k, v in ops.items() if k in ("QGMMA", "HGMMA", "HMMA")})
     print(f"sm_{arch} decode {label:42s} bn={block_n:3d}: loop {n:4d} ({n / block_n:5.2f}/token, "
-          f"{n * 4 / block_n:4.1f} warp instr/token) regs {regs:3d} smem {smem:6d} -> {ctas * 4:2d} warps/SM, "
+          f"{n * 4 / block_n:4.1f} warp instr/token) regs {regs:3d} smem {smem:6d} -> {resident:2d} warps/SM, "
           f"{row['ldg_in_loop']} LDG, {row['lds']} LDS, {row['mma']}", flush=True)
     return row
 
@@ -239,14 +271,14 @@ def _decode_row(arch: int, label: str, fp8: bool, per_token: bool, v_f16: bool, 
     sass, regs, spill = sass_of(kernel.asm["cubin"])
     n, ops = main_loop(sass)
     smem = kernel.metadata.shared
-    ctas = min(65536 // (max(regs, 1) * 32 * warps), SMEM_PER_SM[arch] * 1024 // max(smem, 1))
+    resident = resident_warps(arch, regs, warps, smem)
     row = dict(arch=arch, mode=label, fp8_cvt=["bits", "ptx", "hw"][cvt] if fp8 else "", v_f16=v_f16,
                num_warps=warps, maxnreg=maxnreg, loop_instructions=n, per_token=round(n / 64, 2), registers=regs,
-               spill_bytes=spill, smem_bytes=smem, warps_per_sm=ctas * warps, ldg_in_loop=ops.get("LDG", 0),
+               spill_bytes=spill, smem_bytes=smem, warps_per_sm=resident, ldg_in_loop=ops.get("LDG", 0),
                lds=ops.get("LDS", 0))
     cap = f" maxnreg={maxnreg}" if maxnreg else ""
     print(f"sm_{arch} decode {label:14s} cvt={row['fp8_cvt'] or '-':4s} v_f16={int(v_f16)} warps={warps}{cap}: "
-          f"loop {n:4d} ({n / 64:5.2f}/token) regs {regs:3d} smem {smem:6d} -> {ctas * warps:2d} warps/SM, "
+          f"loop {n:4d} ({n / 64:5.2f}/token) regs {regs:3d} smem {smem:6d} -> {resident:2d} warps/SM, "
           f"{row['ldg_in_loop']} LDG, {row['lds']} LDS in the loop", flush=True)
     return row
 
@@ -369,6 +401,7 @@ def summary(rows: list[dict[str, Any]]) -> list[str]:
     """Per arch and case: the in-place kernel's instructions per weight against the shift
     kernel's and the half2 kernel's."""
     out = []
+    rows = [r for r in rows if r["loop_stages"] == 2]
     keys = sorted({(r["arch"], r["bits"], r["zeros"], r["block_n"], r["block_k"], r["num_warps"]) for r in rows})
     for key in keys:
         pair = {r["kernel"]: r["per_weight"] for r in rows
@@ -392,7 +425,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "kernel_sass.json")
     args = ap.parse_args()
     archs = args.arch or sorted(ARCHS)
-    configs = [(128, 128, 4)] if args.quick else [(64, 128, 2), (128, 128, 4), (256, 128, 4), (128, 64, 4)]
+    configs = [(128, 128, 4)] if args.quick else [(128, 128, 4), (64, 128, 2), (256, 128, 4), (128, 64, 4)]
     import triton
 
     print(f"triton {triton.__version__}; SASS of the main loop per weight (static count, no GPU)")

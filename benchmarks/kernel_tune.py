@@ -41,15 +41,20 @@ def matmul_candidates(m: int, interpret: bool, fp8: bool, block_scales: bool) ->
         return [MatmulConfig(16, 32, 32, split_k=2), MatmulConfig(16, 64, 64, gemv=m == 1 and not fp8)]
     bks = (64, 128)
     if m == 1 and not fp8:
+        # GEMVs: num_stages pipelines their K loop (quant_gemv); 2 is the default.
         cands = _cfgs(block_m=[16], block_n=[64, 128, 256], block_k=[32, 64, 128], split_k=[4, 8, 16],
-                      num_warps=[2, 4], num_stages=[3], gemv=[True])
+                      num_warps=[2, 4], num_stages=[2], gemv=[True])
         cands += _cfgs(block_m=[16], block_n=[64, 128], block_k=[128], split_k=[8], num_warps=[2, 4],
-                       num_stages=[3], gemv=[True], serial=[False])
+                       num_stages=[2], gemv=[True], serial=[False])
         cands += _cfgs(block_m=[16], block_n=[64, 128], block_k=[128], split_k=[8], num_warps=[2, 4],
-                       num_stages=[3], gemv=[True], lean=[False])  # the shift-unpacking GEMV
+                       num_stages=[2], gemv=[True], lean=[False])  # the shift-unpacking GEMV
         # The half2 GEMV (fp16 activations, 4-bit GPTQ; elsewhere these run the in-place one).
         cands += _cfgs(block_m=[16], block_n=[64, 128, 256], block_k=[128], split_k=[4, 8, 16], num_warps=[2, 4],
-                       num_stages=[3], gemv=[True], half2=[True])
+                       num_stages=[2], gemv=[True], half2=[True])
+        # Their K loop 3 stages deep, and not pipelined at all (1: as timed on the H200 before
+        # 2026-12-01, when the kernel argument left their loads unpipelined).
+        cands += _cfgs(block_m=[16], block_n=[64, 128], block_k=[128], split_k=[8], num_warps=[2, 4],
+                       num_stages=[1, 3], gemv=[True], half2=[False, True])
     elif m <= 16:
         cands = _cfgs(block_m=[16], block_n=[32, 64, 128], block_k=bks, split_k=[1, 2, 4, 8], num_warps=[4],
                       num_stages=[3], gather=[False] if fp8 else [False, True])
@@ -193,12 +198,18 @@ def tune_decode(device: Any, timer: Any, deadline: float, interpret: bool, table
     # The tokens-as-rows kernel (paged_decode_t), tried first for e4m3: by count it is the
     # leanest FP8 loop. With qk_fp8 it is checked against the reference on its rounded q (and
     # skipped where FP8 MMAs are missing); one stage fits 5 programs per SM on sm_86 (100 KB).
-    # 16 query columns: FP8 wgmma with Triton < 3.8 (default_qk_fp8).
+    # 16 query columns: FP8 wgmma with Triton < 3.8 (default_qk_fp8). Per setting (block_n,
+    # warps, stages, loop_stages, maxnreg): the default register cap (80 on sm_90) and none (0),
+    # and every load pipelined (loop_stages 3; launch_decode_t).
+    t_settings = ((64, 4, 2, None, None), (64, 4, 2, None, 0), (64, 4, 2, 3, None), (64, 4, 1, None, None),
+                  (128, 4, 2, None, None), (64, 8, 2, None, None))
     t_cfgs = [dict(block_n=16 if interpret else bn, num_warps=w, num_stages=st, partition=32 if interpret else part,
                    decode_t=True, qk_fp8=qk8, q_pad=qp)
+              | ({"loop_stages": ls} if ls else {}) | ({"maxnreg": cap} if cap is not None else {})
               for qk8, qp in ((True, 8), (False, 8), (True, 16))
-              for bn, w, st in ((64, 4, 2), (64, 4, 1), (64, 4, 3), (128, 4, 2), (64, 8, 2), (128, 8, 2))
-              for part in (512, 1024) if not interpret or (bn, w, st, part) == (64, 4, 2, 512)]
+              for bn, w, st, ls, cap in t_settings
+              for part in (512, 1024)
+              if not interpret or ((bn, w, st, part, cap) == (64, 4, 2, 512, None) and (not ls or (qk8 and qp == 8)))]
     q = torch.randn(nseq, heads, dim, device=device, dtype=dtype)
     lens = torch.full((nseq,), ctx, dtype=torch.int32, device=device)
     rows = []

@@ -67,13 +67,14 @@ def parse_args() -> argparse.Namespace:
 
 ONLY: dict[str, Callable[[int], bool]] = {
     "int4-dot": lambda m: m == 1, "int4-shift": lambda m: m == 1, "int4-h2": lambda m: m == 1,
-    "int8-h2": lambda m: m == 1,
+    "int8-h2": lambda m: m == 1, "int4-nopipe": lambda m: m == 1,
     "int4-atomic": lambda m: m <= 16,
     "int4-fused": lambda m: m >= 64, "int4-nopairs": lambda m: 2 <= m <= 32, "int4-prev": lambda m: 2 <= m <= 32,
     "awq-g128": lambda m: m <= 16, "awq-prev": lambda m: 2 <= m <= 16, "int8-prev": lambda m: 2 <= m <= 32,
     "int4-pairs": lambda m: m == 1, "awq-pairs": lambda m: m == 1}
 """Variants timed only at some M: the tl.dot kernel, the shift-unpacking GEMV and the half2
-GEMVs (fp16 pairs, ``quant_gemv_h2``: ``int4-h2``, ``int8-h2``) at M=1 (the in-place GEMV's alternatives), the atomic
+GEMVs (fp16 pairs, ``quant_gemv_h2``: ``int4-h2``, ``int8-h2``) at M=1 (the in-place GEMV's alternatives),
+the in-place GEMV with its K loop not pipelined (``int4-nopipe``: one stage, as timed before 2026-12-01), the atomic
 split-K reduction where K is split, the fused kernel where cuBLAS on a dequantized copy is
 the default, and at decode batches the general tl.dot kernel on the pairs kernel's tiles
 (``nopairs``) and on the tiles it had before the pairs kernel (``prev``: the heuristic as
@@ -129,6 +130,7 @@ def bench_linears(args: argparse.Namespace, device: Any, timer: Timer, peak: flo
         variants["int4-dot"] = alt("int4-g128", lambda x: default_config(1, n, k, x.device, gemv=False, group_size=128))
         variants["int4-shift"] = alt("int4-g128", lambda x: replace(chosen(x, 1), lean=False))
         variants["int4-h2"] = alt("int4-g128", lambda x: replace(chosen(x, 1), half2=True))
+        variants["int4-nopipe"] = alt("int4-g128", lambda x: replace(chosen(x, 1), num_stages=1))
         variants["int8-h2"] = alt("int8-chan", lambda x: replace(choose_config(x.device, "int8-chan", 1, n, k, k),
                                                                  half2=True))
         variants["int4-nopairs"] = alt("int4-g128", lambda x: replace(chosen(x), pairs=False))
@@ -318,9 +320,9 @@ def print_tables(result: dict[str, Any], peak: float) -> None:
           f"(datasheet {result['datasheet_gbs']:.0f})")
     lin = result.get("linears")
     if isinstance(lin, list):
-        names = ["int4-g128", "int4-h2", "int4-dot", "int4-shift", "int4-nopairs", "int4-prev", "int4-atomic",
-                 "int4-fused", "int4-pairs", "awq-g128", "awq-prev", "awq-pairs", "int8-chan", "int8-h2", "int8-prev",
-                 "fp8-chan", "fp8-block"]
+        names = ["int4-g128", "int4-h2", "int4-nopipe", "int4-dot", "int4-shift", "int4-nopairs", "int4-prev",
+                 "int4-atomic", "int4-fused", "int4-pairs", "awq-g128", "awq-prev", "awq-pairs", "int8-chan", "int8-h2",
+                 "int8-prev", "fp8-chan", "fp8-block"]
         print(f"{'K':>6} {'N':>7} {'M':>4} {'fp16 us':>8} " + " ".join(f"{n + ' us (x, GB/s)':>28}" for n in names))
         for r in lin:
             cells = [f"{r[n + '_us']:8.1f} ({r[n + '_speedup']:4.2f}x {r[n + '_gbs']:5.0f})" if n + "_us" in r else "-"

@@ -107,18 +107,21 @@ def bench_attention(args: argparse.Namespace, device: Any, timer: Timer, peak: f
         # with and without registers capped at 80 (3 programs per SM instead of 2 on sm_90).
         # The e4m3 "ptx decoder" row runs fp8_codec's packed PTX where the hardware conversion is
         # the default (sm_89+): on the H200 it is the PTX's check against the reference.
+        t_extra = [(" all loads pipelined", {"loop_stages": 3})] + (
+            [(" no register cap", {"maxnreg": 0})] if device.type == "cuda" else [])
         variants = ([("scales in-loop", {"scales_ahead": False})] if per_token else []) + (
             [("v staged fp16", {"v_f16": True}), ("v staged fp16 8 warps", {"v_f16": True, "num_warps": 8}),
              ("v staged fp16 8 warps maxnreg 80", {"v_f16": True, "num_warps": 8, "maxnreg": 80})]
             if fmt == "e4m3" else []) + (
             [("ptx decoder", {"decoder": "ptx"})] if fmt == "e4m3" and fp8_decoder(device, fmt) == CVT_HW else []) + (
             # paged_decode_t (tokens as the MMA's rows). With qk_fp8 (its default) relerr is
-            # against the reference on q as the kernel rounds it (hi + lo e4m3).
-            [("tokens-as-rows", {"decode_t": True, "qk_fp8": True}),
-             ("tokens-as-rows 128-token tiles", {"decode_t": True, "qk_fp8": True, "block_n": 128}),
-             ("tokens-as-rows 16 query columns", {"decode_t": True, "qk_fp8": True, "q_pad": 16})]
+            # against the reference on q as the kernel rounds it (hi + lo e4m3). Beside each
+            # query form: every load pipelined (loop_stages 3) and, on a GPU, no register cap.
+            [(f"tokens-as-rows{name}", {"decode_t": True, "qk_fp8": True, **extra}) for name, extra in
+             [("", {}), (" 128-token tiles", {"block_n": 128}), (" 16 query columns", {"q_pad": 16}), *t_extra]]
             if decode_t_unfit(q, c["k_cache"], fmt) is None and qk_fp8_unfit(q, fmt) is None else []) + (
-            [("tokens-as-rows q fp16", {"decode_t": True, "qk_fp8": False})]
+            [(f"tokens-as-rows q fp16{name}", {"decode_t": True, "qk_fp8": False, **extra})
+             for name, extra in [("", {}), *t_extra]]
             if decode_t_unfit(q, c["k_cache"], fmt) is None else []) + (
             [("bf16 model", {"q_dtype": torch.bfloat16})] if fmt and device.type == "cuda" else []) + (
             [("tokens-as-rows bf16 model", {"decode_t": True, "q_dtype": torch.bfloat16})]

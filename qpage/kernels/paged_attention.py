@@ -315,7 +315,7 @@ def paged_attention_decode(
     max_seq_len: int | None = None, block_n: int | None = None, num_warps: int | None = None,
     num_stages: int | None = None, prefetch: bool | None = None, scales_ahead: bool | None = None,
     v_f16: bool | None = None, maxnreg: int | None = None, decode_t: bool | None = None,
-    qk_fp8: bool | None = None, q_pad: int | None = None,
+    qk_fp8: bool | None = None, q_pad: int | None = None, loop_stages: int | None = None,
 ) -> torch.Tensor:
     """q [B, H, D] -> out [B, H, D]. ``partition`` (tokens, a multiple of ``block_n``) enables
     split-KV; None picks one from ``max_seq_len`` (defaults to the longest of ``seq_lens``).
@@ -334,8 +334,9 @@ def paged_attention_decode(
     ``decode_t`` runs ``paged_decode_t``'s kernel instead (tokens as the MMA's rows; FP8
     caches, fp16 or bf16 models, sm_80+; default: the tuned table, else ``QPAGE_DECODE_T=1``),
     with ``qk_fp8`` computing q K^T in FP8 with q split into two e4m3 parts (e4m3, sm_89+;
-    default: the tuned table, else ``paged_decode_t.default_qk_fp8``) and ``q_pad`` query
-    columns (8 or 16).
+    default: the tuned table, else ``paged_decode_t.default_qk_fp8``), ``q_pad`` query
+    columns (8 or 16) and ``loop_stages`` (all of its loads pipelined; see ``launch_decode_t``,
+    which also caps its registers on sm_90 unless ``maxnreg`` says otherwise, 0: no cap).
 
     ``partition`` is a runtime argument, not a compile-time one: decode's max_seq_len grows
     every step, and a constexpr would compile a new kernel each time."""
@@ -352,8 +353,8 @@ def paged_attention_decode(
     prefetch = bool(tuned.get("prefetch", False)) if prefetch is None else prefetch
     scales_ahead = bool(tuned.get("scales_ahead", True)) if scales_ahead is None else scales_ahead
     v_f16 = bool(tuned.get("v_f16", v_f16_default(q.device))) if v_f16 is None else v_f16
-    maxnreg = maxnreg or tuned.get("maxnreg")
-    reg_cap = {"maxnreg": maxnreg} if maxnreg else {}
+    cap = maxnreg or tuned.get("maxnreg")  # the default kernel's: none unless asked (0 or None)
+    reg_cap = {"maxnreg": cap} if cap else {}
     if partition is None:
         split_from = tuned.get("partition", 512)
         if max_seq_len > 2 * split_from and not INTERPRET:
@@ -381,7 +382,8 @@ def paged_attention_decode(
     if use_t:
         launch_decode_t(q, k_cache, v_cache, ks, vs, block_tables, seq_lens, dst, m, lsum, strides, scalars[0],
                         partition, parts, block_n, qk_fp8, num_warps, num_stages, fp8_format,
-                        q_pad or tuned.get("q_pad"))
+                        q_pad or tuned.get("q_pad"), loop_stages or tuned.get("loop_stages"),
+                        maxnreg if maxnreg is not None else tuned.get("maxnreg"))
     else:
         _decode_kernel[(bsz, kvh, parts)](
             q, k_cache, v_cache, ks, vs, block_tables, seq_lens, dst, m, lsum,

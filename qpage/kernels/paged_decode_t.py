@@ -155,7 +155,7 @@ def _decode_t_kernel(
     KV_HEADS: tl.constexpr, QPK: tl.constexpr, Q_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     DIM_PAD: tl.constexpr, PAGE: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
     PER_TOKEN: tl.constexpr, QK_FP8: tl.constexpr, IS_E5M2: tl.constexpr, CVT: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, SHIFT: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, SHIFT: tl.constexpr, LOOP_STAGES: tl.constexpr = None,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -189,7 +189,7 @@ def _decode_t_kernel(
     if end > seq_len:
         end = seq_len
     bt = bt_ptr + b * stride_bt
-    for n0 in range(start, end, BLOCK_N):
+    for n0 in tl.range(start, end, BLOCK_N, num_stages=LOOP_STAGES):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < end
         blk = tl.load(bt + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
@@ -279,11 +279,16 @@ def launch_decode_t(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     v_scale: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, dst: torch.Tensor,
                     m: torch.Tensor, lsum: torch.Tensor, out_strides: tuple[int, int, int], qk_scale: float,
                     partition: int, parts: int, block_n: int, qk_fp8: bool, num_warps: int | None,
-                    num_stages: int, fp8_format: str = "e4m3", q_pad: int | None = None) -> None:
+                    num_stages: int, fp8_format: str = "e4m3", q_pad: int | None = None,
+                    loop_stages: int | None = None, maxnreg: int | None = None) -> None:
     """One launch over (sequence, kv head, partition) into ``paged_attention_decode``'s buffers.
     ``qk_scale`` is softmax scale * log2(e); ``q_pad`` the MMA's query columns (default 8). The
     codes are decoded as ``fp8_codec.fp8_decoder`` chooses for this device (hardware e4m3 on
-    sm_89+, packed PTX on sm_80/86 and for e5m2, the bit trick under the interpreter)."""
+    sm_89+, packed PTX on sm_80/86 and for e5m2, the bit trick under the interpreter).
+    ``loop_stages`` pipelines every load of the loop (``tl.range``; the V words, scales and
+    block ids too: with ``num_stages`` alone only K's codes, which feed the dot, go by async
+    copy); None leaves that to ``num_stages``. ``maxnreg`` caps registers per thread; None is
+    ``default_maxnreg``, 0 no cap."""
     bsz, heads, dim = q.shape
     kvh = k_cache.shape[2]
     qpk = heads // kvh
@@ -293,17 +298,36 @@ def launch_decode_t(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if not qk_fp8:
         qk_scale *= unit  # K's decoded codes: the unit goes to the scores through q
     dot_dtype = tl.float32 if INTERPRET else tl.float16
+    warps = num_warps or 4
+    q_cols = max(q_pad or 8, triton.next_power_of_2(qpk))
+    if maxnreg is None:
+        gpu = not INTERPRET and q.device.type == "cuda"
+        maxnreg = default_maxnreg(torch.cuda.get_device_capability(q.device) if gpu else None, warps, block_n, q_cols)
     _decode_t_kernel[(bsz, kvh, parts)](
         q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, dst, m, lsum,
         qk_scale, unit, partition,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         *out_strides,
-        KV_HEADS=kvh, QPK=qpk, Q_PAD=max(q_pad or 8, triton.next_power_of_2(qpk)), HEAD_DIM=dim,
+        KV_HEADS=kvh, QPK=qpk, Q_PAD=q_cols, HEAD_DIM=dim,
         DIM_PAD=triton.next_power_of_2(dim), PAGE=k_cache.shape[1], SPLIT=parts > 1, BLOCK_N=block_n,
         PER_TOKEN=per_token, QK_FP8=qk_fp8, IS_E5M2=fp8_format == "e5m2", CVT=cvt, DOT_DTYPE=dot_dtype,
-        PRECISION="ieee" if INTERPRET else "tf32", SHIFT=p_shift(q.dtype),
-        num_warps=num_warps or 4, num_stages=num_stages,
+        PRECISION="ieee" if INTERPRET else "tf32", SHIFT=p_shift(q.dtype), LOOP_STAGES=loop_stages,
+        num_warps=warps, num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg else {}),
     )
+
+
+def default_maxnreg(capability: tuple[int, int] | None, num_warps: int, block_n: int, q_cols: int) -> int | None:
+    """The register cap of the kernel above on a GPU of ``capability`` (None: not a GPU), from
+    the static counts (``kernel_sass.py --attention``; no spills at either cap). On sm_90 at 4
+    warps and 64-token tiles: 80 with 8 query columns, which fits 6 programs (24 warps) per SM
+    where 83-106 registers (Triton 3.9 / 3.6) fit 5 or 4, at -0.5% / +5.5% loop instructions;
+    96 with 16 columns, whose shared memory allows 5 programs (3.6: 474 -> 500 instructions, 4
+    -> 5 programs; at 80, 529). None elsewhere: 128-token tiles' shared memory allows 3 programs
+    anyway (there a cap of 80 cost +33%), and on sm_80-89 shared memory is the limit at 64 tokens
+    too (sm_80: 4 programs, sm_86/89: 2 at 2 stages)."""
+    if capability != (9, 0) or num_warps != 4 or block_n != 64:
+        return None
+    return 80 if q_cols <= 8 else 96
 
 
 def _e4m3_per_head_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -27,6 +27,21 @@ at M = 1. Two kernels:
   products summed per tile: no reshape, no shared memory. ``q - z`` is formed without an
   int->float conversion: OR q into the mantissa of 2**23 and subtract 2**23 + z. The group
   scale multiplies the tile's partial sums, not each weight.
+
+The K loop is pipelined with ``tl.range(..., num_stages=config.num_stages)``: the kernel
+argument ``num_stages`` pipelines only loads that feed ``tl.dot`` (Triton's documentation of
+``tl.range``), and until 2026-12-01 these kernels had no other, so each program waited for
+every tile's words in turn (no LDGSTS in their SASS at any stage count; the tl.dot kernels
+and the FP8 matmul had them). On the H200 the 4096x14336 GEMV then ran at about half the
+issue rate its instruction count allows (``benchmarks/NOTES-kernels.md``), while the
+pipelined FP8 matmul streamed 3.4 TB/s at N = 128256 against 1.65 for INT4. Pipelined, the
+words of the next tile arrive by async copy (LDGSTS) during this tile's arithmetic, at +4-6%
+loop instructions with Triton 3.9 and +6-20% with 3.6 (the staged words read back from shared
+memory; sm_90, 2 stages, ``kernel_sass.py``).
+The default is 2 stages: a tile's arithmetic (~500 instructions per warp, 4-5 warps per
+scheduler) outlasts a load's latency, so one tile ahead should cover it, at fewer instructions
+than 3. Not yet timed: ``kernels.py`` prints ``int4-nopipe`` (one stage) beside the default,
+and the tuner tries 1, 2 and 3 stages.
 """
 
 import torch
@@ -42,7 +57,7 @@ def _int_gemv_kernel(
     N, K, group_size,
     stride_xk, stride_qk, stride_qn, stride_sg, stride_sn, stride_zg, stride_zn,
     BITS: tl.constexpr, AWQ: tl.constexpr, HAS_ZEROS: tl.constexpr, SPLIT_K: tl.constexpr, SERIAL: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LOOP_STAGES: tl.constexpr,
 ):
     PACK: tl.constexpr = 32 // BITS
     QMASK: tl.constexpr = (1 << BITS) - 1
@@ -62,7 +77,7 @@ def _int_gemv_kernel(
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < N
         acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for t in range(t_start, t_end):
+    for t in tl.range(t_start, t_end, num_stages=LOOP_STAGES):  # see the module docstring
         grp = (t * BLOCK_K) // group_size
         if AWQ:
             offs_k = t * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -143,7 +158,7 @@ def _gptq_gemv_kernel(
     N, K, group_size, magic,
     stride_xk, stride_qk, stride_qn, stride_sg, stride_sn, stride_zg, stride_zn,
     BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, SPLIT_K: tl.constexpr, SERIAL: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LOOP_STAGES: tl.constexpr,
 ):
     PACK: tl.constexpr = 32 // BITS
     WORDS: tl.constexpr = BLOCK_K // PACK
@@ -161,7 +176,7 @@ def _gptq_gemv_kernel(
     m2 = magic | ((QMASK << (2 * BITS)) & 0xFFFF)  # 4-bit only (0 for 8 bits: unused)
     m3 = magic | ((QMASK << (3 * BITS)) & 0xFFFF)
     acc = tl.zeros((WORDS, BLOCK_N), dtype=tl.float32)
-    for t in range(t_start, t_end):
+    for t in tl.range(t_start, t_end, num_stages=LOOP_STAGES):  # see the module docstring
         grp = (t * BLOCK_K) // group_size
         offs_kp = t * WORDS + tl.arange(0, WORDS)
         kp_mask = offs_kp < tl.cdiv(K, PACK)
@@ -214,7 +229,8 @@ def int_gemv(
     strides = (x.stride(1), qweight.stride(0), qweight.stride(1), scales.stride(0), scales.stride(1),
                zeros.stride(0), zeros.stride(1))
     meta = dict(BITS=bits, HAS_ZEROS=qzeros is not None, SPLIT_K=split, SERIAL=serial, BLOCK_N=config.block_n,
-                BLOCK_K=config.block_k, num_warps=config.num_warps, num_stages=config.num_stages)
+                BLOCK_K=config.block_k, LOOP_STAGES=config.num_stages, num_warps=config.num_warps,
+                num_stages=config.num_stages)
     if config.half2 and quant_gemv_h2.h2_applies(x, bits, awq):
         quant_gemv_h2._gptq_h2_gemv_kernel[grid](*head, *strides, ASM=not INTERPRET, **meta)
     elif not awq and config.lean:

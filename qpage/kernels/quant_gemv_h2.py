@@ -227,7 +227,7 @@ def _gptq_h2_gemv_kernel(
     N, K, group_size,
     stride_xk, stride_qk, stride_qn, stride_sg, stride_sn, stride_zg, stride_zn,
     BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, SPLIT_K: tl.constexpr, SERIAL: tl.constexpr,
-    ASM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ASM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LOOP_STAGES: tl.constexpr,
 ):
     PACK: tl.constexpr = 32 // BITS
     WORDS: tl.constexpr = BLOCK_K // PACK
@@ -238,7 +238,7 @@ def _gptq_h2_gemv_kernel(
     n_mask = offs_n < N
     j = tl.arange(0, PACK)
     acc = tl.zeros((WORDS, BLOCK_N), dtype=tl.float32)
-    for t in range(t_start, t_end):
+    for t in tl.range(t_start, t_end, num_stages=LOOP_STAGES):  # see quant_gemv's docstring
         grp = (t * BLOCK_K) // group_size
         offs_kp = t * WORDS + tl.arange(0, WORDS)
         kp_mask = offs_kp < tl.cdiv(K, PACK)

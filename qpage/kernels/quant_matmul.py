@@ -63,6 +63,9 @@ class MatmulConfig:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 2
+    """Software-pipeline stages of the K loop. The kernel argument pipelines only loads that
+    feed ``tl.dot``; the GEMVs pass it to ``tl.range`` instead, so their loads are pipelined too
+    (``quant_gemv``), and 1 leaves each tile's load waiting in turn."""
     gemv: bool = False
     """M = 1 with one group per K tile: ``quant_gemv`` (multiply-add, no tensor cores)."""
     lean: bool = True
@@ -284,8 +287,10 @@ def default_config(m: int, n: int, k: int, device: torch.device, gemv: bool | No
         # AWQ pairs: 256 columns give each of 4 warps 8 of every slice's 32 (128: duplicated MMAs).
         block_n = 256 if pairs and pairs_layout == "awq" else 128 if gemv or pairs else 64
         split = _split_for(triton.cdiv(n, block_n), triton.cdiv(k, block_k), sms, m, k)
-        return MatmulConfig(block_m=16, block_n=block_n, block_k=block_k, split_k=split, num_warps=4, num_stages=3,
-                            gemv=gemv, pairs=pairs)
+        # The GEMV's K loop in 2 stages (quant_gemv): one tile's arithmetic (~500 instructions
+        # a warp, 4-5 warps a scheduler) outlasts a load's latency, so one tile ahead covers it.
+        return MatmulConfig(block_m=16, block_n=block_n, block_k=block_k, split_k=split, num_warps=4,
+                            num_stages=2 if gemv else 3, gemv=gemv, pairs=pairs)
     if m <= 32 and _gptq_pairs(pairs_layout, block_k):
         # Static counts (quant_pairs): 32x128x128 pairs tiles take 5.3-5.5 SASS instructions
         # per weight on sm_89/90, the 32x64x64 tiles below 9.9-10.2. Not yet timed on a GPU.

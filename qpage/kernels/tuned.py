@@ -143,7 +143,7 @@ def problems(table: dict[str, Any]) -> list[str]:
                     errors.append(f"{where}: block_k and block_n must be multiples of 8, split_k >= 1")
     for key, cfg in table.get("paged_decode", {}).items():
         if set(cfg) - {"block_n", "num_warps", "num_stages", "partition", "prefetch", "scales_ahead", "v_f16",
-                       "maxnreg", "decode_t", "qk_fp8", "q_pad"}:
+                       "maxnreg", "decode_t", "qk_fp8", "q_pad", "loop_stages"}:
             errors.append(f"paged_decode {key}: unknown fields {sorted(cfg)}")
         elif cfg.get("partition", 512) % cfg.get("block_n", 64):
             errors.append(f"paged_decode {key}: partition must be a multiple of block_n")

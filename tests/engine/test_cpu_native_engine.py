@@ -26,7 +26,7 @@ def test_native_path_matches_torch_path(llm_factory: Any, monkeypatch: pytest.Mo
     # Small chunks so later prefill chunks read the paged cache; three prompts decode as a batch.
     kw: dict[str, Any] = dict(max_num_batched_tokens=8, enable_prefix_caching=False, kv_cache_memory="32MiB",
                               kv_cache_dtype=kv_cache_dtype)
-    p = SamplingParams(temperature=0, max_tokens=24, logprobs=0, prompt_logprobs=0)
+    p = SamplingParams(temperature=0, max_tokens=24, logprobs=2, prompt_logprobs=0)  # top 2: a tie's runner-up
     native = llm_factory(**kw)
     assert native.llm_engine.runner.backend.name == "cpu-native"
     assert native.llm_engine.model.layers[0].mlp.native
@@ -35,19 +35,39 @@ def test_native_path_matches_torch_path(llm_factory: Any, monkeypatch: pytest.Mo
     plain = LLM(**kw, log_stats=False)
     assert plain.llm_engine.runner.backend.name == "cpu-blas"
     assert not plain.llm_engine.model.layers[0].mlp.native
-    # fp32 cache: the same math up to fp32 rounding (summation order, the C exp). FP8 cache: an
-    # fp32 rounding difference anywhere upstream (the C norms, rotary, attention) can move a
-    # K/V element across an FP8 rounding boundary, one code step being 6-12% of the element,
-    # and such flips accumulate over the context; so logprobs agree to a few hundredths
-    # (measured here: at most 0.035), while the kernels themselves are held to bit-exact
-    # writes and 2e-6 attention in tests/kernels/test_cpu_native_fp8.py.
-    tol = 2e-4 if kv_cache_dtype == "auto" else 0.05
+    # fp32 cache: the same math up to fp32 rounding (summation order, the C exp): the same
+    # tokens, logprobs within 2e-4. FP8 cache: an fp32 rounding difference anywhere upstream
+    # (the C norms, rotary, attention) can move a K/V element across an FP8 rounding boundary,
+    # one code step being 6-12% of the element, and such flips accumulate over the context
+    # (the FP8 cache's own mean KL from the fp32 one is 2.7e-3, benchmarks/kv_cache.py), while
+    # the kernels themselves are held to bit-exact writes and 2e-6 attention in
+    # tests/kernels/test_cpu_native_fp8.py. Measured on two CPUs (AVX2; AVX-512, where -march=native
+    # rounds differently): prompt logprobs within 0.035, generated ones at most 0.112 apart
+    # (mean 0.013), and one greedy choice between two tokens 0.05-0.08 apart in logprob went
+    # the other way at step 19. So with FP8 the sequences are compared up to where they part,
+    # which must be a near-tie in both runs.
     for a, b in zip(out_native, plain.generate(PROMPTS, p, use_tqdm=False), strict=True):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        for lps_a, lps_b in ((a.prompt_logprobs[1:], b.prompt_logprobs[1:]), (a.outputs[0].logprobs,
-                                                                               b.outputs[0].logprobs)):
-            lp_a = [next(iter(d.values())).logprob for d in lps_a]
-            lp_b = [next(iter(d.values())).logprob for d in lps_b]
-            assert max(abs(x - y) for x, y in zip(lp_a, lp_b, strict=True)) < tol
+        lp_a = [next(iter(d.values())).logprob for d in a.prompt_logprobs[1:]]
+        lp_b = [next(iter(d.values())).logprob for d in b.prompt_logprobs[1:]]
+        assert max(abs(x - y) for x, y in zip(lp_a, lp_b, strict=True)) < (2e-4 if kv_cache_dtype == "auto" else 0.05)
+        if kv_cache_dtype == "auto":
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        _assert_greedy_close(a.outputs[0], b.outputs[0], *((2e-4, 2e-4) if kv_cache_dtype == "auto" else (0.2, 0.03)))
         if kv_cache_dtype == "auto":
             assert abs(a.outputs[0].cumulative_logprob - b.outputs[0].cumulative_logprob) < 1e-3
+
+
+def _assert_greedy_close(a: Any, b: Any, max_diff: float, mean_diff: float, tie: float = 0.2) -> None:
+    """Two greedy completions of one prompt: the same tokens up to the first position where they
+    differ, their logprobs there within ``max_diff`` (mean ``mean_diff``); where they part, each
+    run's pick must be the other's runner-up, within ``tie`` of its pick (a near-tie)."""
+    pairs = zip(a.token_ids, b.token_ids, strict=False)  # lengths may differ after they part (EOS)
+    same = next((i for i, (x, y) in enumerate(pairs) if x != y), len(a.token_ids))
+    assert same >= len(a.token_ids) // 2, (a.token_ids, b.token_ids)  # parting early is not a late near-tie
+    diffs = [abs(a.logprobs[i][t].logprob - b.logprobs[i][t].logprob) for i, t in enumerate(a.token_ids[:same])]
+    assert max(diffs) < max_diff and sum(diffs) / len(diffs) < mean_diff, diffs
+    if same < len(a.token_ids):
+        for run, other in ((a, b), (b, a)):
+            top = run.logprobs[same]
+            pick, alt = run.token_ids[same], other.token_ids[same]
+            assert alt in top and top[pick].logprob - top[alt].logprob < tie, (same, top, pick, alt)

@@ -82,6 +82,37 @@ def test_decode_t_sixteen_query_columns(monkeypatch: pytest.MonkeyPatch) -> None
     pdt._triton_version.cache_clear()
 
 
+def test_decode_t_all_loads_pipelined(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``loop_stages`` (every load of the loop pipelined by ``tl.range``) and the register cap
+    reach the launch from the arguments and from a tuned table, and change nothing computed;
+    the cap applies where the static counts chose it (sm_90, 4 warps, 64-token tiles)."""
+    lens = [45, 9]
+    cache, tables = filled_cache(lens, torch.float32, "e4m3", True, seed=6)
+    q = torch.randn(len(lens), H, D, generator=torch.Generator().manual_seed(8))
+    want = _ref(cache, tables, quantize_queries_ref(q, SCALE * LOG2E), lens)
+    seen: list[dict] = []
+    real = pdt._decode_t_kernel
+
+    class Recorder:
+        def __getitem__(self, grid: object) -> object:
+            def launch(*args: object, **kw: object) -> object:
+                seen.append(kw)
+                return real[grid](*args, **kw)
+            return launch
+
+    monkeypatch.setattr(pdt, "_decode_t_kernel", Recorder())
+    got = _decode(cache, tables, q, lens, decode_t=True, qk_fp8=True, loop_stages=3, partition=32, maxnreg=72)
+    assert rel_err(got, want) < 1e-5
+    assert seen[-1]["LOOP_STAGES"] == 3 and seen[-1]["maxnreg"] == 72
+    tuned = {"decode_t": True, "qk_fp8": True, "loop_stages": 2}
+    monkeypatch.setattr(pa, "decode_settings", lambda *a: tuned)
+    assert rel_err(_decode(cache, tables, q, lens), want) < 1e-5
+    assert seen[-1]["LOOP_STAGES"] == 2 and "maxnreg" not in seen[-1]  # the interpreter: no default cap
+    assert pdt.default_maxnreg((9, 0), 4, 64, 8) == 80 and pdt.default_maxnreg((9, 0), 4, 64, 16) == 96
+    for args in (((9, 0), 8, 64, 8), ((9, 0), 4, 128, 8), ((8, 9), 4, 64, 8), ((8, 0), 4, 64, 8), (None, 4, 64, 8)):
+        assert pdt.default_maxnreg(*args) is None, args
+
+
 def test_quantize_queries_split_error() -> None:
     """e4m3 alone leaves up to 2**-4 relative per element (of the larger ones); hi + lo (the
     kernel's split) cuts the error more than 8-fold, to below 2**-8 of each head's largest |q|."""
