@@ -37,17 +37,32 @@ def tokenizer(default_model_dir: Path) -> Any:
     return AutoTokenizer.from_pretrained(default_model_dir)
 
 
+LLM_CACHE_SIZE = 4
+"""LLM instances ``llm_factory`` keeps. Each holds the model and its KV cache (0.6-1.6 GB);
+kept for the whole session, the suite's two dozen argument sets held ~20 GB of this 24 GB
+machine's memory."""
+
+
 @pytest.fixture(scope="session")
 def llm_factory() -> Callable[..., Any]:
-    """LLM instances on the default model, one per distinct set of arguments."""
+    """LLM instances on the default model, one per distinct set of arguments, the most recently
+    used ``LLM_CACHE_SIZE`` kept (tests that use one set of arguments sit together)."""
+    import gc
+    from collections import OrderedDict
+
     from qpage import LLM
 
-    cache: dict[tuple, Any] = {}
+    cache: OrderedDict[tuple, Any] = OrderedDict()
 
     def make(**kwargs: Any) -> Any:
         key = tuple(sorted(kwargs.items()))
-        if key not in cache:
-            cache[key] = LLM(**kwargs)
+        if key in cache:
+            cache.move_to_end(key)
+            return cache[key]
+        while len(cache) >= LLM_CACHE_SIZE:
+            cache.popitem(last=False)
+            gc.collect()
+        cache[key] = LLM(**kwargs)
         return cache[key]
 
     return make
