@@ -155,7 +155,7 @@ def _decode_t_kernel(
     KV_HEADS: tl.constexpr, QPK: tl.constexpr, Q_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     DIM_PAD: tl.constexpr, PAGE: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
     PER_TOKEN: tl.constexpr, QK_FP8: tl.constexpr, IS_E5M2: tl.constexpr, CVT: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, SHIFT: tl.constexpr, LOOP_STAGES: tl.constexpr = None,
+    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, SHIFT: tl.constexpr, LOOP_STAGES: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -189,7 +189,7 @@ def _decode_t_kernel(
     if end > seq_len:
         end = seq_len
     bt = bt_ptr + b * stride_bt
-    for n0 in tl.range(start, end, BLOCK_N, num_stages=LOOP_STAGES):
+    for n0 in tl.range(start, end, BLOCK_N, num_stages=LOOP_STAGES):  # None: num_stages (K alone)
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < end
         blk = tl.load(bt + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
