@@ -92,12 +92,95 @@ def fused_config(cfg: Any) -> Any:
     return replace(cfg, dequant=False)
 
 
-def bench_linears(args: argparse.Namespace, device: Any, timer: Timer, peak: float) -> list[dict[str, Any]]:
+Variant = tuple[dict[str, Any], Callable[..., Any], Callable[..., Any], int]
+
+
+def _linear_variants(k: int, n: int, device: Any) -> dict[str, Variant]:
+    """name -> (weights, run(x, weights), reference(x, weights), weight bytes) for one K x N
+    linear: the integer layouts and FP8 as the engine runs them, and the integer layers again
+    under other configs (the previous defaults, the unpipelined and half2 GEMVs, the general
+    kernel where the pairs kernel is chosen, the atomic split-K reduction, the fused kernel
+    where dequantize-then-cuBLAS is chosen)."""
+    from qpage.kernels.fp8_matmul import fp8_matmul, fp8_matmul_ref
+    from qpage.kernels.quant_matmul import choose_config, default_config, int_matmul, int_matmul_ref
+
+    variants: dict[str, Variant] = {}
+    layouts = {"int4-g128": (make_int4(k, n, 128, device), 4, 128, False),
+               "int8-chan": (make_int8(k, n, device), 8, k, False),
+               "awq-g128": (make_awq4(k, n, 128, device), 4, 128, True)}
+    for name, (params, bits, group, awq) in layouts.items():
+        kw = dict(bits=bits, group_size=group, awq=awq)
+        variants[name] = (params,
+                          lambda x, p, config=None, kw=kw: int_matmul(x, p["qweight"], p["scales"], None, None,
+                                                                      config=config, **kw),
+                          lambda x, p, kw=kw: int_matmul_ref(x, p["qweight"], p["scales"], None, None, **kw),
+                          k * n * bits // 8 + params["scales"].numel() * 2)
+
+    def alt(base: str, config_of: Callable[[Any], Any]) -> Variant:
+        params, run, ref, nbytes = variants[base]
+        return params, lambda x, p: run(x, p, config=config_of(x)), ref, nbytes
+
+    def chosen(x: Any, m: int | None = None) -> Any:
+        return choose_config(x.device, "int4-g128", x.shape[0] if m is None else m, n, k, 128)
+
+    variants["int8-prev"] = alt("int8-chan", lambda x: default_config(x.shape[0], n, k, x.device, group_size=k))
+    variants["int4-dot"] = alt("int4-g128", lambda x: default_config(1, n, k, x.device, gemv=False, group_size=128))
+    variants["int4-shift"] = alt("int4-g128", lambda x: replace(chosen(x, 1), lean=False))
+    variants["int4-h2"] = alt("int4-g128", lambda x: replace(chosen(x, 1), half2=True))
+    variants["int4-nopipe"] = alt("int4-g128", lambda x: replace(chosen(x, 1), num_stages=1))
+    variants["int8-h2"] = alt("int8-chan", lambda x: replace(choose_config(x.device, "int8-chan", 1, n, k, k),
+                                                             half2=True))
+    variants["int4-nopairs"] = alt("int4-g128", lambda x: replace(chosen(x), pairs=False))
+    for base in ("int4-g128", "awq-g128"):  # the tiles used before the pairs kernel
+        variants[base.split("-")[0] + "-prev"] = alt(
+            base, lambda x: default_config(x.shape[0], n, k, x.device, group_size=128))
+    for name, base, layout, bn in (("int4-pairs", "int4-g128", "gptq4", 128),
+                                   ("awq-pairs", "awq-g128", "awq", 256)):
+        variants[name] = alt(base, lambda x, layout=layout, bn=bn: pairs_config(
+            default_config(2, n, k, x.device, group_size=128, pairs_layout=layout), bn))
+    variants["int4-atomic"] = alt("int4-g128", lambda x: replace(chosen(x), serial=False))
+    variants["int4-fused"] = alt("int4-g128", lambda x: fused_config(chosen(x)))
+    for name, block in (("fp8-chan", False), ("fp8-block", True)):
+        f8 = make_fp8(k, n, device, block)
+        variants[name] = (f8, lambda x, p: fp8_matmul(x, p["weight"], p["scale"]),
+                          lambda x, p: fp8_matmul_ref(x, p["weight"], p["scale"]), k * n + f8["scale"].numel() * 4)
+    return variants
+
+
+def _time_linear(x: Any, w16: Any, variants: dict[str, Variant], timer: Timer) -> dict[str, Any]:
+    """One row: x @ w16.T in fp16 (cuBLAS) and each variant that applies at this M, timed over
+    enough weight copies to defeat L2, with its error against its reference."""
     import torch
 
-    from qpage.kernels.fp8_matmul import fp8_matmul, fp8_matmul_ref
     from qpage.kernels.quant_gemv_h2 import h2_gemv_ref
-    from qpage.kernels.quant_matmul import choose_config, default_config, int_matmul, int_matmul_ref
+
+    (m, k), n = x.shape, w16.shape[0]
+    io_bytes = (m * k + m * n) * x.element_size()
+    fp16_bytes = k * n * w16.element_size() + io_bytes
+    ws = [w16] + [torch.randn_like(w16) * 0.02 for _ in range(timer.copies(fp16_bytes) - 1)]
+    t16 = timer.time([lambda w=w: x @ w.T for w in ws])
+    row: dict[str, Any] = dict(K=k, N=n, M=m, fp16_us=t16 * 1e6, fp16_gbs=fp16_bytes / t16 / 1e9)
+    for name, (params, fn, ref, wbytes) in variants.items():
+        if not ONLY.get(name, lambda _: True)(m):
+            continue
+        out = fn(x, params)
+        err = rel_err(out, ref(x, params))
+        if name.endswith("-h2") and x.dtype in (torch.float16, torch.bfloat16):
+            # The PTX's first run: against the same arithmetic in torch (one output rounding apart).
+            bits, group = (4, 128) if name == "int4-h2" else (8, k)
+            row[f"{name}_vs_h2_ref"] = rel_err(out, h2_gemv_ref(x, params["qweight"], params["scales"], None,
+                                                                group_size=group, bits=bits))
+        nbytes = wbytes + io_bytes
+        copies = [params] + [{key: v.clone() for key, v in params.items()} for _ in range(timer.copies(nbytes) - 1)]
+        t = timer.time([lambda p=p: fn(x, p) for p in copies])
+        row.update({f"{name}_us": t * 1e6, f"{name}_gbs": nbytes / t / 1e9, f"{name}_speedup": t16 / t,
+                    f"{name}_relerr": err})
+    return row
+
+
+def bench_linears(args: argparse.Namespace, device: Any, timer: Timer, peak: float) -> list[dict[str, Any]]:
+    """Every weight format at the Llama-3-8B linears' shapes and each M, against fp16 cuBLAS."""
+    import torch
 
     dtype = torch.float16 if device.type == "cuda" else torch.float32
     shapes = LLAMA3_8B_LINEARS if not args.interpret else [(256, 128), (128, 384)]
@@ -105,78 +188,11 @@ def bench_linears(args: argparse.Namespace, device: Any, timer: Timer, peak: flo
     rows = []
     for k, n in shapes:
         w16 = torch.randn(n, k, device=device, dtype=dtype) * 0.02
-        variants: dict[str, tuple[dict[str, Any], Callable[..., Any], Callable[..., Any], int]] = {}
-        # Integer layouts: (weights, bits, group, awq); their variants below call the same
-        # layer with another config (``alt``).
-        layouts = {"int4-g128": (make_int4(k, n, 128, device), 4, 128, False),
-                   "int8-chan": (make_int8(k, n, device), 8, k, False),
-                   "awq-g128": (make_awq4(k, n, 128, device), 4, 128, True)}
-        for name, (params, bits, group, awq) in layouts.items():
-            kw = dict(bits=bits, group_size=group, awq=awq)
-            variants[name] = (params,
-                              lambda x, p, config=None, kw=kw: int_matmul(x, p["qweight"], p["scales"], None, None,
-                                                                          config=config, **kw),
-                              lambda x, p, kw=kw: int_matmul_ref(x, p["qweight"], p["scales"], None, None, **kw),
-                              k * n * bits // 8 + params["scales"].numel() * 2)
-
-        def alt(base: str, config_of: Callable[[Any], Any]) -> tuple[Any, ...]:
-            params, run, ref, nbytes = variants[base]
-            return params, lambda x, p: run(x, p, config=config_of(x)), ref, nbytes
-
-        def chosen(x: Any, m: int | None = None) -> Any:
-            return choose_config(x.device, "int4-g128", x.shape[0] if m is None else m, n, k, 128)
-
-        variants["int8-prev"] = alt("int8-chan", lambda x: default_config(x.shape[0], n, k, x.device, group_size=k))
-        variants["int4-dot"] = alt("int4-g128", lambda x: default_config(1, n, k, x.device, gemv=False, group_size=128))
-        variants["int4-shift"] = alt("int4-g128", lambda x: replace(chosen(x, 1), lean=False))
-        variants["int4-h2"] = alt("int4-g128", lambda x: replace(chosen(x, 1), half2=True))
-        variants["int4-nopipe"] = alt("int4-g128", lambda x: replace(chosen(x, 1), num_stages=1))
-        variants["int8-h2"] = alt("int8-chan", lambda x: replace(choose_config(x.device, "int8-chan", 1, n, k, k),
-                                                                 half2=True))
-        variants["int4-nopairs"] = alt("int4-g128", lambda x: replace(chosen(x), pairs=False))
-        for base in ("int4-g128", "awq-g128"):  # the tiles used before the pairs kernel
-            variants[base.split("-")[0] + "-prev"] = alt(
-                base, lambda x: default_config(x.shape[0], n, k, x.device, group_size=128))
-        for name, base, layout, bn in (("int4-pairs", "int4-g128", "gptq4", 128),
-                                       ("awq-pairs", "awq-g128", "awq", 256)):
-            variants[name] = alt(base, lambda x, layout=layout, bn=bn: pairs_config(
-                default_config(2, n, k, x.device, group_size=128, pairs_layout=layout), bn))
-        # The chosen config with the atomic split-K reduction (zero-fill + atomics + cast), and
-        # with the fused kernel where the dequantize-then-cuBLAS path would be chosen.
-        variants["int4-atomic"] = alt("int4-g128", lambda x: replace(chosen(x), serial=False))
-        variants["int4-fused"] = alt("int4-g128", lambda x: fused_config(chosen(x)))
-        for name, block in (("fp8-chan", False), ("fp8-block", True)):
-            f8 = make_fp8(k, n, device, block)
-            variants[name] = (f8, lambda x, p: fp8_matmul(x, p["weight"], p["scale"]),
-                              lambda x, p: fp8_matmul_ref(x, p["weight"], p["scale"]), k * n + f8["scale"].numel() * 4)
+        variants = _linear_variants(k, n, device)
         for m in ms:
-            x = torch.randn(m, k, device=device, dtype=dtype)
-            io_bytes = (m * k + m * n) * x.element_size()
-            fp16_bytes = k * n * w16.element_size() + io_bytes
-            nc = timer.copies(fp16_bytes)
-            ws = [w16] + [torch.randn_like(w16) * 0.02 for _ in range(nc - 1)]
-            t16 = timer.time([lambda w=w: x @ w.T for w in ws])
-            row: dict[str, Any] = dict(K=k, N=n, M=m, fp16_us=t16 * 1e6, fp16_gbs=fp16_bytes / t16 / 1e9)
-            for name, (params, fn, ref, wbytes) in variants.items():
-                if not ONLY.get(name, lambda _: True)(m):
-                    continue
-                out = fn(x, params)
-                err = rel_err(out, ref(x, params))
-                if name.endswith("-h2") and x.dtype in (torch.float16, torch.bfloat16):
-                    # The PTX's first run: against the same arithmetic in torch (one output rounding apart).
-                    bits, group = (4, 128) if name == "int4-h2" else (8, k)
-                    row[f"{name}_vs_h2_ref"] = rel_err(out, h2_gemv_ref(x, params["qweight"], params["scales"], None,
-                                                                        group_size=group, bits=bits))
-                nbytes = wbytes + io_bytes
-                nc = timer.copies(nbytes)
-                copies = [params] + [{key: v.clone() for key, v in params.items()} for _ in range(nc - 1)]
-                t = timer.time([lambda p=p: fn(x, p) for p in copies])
-                row[f"{name}_us"] = t * 1e6
-                row[f"{name}_gbs"] = nbytes / t / 1e9
-                row[f"{name}_speedup"] = t16 / t
-                row[f"{name}_relerr"] = err
+            row = _time_linear(torch.randn(m, k, device=device, dtype=dtype), w16, variants, timer)
             rows.append(row)
-            print(f"  linear K={k:>5} N={n:>6} M={m:>3}  fp16 {t16 * 1e6:8.1f} us  "
+            print(f"  linear K={k:>5} N={n:>6} M={m:>3}  fp16 {row['fp16_us']:8.1f} us  "
                   + "  ".join(f"{nm} {row[nm + '_us']:7.1f} us ({row[nm + '_speedup']:.2f}x)" for nm in variants
                               if nm + "_us" in row),
                   flush=True)
