@@ -302,7 +302,7 @@ def launch_decode_t(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     q_cols = max(q_pad or 8, triton.next_power_of_2(qpk))
     if maxnreg is None:
         gpu = not INTERPRET and q.device.type == "cuda"
-        maxnreg = default_maxnreg(torch.cuda.get_device_capability(q.device) if gpu else None, warps, block_n, q_cols)
+        maxnreg = default_maxnreg(_capability(q.device) if gpu else None, warps, block_n, q_cols)
     _decode_t_kernel[(bsz, kvh, parts)](
         q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, dst, m, lsum,
         qk_scale, unit, partition,
