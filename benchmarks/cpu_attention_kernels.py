@@ -31,8 +31,8 @@ def make_calls(n: int, ctx: int) -> dict[str, Callable[[], Any]]:
     """One decode call per mode over the same keys and values (written through each cache's own write)."""
     import torch
 
-    from qpage.kernels import cpu_native
-    from qpage.kernels.cpu_native_fp8 import paged_decode_fp8, write_kv_fp8
+    from qpage.kernels.cpu import native as cpu_native
+    from qpage.kernels.cpu.native_fp8 import paged_decode_fp8, write_kv_fp8
 
     g = torch.Generator().manual_seed(0)
     per_seq = math.ceil(ctx / BLOCK)
@@ -88,7 +88,7 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "cpu_attention_kernels.json")
     args = ap.parse_args()
-    from qpage.kernels import cpu_native
+    from qpage.kernels.cpu import native as cpu_native
 
     if cpu_native.load() is None:
         raise SystemExit(f"the C kernels are unavailable: {cpu_native.unavailable_reason()}")

@@ -1,4 +1,4 @@
-"""Which CPU path is fastest for each quantized scheme (issue 3, item 6).
+"""Which CPU path is fastest for each quantized scheme.
 
 Part 1, per layer: one quantized weight, y = x @ W at M rows, on every CPU path qpage has:
 - ``fp32 dequant (BLAS)``: dequantized once to fp32, NumPy/OpenBLAS matmul (qpage's fp32 path);
@@ -13,8 +13,8 @@ Part 2, end to end on the default model: an RTN INT4 (g128, asym) and INT8 (per 
 checkpoint, loaded with dtype float32 (with and without qpage's C kernels, ``QPAGE_NATIVE=0``)
 and bfloat16 (and the dense model for scale): batch-1 decode tokens/s, the attention backend
 and the memory the linear weights take. Each configuration runs in its own
-process. FP8 has no CPU kernel (``_scaled_mm`` is 20-50x slower than fp32, DESIGN 6): FP8
-checkpoints dequantize, like the fp32 rows here.
+process. FP8 has no CPU kernel (``_scaled_mm`` is 20-50x slower than fp32, docs/quantization.md):
+FP8 checkpoints dequantize, like the fp32 rows here.
 
     python benchmarks/cpu_paths.py [--reps 20] [--out benchmarks/results/cpu_paths.json]
 """
@@ -59,8 +59,8 @@ def layer_rows(ms: list[int], reps: int, shapes: list[tuple[str, int, int]]) -> 
     """
     import numpy as np
 
-    from qpage.kernels import cpu_packed
-    from qpage.kernels.quant_matmul import dequantize_ref, pack_cols, pack_rows
+    from qpage.kernels.cpu import packed as cpu_packed
+    from qpage.kernels.packing import dequantize_ref, pack_cols, pack_rows
 
     g = torch.Generator().manual_seed(0)
     cases = []
@@ -130,12 +130,8 @@ def e2e_child(model: str, dtype: str, tokens: int) -> dict[str, Any]:
     tokens_per_s = decode_b1(gen, tokens)  # difference of minima, as in benchmarks/throughput.py
     linear_bytes = 0
     for mod in eng.model.modules():
-        if hasattr(mod, "weight_bytes"):
+        if hasattr(mod, "weight_bytes"):  # every linear layer, dense or quantized
             linear_bytes += mod.weight_bytes
-        elif hasattr(mod, "_w_t") and mod._w_t is not None:
-            linear_bytes += mod._w_t.nbytes
-        elif type(mod).__name__ == "Linear":
-            linear_bytes += mod.weight.numel() * mod.weight.element_size()
     return dict(decode_tokens_per_s=tokens_per_s, linear_weight_bytes=linear_bytes,
                 paths=eng.kernel_paths()["quantized_linears"], attention=eng.runner.backend.name)
 

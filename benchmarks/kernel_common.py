@@ -124,7 +124,8 @@ def fill_cache(num_seqs: int, ctx: int, kvh: int, dim: int, dtype: Any, fmt: str
     """A paged cache holding ``num_seqs`` random sequences of ``ctx`` tokens in shuffled blocks."""
     import torch
 
-    from qpage.kernels.cache_write import write_kv_cache, write_kv_cache_ref
+    from qpage.kernels.attention.cache_write import write_kv_cache
+    from qpage.kernels.kv_quant import write_kv_cache_ref
 
     # Filling is setup, not what is measured: on CPU (interpreter) the torch writer is faster.
     writer = write_kv_cache if device.type == "cuda" else write_kv_cache_ref

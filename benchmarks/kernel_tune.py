@@ -3,10 +3,12 @@ quantized matmul (Llama-3-8B shapes, several M) and of paged decode attention, o
 
 Every candidate is first checked against the ``*_ref`` reference on the same inputs (a
 candidate whose output is off is rejected, never timed), then timed like the rest of
-``kernels.py`` (CUDA graph, inputs rotated past the L2 cache). Problems are visited in
-priority order (INT4 at M=1 first, the issue's target) until ``budget_s`` runs out; what
-was not reached stays on the heuristics. The result is a ``kernels.tuned`` table, written
-to ``<out dir>/configs/<device key>.json``; copy it into ``qpage/kernels/configs/`` to ship.
+``kernels.py`` (CUDA graph, inputs rotated past the L2 cache), against the built-in default
+(``configs.default_matmul_config``, ``configs.default_decode_config``). Problems are visited
+in priority order (INT4 at M=1 first: batch-1 decode) until ``budget_s`` runs out; what was
+not reached stays on the defaults. The result is a ``kernels.tuned`` table (``MatmulConfig``
+and ``DecodeConfig`` fields only), written to ``<out dir>/configs/<device key>.json``; copy it
+into ``qpage/kernels/gpu_tables/`` (``tuned.CONFIG_DIR``) to ship.
 """
 
 from __future__ import annotations
@@ -19,62 +21,62 @@ from pathlib import Path
 from typing import Any
 
 INT_TOL = 1e-3
-"""||out - ref|| / ||ref|| allowed of a candidate (fp16 output rounding is ~3e-4; the half2
-GEMV, whose words' sums round in fp16, measured 3.5-6.1e-4 under the interpreter)."""
+"""||out - ref|| / ||ref|| allowed of a matmul candidate (fp16 output rounding is ~3e-4)."""
+DECODE_TOL = 2e-3
+"""The same for a decode candidate, on the first two sequences."""
 
 
 def _cfgs(**grid: Iterable[Any]) -> list[Any]:
-    from qpage.kernels.quant_matmul import MatmulConfig
+    """Every ``MatmulConfig`` of the grid's product."""
+    from qpage.kernels.configs import MatmulConfig
 
-    keys = list(grid)
-    out = [{}]
-    for key in keys:
-        out = [{**o, key: v} for o in out for v in grid[key]]
+    out: list[dict[str, Any]] = [{}]
+    for key, values in grid.items():
+        out = [{**o, key: v} for o in out for v in values]
     return [MatmulConfig(**o) for o in out]
 
 
 def matmul_candidates(m: int, interpret: bool, fp8: bool, block_scales: bool) -> list[Any]:
-    """The configurations tried for M rows (interpreter: two, to exercise the plumbing)."""
-    from qpage.kernels.quant_matmul import MatmulConfig
+    """The ``MatmulConfig``s tried for M rows (interpreter: two, to exercise the plumbing). At
+    M=1 the integer weights try the GEMV (``kind="gemv"``: its K loop pipelined 1-3 stages deep);
+    elsewhere the tiled kernel (FP8's only kernel), and from 256 rows also dequantize-then-cuBLAS."""
+    from qpage.kernels.configs import MatmulConfig
 
     if interpret:
-        return [MatmulConfig(16, 32, 32, split_k=2), MatmulConfig(16, 64, 64, gemv=m == 1 and not fp8)]
+        return [MatmulConfig(16, 32, 32, split_k=2), MatmulConfig(16, 64, 64, kind="gemv" if m == 1 and not fp8
+                                                                  else "tiled")]
     bks = (64, 128)
     if m == 1 and not fp8:
-        # GEMVs: num_stages pipelines their K loop (quant_gemv); 2 is the default.
         cands = _cfgs(block_m=[16], block_n=[64, 128, 256], block_k=[32, 64, 128], split_k=[4, 8, 16],
-                      num_warps=[2, 4], num_stages=[2], gemv=[True])
+                      num_warps=[2, 4], num_stages=[2], kind=["gemv"])
         cands += _cfgs(block_m=[16], block_n=[64, 128], block_k=[128], split_k=[8], num_warps=[2, 4],
-                       num_stages=[2], gemv=[True], serial=[False])
-        cands += _cfgs(block_m=[16], block_n=[64, 128], block_k=[128], split_k=[8], num_warps=[2, 4],
-                       num_stages=[2], gemv=[True], lean=[False])  # the shift-unpacking GEMV
-        # The half2 GEMV (fp16 activations, 4-bit GPTQ; elsewhere these run the in-place one).
-        cands += _cfgs(block_m=[16], block_n=[64, 128, 256], block_k=[128], split_k=[4, 8, 16], num_warps=[2, 4],
-                       num_stages=[2], gemv=[True], half2=[True])
-        # Their K loop 3 stages deep, and not pipelined at all (1: as timed on the H200 before
-        # 2026-12-01, when the kernel argument left their loads unpipelined).
-        cands += _cfgs(block_m=[16], block_n=[64, 128], block_k=[128], split_k=[8], num_warps=[2, 4],
-                       num_stages=[1, 3], gemv=[True], half2=[False, True])
+                       num_stages=[1, 3], kind=["gemv"])
     elif m <= 16:
         cands = _cfgs(block_m=[16], block_n=[32, 64, 128], block_k=bks, split_k=[1, 2, 4, 8], num_warps=[4],
-                      num_stages=[3], gather=[False] if fp8 else [False, True])
-        if not fp8:  # the pairs kernel (integer weights it does not take run the general one)
-            cands += _cfgs(block_m=[16], block_n=[64, 128, 256], block_k=[128], split_k=[1, 2, 4, 8],
-                           num_warps=[4, 8], num_stages=[3], pairs=[True])
+                      num_stages=[3])
     elif m <= 64:
         cands = _cfgs(block_m=[32, 64], block_n=[64, 128], block_k=[64], split_k=[1, 2, 4, 8], num_warps=[4],
-                      num_stages=[3], gather=[False] if fp8 else [False, True])
-        if not fp8 and m <= 32:
-            cands += _cfgs(block_m=[32], block_n=[64, 128], block_k=[128], split_k=[1, 2, 4, 8], num_warps=[4, 8],
-                           num_stages=[3], pairs=[True])
+                      num_stages=[3])
     else:
         cands = _cfgs(block_m=[64, 128], block_n=[64, 128], block_k=[64], split_k=[1, 2], num_warps=[4, 8],
                       num_stages=[3])
         if not fp8:
-            cands.append(MatmulConfig(128, 128, 64, dequant=True))
+            cands.append(MatmulConfig(128, 128, 64, num_warps=8, num_stages=3, kind="dequant"))
     if block_scales:  # tiles must lie inside one 128x128 scale block
         cands = [c for c in cands if 128 % c.block_k == 0 and 128 % c.block_n == 0]
     return cands
+
+
+def decode_candidates(interpret: bool, fp8: bool) -> list[Any]:
+    """The ``DecodeConfig``s tried for one cache mode, likeliest first (the sweep stops at its
+    deadline): tile, warps, stages, partition, and for FP8 caches V staged as fp16 or not."""
+    from qpage.kernels.configs import DecodeConfig
+
+    v_f16 = (False, True) if fp8 else (False,)  # an fp16 cache's V needs no conversion
+    if interpret:
+        return [DecodeConfig(block_n=16, partition=32, v_f16=v) for v in v_f16]
+    return [DecodeConfig(block_n=bn, num_warps=w, num_stages=st, partition=part, v_f16=v)
+            for bn in (64, 128, 32) for w in (4, 8) for st in (2, 3) for part in (512, 1024, 256) for v in v_f16]
 
 
 def _problems(interpret: bool) -> list[tuple[str, int, tuple[int, ...]]]:
@@ -93,8 +95,9 @@ def _weights(kind: str, k: int, n: int, device: Any) -> tuple[dict[str, Any], Ca
     """(params, fn(x, params, config), ref(x, params)) of one kind."""
     from kernel_common import make_fp8, make_int4, make_int8  # type: ignore[import-not-found]
 
-    from qpage.kernels.fp8_matmul import fp8_matmul, fp8_matmul_ref
-    from qpage.kernels.quant_matmul import int_matmul, int_matmul_ref
+    from qpage.kernels.fp8.matmul import fp8_matmul, fp8_matmul_ref
+    from qpage.kernels.int_matmul import int_matmul
+    from qpage.kernels.packing import int_matmul_ref
 
     if kind.startswith("fp8"):
         p = make_fp8(k, n, device, kind == "fp8-block")
@@ -137,7 +140,7 @@ def tune_matmuls(device: Any, timer: Any, deadline: float, interpret: bool, tabl
                  ) -> list[dict[str, Any]]:
     import torch
 
-    from qpage.kernels.quant_matmul import default_config
+    from qpage.kernels.configs import default_matmul_config
 
     dtype = torch.float32 if interpret else torch.float16
     rows = []
@@ -151,11 +154,11 @@ def tune_matmuls(device: Any, timer: Any, deadline: float, interpret: bool, tabl
             x = torch.randn(m, k, device=device, dtype=dtype)
             ref = ref_fn(x, params)
             cands = matmul_candidates(m, interpret, kind.startswith("fp8"), kind == "fp8-block")
-            group = 128 if kind == "int4-g128" else None
-            layout = {"int4": "gptq4", "int8": "gptq8"}.get(kind.split("-")[0])  # as choose_config picks
-            base = default_config(m, n, k, x.device, group_size=group, pairs_layout=layout)
+            # The built-in default, as the selectors pick it without a table (FP8: always tiled).
             if kind.startswith("fp8"):
-                base = dataclasses.replace(base, dequant=False)
+                base = dataclasses.replace(default_matmul_config(m, n, k, x.device), kind="tiled")
+            else:
+                base = default_matmul_config(m, n, k, x.device, group_size=128 if kind == "int4-g128" else k)
             _, t_base, _ = _best_config(fn, x, params, ref, [base], timer)
             best, t_best, rejected = _best_config(fn, x, params, ref, cands, timer)
             w16 = torch.randn(n, k, device=device, dtype=dtype)
@@ -178,40 +181,16 @@ def tune_decode(device: Any, timer: Any, deadline: float, interpret: bool, table
     import torch
     from kernel_common import fill_cache, rel_err  # type: ignore[import-not-found]
 
-    from qpage.kernels.paged_attention import LOG2E, paged_attention_decode, paged_attention_decode_ref
-    from qpage.kernels.paged_decode_t import quantize_queries_ref
+    from qpage.kernels.attention.decode import paged_attention_decode
+    from qpage.kernels.attention.reference import paged_attention_decode_ref
+    from qpage.kernels.configs import default_decode_config
     from qpage.kernels.tuned import decode_key
 
     dtype = torch.float32 if interpret else torch.float16
     nseq, ctx, heads, kvh, dim = (2, 80, 4, 2, 64) if interpret else (32, 4096, 32, 8, 128)
-    # (block_n, warps, stages, partition, register prefetch, FP8 V staged as fp16, register cap),
-    # likeliest first: the sweep stops at its deadline. The cap fits one more program per SM
-    # (3 x 8 warps at 80 registers, 5 x 4 warps at 96) where FP8 V staging takes a few more.
-    grid = [(16, 4, 2, 32, False, False, None), (16, 4, 2, 32, True, False, None),
-            (16, 4, 2, 32, False, True, 96)] if interpret else [
-        (bn, w, s, part, pf, vf, cap) for bn in (64, 128, 32) for w in (4, 8) for s in (2, 3)
-        for part in (512, 1024, 256)
-        for pf, vf, cap in ((False, False, None), (False, True, None), (False, True, 80 if w == 8 else 96),
-                            (True, False, None))]
-    grid_cfgs = [dict(block_n=bn, num_warps=w, num_stages=st, partition=part, prefetch=pf, v_f16=vf)
-                 | ({"maxnreg": cap} if cap else {}) for bn, w, st, part, pf, vf, cap in grid]
-    # The tokens-as-rows kernel (paged_decode_t), tried first for e4m3: by count it is the
-    # leanest FP8 loop. With qk_fp8 it is checked against the reference on its rounded q (and
-    # skipped where FP8 MMAs are missing); one stage fits 5 programs per SM on sm_86 (100 KB).
-    # 16 query columns: FP8 wgmma with Triton < 3.8 (default_qk_fp8). Per setting (block_n,
-    # warps, stages, loop_stages, maxnreg): the default register cap (80 on sm_90) and none (0),
-    # and every load pipelined (loop_stages 3; launch_decode_t).
-    t_settings = ((64, 4, 2, None, None), (64, 4, 2, None, 0), (64, 4, 2, 3, None), (64, 4, 1, None, None),
-                  (128, 4, 2, None, None), (64, 8, 2, None, None))
-    t_cfgs = [dict(block_n=16 if interpret else bn, num_warps=w, num_stages=st, partition=32 if interpret else part,
-                   decode_t=True, qk_fp8=qk8, q_pad=qp)
-              | ({"loop_stages": ls} if ls else {}) | ({"maxnreg": cap} if cap is not None else {})
-              for qk8, qp in ((True, 8), (False, 8), (True, 16))
-              for bn, w, st, ls, cap in t_settings
-              for part in (512, 1024)
-              if not interpret or ((bn, w, st, part, cap) == (64, 4, 2, 512, None) and (not ls or (qk8 and qp == 8)))]
     q = torch.randn(nseq, heads, dim, device=device, dtype=dtype)
     lens = torch.full((nseq,), ctx, dtype=torch.int32, device=device)
+    base = default_decode_config(device)
     rows = []
     for fmt, per_token in ((None, False), ("e4m3", True), ("e4m3", False)):
         if time.perf_counter() > deadline:
@@ -220,33 +199,32 @@ def tune_decode(device: Any, timer: Any, deadline: float, interpret: bool, table
         kw = dict(k_scale=c["k_scale"], v_scale=c["v_scale"], fp8_format=fmt, max_seq_len=ctx)
         ref = paged_attention_decode_ref(q[:2], c["k_cache"], c["v_cache"], c["block_tables"][:2], lens[:2],
                                          dim**-0.5, c["k_scale"], c["v_scale"], fmt)
-        ref_q8 = paged_attention_decode_ref(quantize_queries_ref(q[:2], dim**-0.5 * LOG2E), c["k_cache"], c["v_cache"],
-                                            c["block_tables"][:2], lens[:2], dim**-0.5, c["k_scale"], c["v_scale"], fmt)
+
+        def run(cfg: Any, c: dict[str, Any] = c, kw: dict[str, Any] = kw) -> Any:
+            # The interpreter never splits a context by itself: force the candidate's partition
+            # there, so that the split and its merge kernel run too.
+            return paged_attention_decode(q, c["k_cache"], c["v_cache"], c["block_tables"], lens, dim**-0.5,
+                                          config=cfg, partition=cfg.partition if interpret else None, **kw)
+
         best, best_t = None, float("inf")
-        t_base = timer.time([lambda: paged_attention_decode(q, c["k_cache"], c["v_cache"], c["block_tables"], lens,
-                                                            dim**-0.5, **kw)], reps=10)
-        for cfg in (t_cfgs if fmt == "e4m3" else []) + grid_cfgs:
+        t_base = timer.time([lambda: run(base)], reps=10)
+        for cfg in decode_candidates(interpret, fmt is not None):
             if time.perf_counter() > deadline:
                 break
-            if (cfg.get("prefetch") or cfg.get("v_f16")) and fmt is None:  # fp16 tiles are async-copied already
-                continue
-            args = dict(cfg, **kw)
             try:
-                out = paged_attention_decode(q, c["k_cache"], c["v_cache"], c["block_tables"], lens, dim**-0.5,
-                                             **args)
-                if rel_err(out[:2], ref_q8 if cfg.get("qk_fp8") else ref) > 2e-3:
+                if rel_err(run(cfg)[:2], ref) > DECODE_TOL:
                     continue
-                t = timer.time([lambda a=args: paged_attention_decode(
-                    q, c["k_cache"], c["v_cache"], c["block_tables"], lens, dim**-0.5, **a)], reps=10)
-            except Exception:
+                t = timer.time([lambda cfg=cfg: run(cfg)], reps=10)
+            except Exception:  # a configuration the compiler rejects (shared memory, registers)
                 continue
             if t < best_t:
                 best, best_t = cfg, t
         key = decode_key(fmt, per_token, dim, heads // kvh)
-        if best is not None and (best_t < t_base or interpret):  # interpreter: as for the matmuls
-            table["paged_decode"][key] = best
-        rows.append(dict(kind=f"paged decode {key}", heuristic_us=t_base * 1e6, best_us=best_t * 1e6, best=best))
-        print(f"  tune paged decode {key}: heuristic {t_base * 1e6:.1f} us, best {best_t * 1e6:.1f} us {best}",
+        fields = dataclasses.asdict(best) if best is not None else None
+        if fields is not None and (best_t < t_base or interpret):  # interpreter: as for the matmuls
+            table["paged_decode"][key] = fields
+        rows.append(dict(kind=f"paged decode {key}", heuristic_us=t_base * 1e6, best_us=best_t * 1e6, best=fields))
+        print(f"  tune paged decode {key}: heuristic {t_base * 1e6:.1f} us, best {best_t * 1e6:.1f} us {fields}",
               flush=True)
     return rows
 
@@ -256,12 +234,15 @@ def tune(device: Any, device_label: str, timer: Any, budget_s: float, interpret:
     """Run the sweep, write the table, install it in this process; returns the report."""
     import triton
 
-    from qpage.kernels.tuned import device_key, install
+    from qpage.kernels.tuned import device_key, install, problems
 
     deadline = time.perf_counter() + budget_s
     table: dict[str, Any] = dict(device=device_label, triton=triton.__version__, matmul={}, paged_decode={})
     rows = tune_decode(device, timer, time.perf_counter() + budget_s * 0.3, interpret, table)
     rows += tune_matmuls(device, timer, deadline, interpret, table)
+    bad = problems(table)
+    if bad:
+        raise ValueError("the tuned table would not load: " + "; ".join(bad))
     path = out_dir / "configs" / f"{device_key(device_label)}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")

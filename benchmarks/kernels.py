@@ -65,31 +65,18 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-ONLY: dict[str, Callable[[int], bool]] = {
-    "int4-dot": lambda m: m == 1, "int4-shift": lambda m: m == 1, "int4-h2": lambda m: m == 1,
-    "int8-h2": lambda m: m == 1, "int4-nopipe": lambda m: m == 1,
-    "int4-atomic": lambda m: m <= 16,
-    "int4-fused": lambda m: m >= 64, "int4-nopairs": lambda m: 2 <= m <= 32, "int4-prev": lambda m: 2 <= m <= 32,
-    "awq-g128": lambda m: m <= 16, "awq-prev": lambda m: 2 <= m <= 16, "int8-prev": lambda m: 2 <= m <= 32,
-    "int4-pairs": lambda m: m == 1, "awq-pairs": lambda m: m == 1}
-"""Variants timed only at some M: the tl.dot kernel, the shift-unpacking GEMV and the half2
-GEMVs (fp16 pairs, ``quant_gemv_h2``: ``int4-h2``, ``int8-h2``) at M=1 (the in-place GEMV's alternatives),
-the in-place GEMV with its K loop not pipelined (``int4-nopipe``: one stage, as timed before 2026-12-01), the atomic
-split-K reduction where K is split, the fused kernel where cuBLAS on a dequantized copy is
-the default, and at decode batches the general tl.dot kernel on the pairs kernel's tiles
-(``nopairs``) and on the tiles it had before the pairs kernel (``prev``: the heuristic as
-for an FP8 weight); likewise for AWQ at M <= 16 and INT8; and at M=1 the pairs kernels on
-their M=2 tiles (``*-pairs``: tensor cores against the GEMV)."""
+def applies(name: str, m: int) -> bool:
+    """Whether variant ``name`` is timed at M rows: the tiled ``tl.dot`` kernel at M=1 and the
+    GEMV with its K loop not pipelined (``int4-nopipe``: one stage) beside the GEMV the engine
+    runs there, and the fused tiled kernel where dequantize-then-cuBLAS is the default
+    (``int4-fused``, from ``configs.DEQUANT_MIN_M`` rows); every other variant at every M."""
+    from qpage.kernels.configs import DEQUANT_MIN_M
 
-
-def pairs_config(cfg: Any, block_n: int) -> Any:
-    """``cfg`` (the M=2 heuristic) forced onto the pairs kernel (the interpreter's heuristic has other tiles)."""
-    return replace(cfg, pairs=True, gemv=False, block_k=128, block_n=block_n)
-
-
-def fused_config(cfg: Any) -> Any:
-    """``cfg`` without the dequantize path (the fused tl.dot kernel, 128x128 tiles if it had none)."""
-    return replace(cfg, dequant=False)
+    if name in ("int4-dot", "int4-nopipe"):
+        return m == 1
+    if name == "int4-fused":
+        return m >= DEQUANT_MIN_M
+    return True
 
 
 Variant = tuple[dict[str, Any], Callable[..., Any], Callable[..., Any], int]
@@ -97,12 +84,12 @@ Variant = tuple[dict[str, Any], Callable[..., Any], Callable[..., Any], int]
 
 def _linear_variants(k: int, n: int, device: Any) -> dict[str, Variant]:
     """name -> (weights, run(x, weights), reference(x, weights), weight bytes) for one K x N
-    linear: the integer layouts and FP8 as the engine runs them, and the integer layers again
-    under other configs (the previous defaults, the unpipelined and half2 GEMVs, the general
-    kernel where the pairs kernel is chosen, the atomic split-K reduction, the fused kernel
-    where dequantize-then-cuBLAS is chosen)."""
-    from qpage.kernels.fp8_matmul import fp8_matmul, fp8_matmul_ref
-    from qpage.kernels.quant_matmul import choose_config, default_config, int_matmul, int_matmul_ref
+    linear: the integer layouts and FP8 as the engine runs them, and INT4 again under other
+    configs (``applies``)."""
+    from qpage.kernels.configs import default_matmul_config
+    from qpage.kernels.fp8.matmul import fp8_matmul, fp8_matmul_ref
+    from qpage.kernels.int_matmul import choose_config, int_matmul
+    from qpage.kernels.packing import int_matmul_ref
 
     variants: dict[str, Variant] = {}
     layouts = {"int4-g128": (make_int4(k, n, 128, device), 4, 128, False),
@@ -120,26 +107,12 @@ def _linear_variants(k: int, n: int, device: Any) -> dict[str, Variant]:
         params, run, ref, nbytes = variants[base]
         return params, lambda x, p: run(x, p, config=config_of(x)), ref, nbytes
 
-    def chosen(x: Any, m: int | None = None) -> Any:
-        return choose_config(x.device, "int4-g128", x.shape[0] if m is None else m, n, k, 128)
-
-    variants["int8-prev"] = alt("int8-chan", lambda x: default_config(x.shape[0], n, k, x.device, group_size=k))
-    variants["int4-dot"] = alt("int4-g128", lambda x: default_config(1, n, k, x.device, gemv=False, group_size=128))
-    variants["int4-shift"] = alt("int4-g128", lambda x: replace(chosen(x, 1), lean=False))
-    variants["int4-h2"] = alt("int4-g128", lambda x: replace(chosen(x, 1), half2=True))
-    variants["int4-nopipe"] = alt("int4-g128", lambda x: replace(chosen(x, 1), num_stages=1))
-    variants["int8-h2"] = alt("int8-chan", lambda x: replace(choose_config(x.device, "int8-chan", 1, n, k, k),
-                                                             half2=True))
-    variants["int4-nopairs"] = alt("int4-g128", lambda x: replace(chosen(x), pairs=False))
-    for base in ("int4-g128", "awq-g128"):  # the tiles used before the pairs kernel
-        variants[base.split("-")[0] + "-prev"] = alt(
-            base, lambda x: default_config(x.shape[0], n, k, x.device, group_size=128))
-    for name, base, layout, bn in (("int4-pairs", "int4-g128", "gptq4", 128),
-                                   ("awq-pairs", "awq-g128", "awq", 256)):
-        variants[name] = alt(base, lambda x, layout=layout, bn=bn: pairs_config(
-            default_config(2, n, k, x.device, group_size=128, pairs_layout=layout), bn))
-    variants["int4-atomic"] = alt("int4-g128", lambda x: replace(chosen(x), serial=False))
-    variants["int4-fused"] = alt("int4-g128", lambda x: fused_config(chosen(x)))
+    variants["int4-dot"] = alt("int4-g128", lambda x: default_matmul_config(1, n, k, x.device, 128, kind="tiled"))
+    # The GEMV the engine runs at M=1 (tuned or default tiles), its K loop in one stage.
+    variants["int4-nopipe"] = alt("int4-g128", lambda x: replace(
+        choose_config(x.device, 1, n, k, 4, 128, False, False), kind="gemv", num_stages=1))
+    variants["int4-fused"] = alt("int4-g128", lambda x: default_matmul_config(x.shape[0], n, k, x.device, 128,
+                                                                              kind="tiled"))
     for name, block in (("fp8-chan", False), ("fp8-block", True)):
         f8 = make_fp8(k, n, device, block)
         variants[name] = (f8, lambda x, p: fp8_matmul(x, p["weight"], p["scale"]),
@@ -152,8 +125,6 @@ def _time_linear(x: Any, w16: Any, variants: dict[str, Variant], timer: Timer) -
     enough weight copies to defeat L2, with its error against its reference."""
     import torch
 
-    from qpage.kernels.quant_gemv_h2 import h2_gemv_ref
-
     (m, k), n = x.shape, w16.shape[0]
     io_bytes = (m * k + m * n) * x.element_size()
     fp16_bytes = k * n * w16.element_size() + io_bytes
@@ -161,15 +132,9 @@ def _time_linear(x: Any, w16: Any, variants: dict[str, Variant], timer: Timer) -
     t16 = timer.time([lambda w=w: x @ w.T for w in ws])
     row: dict[str, Any] = dict(K=k, N=n, M=m, fp16_us=t16 * 1e6, fp16_gbs=fp16_bytes / t16 / 1e9)
     for name, (params, fn, ref, wbytes) in variants.items():
-        if not ONLY.get(name, lambda _: True)(m):
+        if not applies(name, m):
             continue
-        out = fn(x, params)
-        err = rel_err(out, ref(x, params))
-        if name.endswith("-h2") and x.dtype in (torch.float16, torch.bfloat16):
-            # The PTX's first run: against the same arithmetic in torch (one output rounding apart).
-            bits, group = (4, 128) if name == "int4-h2" else (8, k)
-            row[f"{name}_vs_h2_ref"] = rel_err(out, h2_gemv_ref(x, params["qweight"], params["scales"], None,
-                                                                group_size=group, bits=bits))
+        err = rel_err(fn(x, params), ref(x, params))
         nbytes = wbytes + io_bytes
         copies = [params] + [{key: v.clone() for key, v in params.items()} for _ in range(timer.copies(nbytes) - 1)]
         t = timer.time([lambda p=p: fn(x, p) for p in copies])
@@ -205,14 +170,13 @@ def bench_linears(args: argparse.Namespace, device: Any, timer: Timer, peak: flo
 
 def bench_e2e(args: argparse.Namespace, device: Any, timer: Timer) -> list[dict[str, Any]]:
     """Decode steps/s of a synthetic Llama-3-8B-shaped stack: FP16 (cuBLAS + paged FP16 KV)
-    vs qpage INT4 g128 with the FP16 cache and with the FP8 per-token cache, batch 1, 8 (the
-    pairs kernel's 16-row tiles) and 32, context 4096, CUDA graphs; at batch 1 also INT4
-    through the half2 GEMV (``int4-h2``, FP16 cache)."""
+    vs qpage INT4 g128 with the FP16 cache and with the FP8 per-token cache, batch 1, 8 and
+    32, context 4096, CUDA graphs."""
     import torch
 
-    from qpage.kernels.cache_write import write_kv_cache
-    from qpage.kernels.paged_attention import paged_attention_decode
-    from qpage.kernels.quant_matmul import choose_config, int_matmul
+    from qpage.kernels.attention.cache_write import write_kv_cache
+    from qpage.kernels.attention.decode import paged_attention_decode
+    from qpage.kernels.int_matmul import int_matmul
 
     if device.type != "cuda":
         layers, hidden, inter, heads, kvh, dim, ctx, vocab = 1, 128, 256, 4, 2, 32, 32, 512
@@ -221,7 +185,7 @@ def bench_e2e(args: argparse.Namespace, device: Any, timer: Timer) -> list[dict[
     dtype = torch.float16 if device.type == "cuda" else torch.float32
     rows = []
     for batch in (1, 8, 32) if device.type == "cuda" else (1, 2):
-        for mode in ("fp16", "int4", "int4+fp8kv") + (("int4-h2",) if batch == 1 else ()):
+        for mode in ("fp16", "int4", "int4+fp8kv"):
             fmt = "e4m3" if mode.endswith("fp8kv") else None
             caches = [fill_cache(batch, ctx, kvh, dim, dtype, fmt, True, device) for _ in range(layers)]
             shapes = [(hidden, (heads + 2 * kvh) * dim), (heads * dim, hidden), (hidden, 2 * inter), (inter, hidden)]
@@ -236,10 +200,8 @@ def bench_e2e(args: argparse.Namespace, device: Any, timer: Timer) -> list[dict[
                 weights = [[make_int4(k, n, 128, device) for k, n in shapes] for _ in range(layers)]
                 head = torch.randn(vocab, hidden, device=device, dtype=dtype) * 0.02  # head stays fp16
 
-                def linear(x: Any, w: Any, half2: bool = mode == "int4-h2") -> Any:
-                    cfg = replace(choose_config(x.device, "int4-g128", x.shape[0], w["scales"].shape[1], x.shape[1],
-                                                128), half2=True) if half2 else None
-                    return int_matmul(x, w["qweight"], w["scales"], None, None, bits=4, group_size=128, config=cfg)
+                def linear(x: Any, w: Any) -> Any:
+                    return int_matmul(x, w["qweight"], w["scales"], None, None, bits=4, group_size=128)
             x0 = torch.randn(batch, hidden, device=device, dtype=dtype)
             slots = torch.zeros(batch, dtype=torch.int32, device=device)  # rewrite one slot each step
             lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
@@ -336,9 +298,8 @@ def print_tables(result: dict[str, Any], peak: float) -> None:
           f"(datasheet {result['datasheet_gbs']:.0f})")
     lin = result.get("linears")
     if isinstance(lin, list):
-        names = ["int4-g128", "int4-h2", "int4-nopipe", "int4-dot", "int4-shift", "int4-nopairs", "int4-prev",
-                 "int4-atomic", "int4-fused", "int4-pairs", "awq-g128", "awq-prev", "awq-pairs", "int8-chan", "int8-h2",
-                 "int8-prev", "fp8-chan", "fp8-block"]
+        names = ["int4-g128", "int4-nopipe", "int4-dot", "int4-fused", "awq-g128", "int8-chan", "fp8-chan",
+                 "fp8-block"]
         print(f"{'K':>6} {'N':>7} {'M':>4} {'fp16 us':>8} " + " ".join(f"{n + ' us (x, GB/s)':>28}" for n in names))
         for r in lin:
             cells = [f"{r[n + '_us']:8.1f} ({r[n + '_speedup']:4.2f}x {r[n + '_gbs']:5.0f})" if n + "_us" in r else "-"
@@ -347,10 +308,6 @@ def print_tables(result: dict[str, Any], peak: float) -> None:
         worst = {n: max(r[n + "_relerr"] for r in lin if n + "_relerr" in r) for n in names
                  if any(n + "_relerr" in r for r in lin)}
         print("max relative error vs *_ref: " + ", ".join(f"{n} {e:.1e}" for n, e in worst.items()))
-        for name in ("int4-h2", "int8-h2"):  # the PTX against its own arithmetic in torch: one rounding apart
-            h2 = [r[f"{name}_vs_h2_ref"] for r in lin if f"{name}_vs_h2_ref" in r]
-            if h2:
-                print(f"{name} vs h2_gemv_ref (the same arithmetic in torch): max relative error {max(h2):.1e}")
     for key in ("attention", "cache_write", "e2e"):
         rows = result.get(key)
         if not isinstance(rows, list):

@@ -4,81 +4,28 @@ the FP8 cache write against torch's conversion)."""
 from __future__ import annotations
 
 import argparse
-import contextlib
-import os
-from collections.abc import Callable, Iterator
+from dataclasses import replace
 from typing import Any
 
 from kernel_common import DATASHEET_GBS, Timer, device_name, fill_cache, rel_err
 
 
-@contextlib.contextmanager
-def forced_decoder(name: str | None) -> Iterator[None]:
-    """``QPAGE_FP8_DECODER=name`` for the duration (nothing when None)."""
-    old = os.environ.get("QPAGE_FP8_DECODER")
-    if name:
-        os.environ["QPAGE_FP8_DECODER"] = name
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop("QPAGE_FP8_DECODER", None)
-        else:
-            os.environ["QPAGE_FP8_DECODER"] = old
-
-
-def _variant(vkw: dict[str, Any], q: Any, c: dict[str, Any], kw: dict[str, Any], lens: Any, scale: float, ctx: int,
-             timer: Timer, reference: Callable[[Any, dict[str, Any]], Any], ref_rows: slice) -> tuple[float, float]:
-    """(seconds per call, relerr against ``reference``) of the decode with settings ``vkw`` on
-    top of ``kw``; ``decoder`` forces an FP8 decoder, ``q_dtype`` casts the queries."""
-    from qpage.kernels.paged_attention import paged_attention_decode
-
-    with forced_decoder(vkw.get("decoder")):
-        qv = q.to(vkw.get("q_dtype", q.dtype))  # a bf16 model's queries: FP8 codes still multiplied in fp16
-        vkw = {k: v for k, v in vkw.items() if k not in ("decoder", "q_dtype")}
-        vout = paged_attention_decode(qv, c["k_cache"], c["v_cache"], c["block_tables"], lens, scale, **kw, **vkw)
-        verr = rel_err(vout[ref_rows], reference(qv, vkw))
-        vt = timer.time([lambda: paged_attention_decode(
-            qv, c["k_cache"], c["v_cache"], c["block_tables"], lens, scale, max_seq_len=ctx, **kw, **vkw)])
-    return vt, verr
-
-
-def _decode_variants(q: Any, c: dict[str, Any], fmt: str | None, per_token: bool,
-                     device: Any) -> list[tuple[str, dict[str, Any]]]:
-    """The decode settings timed side by side with the default for one cache: per-token scales
-    loaded within their own tile (before 2026-11-30's change), FP8 V converted row-wise (rows
-    scaled) and staged as fp16, that at 8 warps with and without registers capped at 80 (3
-    programs per SM instead of 2 on sm_90), the packed-PTX e4m3 decoder where the hardware
-    conversion is the default (sm_89+: on the H200 it is the PTX's check against the
-    reference), and paged_decode_t (tokens as the MMA's rows) with q K^T in FP8 (relerr against
-    the reference on q as the kernel rounds it, hi + lo e4m3) or in fp16, each beside every
-    load pipelined (loop_stages 3) and, on a GPU, no register cap."""
+def _decode_variants(fmt: str | None, per_token: bool, default: Any, device: Any) -> list[tuple[str, dict[str, Any]]]:
+    """The decode settings timed side by side with the default (``default``, the
+    ``DecodeConfig`` this device runs for the cache mode): per-token scales loaded within their
+    own tile instead of one tile ahead; for e4m3, FP8 V staged as fp16 flipped from the
+    default (on by default on sm_90+) and 8 warps; on a GPU, a bf16 model's queries (FP8
+    codes still multiplied in fp16). Each entry: ``DecodeConfig`` fields laid over the
+    default, and ``q_dtype`` to cast the queries."""
     import torch
 
-    from qpage.kernels.fp8_codec import CVT_HW, fp8_decoder
-    from qpage.kernels.paged_decode_t import decode_t_unfit, qk_fp8_unfit
-
-    cuda = device.type == "cuda"
-    t_fits = decode_t_unfit(q, c["k_cache"], fmt) is None
-    t_extra = [(" all loads pipelined", {"loop_stages": 3})] + ([(" no register cap", {"maxnreg": 0})] if cuda else [])
     out: list[tuple[str, dict[str, Any]]] = []
     if per_token:
         out.append(("scales in-loop", {"scales_ahead": False}))
     if fmt == "e4m3":
-        out += [("v staged fp16", {"v_f16": True}), ("v staged fp16 8 warps", {"v_f16": True, "num_warps": 8}),
-                ("v staged fp16 8 warps maxnreg 80", {"v_f16": True, "num_warps": 8, "maxnreg": 80})]
-        if fp8_decoder(device, fmt) == CVT_HW:
-            out.append(("ptx decoder", {"decoder": "ptx"}))
-    if t_fits and qk_fp8_unfit(q, fmt) is None:
-        out += [(f"tokens-as-rows{name}", {"decode_t": True, "qk_fp8": True, **extra}) for name, extra in
-                [("", {}), (" 128-token tiles", {"block_n": 128}), (" 16 query columns", {"q_pad": 16}), *t_extra]]
-    if t_fits:
-        out += [(f"tokens-as-rows q fp16{name}", {"decode_t": True, "qk_fp8": False, **extra})
-                for name, extra in [("", {}), *t_extra]]
-    if fmt and cuda:
+        out += [(f"v_f16={not default.v_f16}", {"v_f16": not default.v_f16}), ("8 warps", {"num_warps": 8})]
+    if fmt and device.type == "cuda":
         out.append(("bf16 model", {"q_dtype": torch.bfloat16}))
-    if fmt == "e4m3" and cuda and t_fits:
-        out.append(("tokens-as-rows bf16 model", {"decode_t": True, "q_dtype": torch.bfloat16}))
     return out
 
 
@@ -86,41 +33,37 @@ def _bench_decode(q: Any, c: dict[str, Any], kw: dict[str, Any], lens: Any, scal
                   per_token: bool, device: Any, timer: Timer, sheet: float, peak: float) -> list[dict[str, Any]]:
     """The paged decode over one cache (``c``, settings ``kw``): the default, then each of
     ``_decode_variants``; GB/s counts the codes and the per-token scales."""
-    from qpage.kernels.paged_attention import (
-        LOG2E,
-        decode_kernel_choice,
-        paged_attention_decode,
-        paged_attention_decode_ref,
-    )
-    from qpage.kernels.paged_decode_t import quantize_queries_ref
+    from qpage.kernels.attention.decode import decode_config, paged_attention_decode
+    from qpage.kernels.attention.reference import paged_attention_decode_ref
 
     nseq, ctx = lens.shape[0], int(lens[0])
     kvh, dim = c["k_cache"].shape[2], c["k_cache"].shape[3]
     fmt = kw["fp8_format"]
     ref_rows = slice(0, 2)
 
-    def reference(qv: Any, settings: dict[str, Any]) -> Any:
-        """The reference on q as the kernel multiplies it: paged_decode_t with qk_fp8 (its
-        default) rounds q to two e4m3 parts, and its relerr is against that."""
-        _, rounds = decode_kernel_choice(qv, c["k_cache"], fmt, None, settings.get("decode_t"),
-                                         settings.get("qk_fp8"), per_token=per_token)
-        qr = quantize_queries_ref(qv[ref_rows], scale * LOG2E).to(qv.dtype) if rounds else qv[ref_rows]
-        return paged_attention_decode_ref(qr, c["k_cache"], c["v_cache"], c["block_tables"][ref_rows],
-                                          lens[ref_rows], scale, **kw)
+    def run(qv: Any, config: Any = None) -> Any:
+        return paged_attention_decode(qv, c["k_cache"], c["v_cache"], c["block_tables"], lens, scale,
+                                      max_seq_len=ctx, config=config, **kw)
 
-    out = paged_attention_decode(q, c["k_cache"], c["v_cache"], c["block_tables"], lens, scale, **kw)
-    err = rel_err(out[ref_rows], reference(q, {}))
+    def check_and_time(qv: Any, config: Any = None) -> tuple[float, float]:
+        """(seconds per call, relerr against the reference on the first sequences)."""
+        ref = paged_attention_decode_ref(qv[ref_rows], c["k_cache"], c["v_cache"], c["block_tables"][ref_rows],
+                                         lens[ref_rows], scale, **kw)
+        err = rel_err(run(qv, config)[ref_rows], ref)
+        return timer.time([lambda: run(qv, config)]), err
+
+    t, err = check_and_time(q)
     kv_bytes = 2 * nseq * ctx * kvh * dim * (1 if fmt else 2) + (2 * nseq * ctx * kvh * 2 if per_token else 0)
-    t = timer.time([lambda: paged_attention_decode(q, c["k_cache"], c["v_cache"], c["block_tables"], lens,
-                                                   scale, max_seq_len=ctx, **kw)])
     rows = [dict(kernel=f"decode paged {label}", us=t * 1e6, gbs=kv_bytes / t / 1e9,
                  pct_measured_peak=100 * kv_bytes / t / 1e9 / peak,
                  pct_datasheet=100 * kv_bytes / t / 1e9 / sheet, relerr=err)]
     print(f"  decode paged {label}: {t * 1e6:.1f} us, {kv_bytes / t / 1e9:.0f} GB/s, relerr {err:.1e}", flush=True)
-    for vlabel, vkw in _decode_variants(q, c, fmt, per_token, device):
+    default = decode_config(q, c["k_cache"], fmt, per_token)
+    for vlabel, vkw in _decode_variants(fmt, per_token, default, device):
         name = f"decode paged {label} {vlabel}"
+        fields = {k: v for k, v in vkw.items() if k != "q_dtype"}
         try:
-            vt, verr = _variant(vkw, q, c, kw, lens, scale, ctx, timer, reference, ref_rows)
+            vt, verr = check_and_time(q.to(vkw.get("q_dtype", q.dtype)), replace(default, **fields))
         except Exception as e:  # one variant failing (e.g. this Triton cannot compile it) keeps the rest
             rows.append(dict(kernel=name, error=f"{type(e).__name__}: {e}"[:300]))
             print(f"  {name}: failed: {type(e).__name__}: {e}"[:300], flush=True)
@@ -137,8 +80,9 @@ def _bench_prefill(c: dict[str, Any], kw: dict[str, Any], lens: Any, heads: int,
     and with per-token scales, ``scale_rows`` flipped from this GPU's default beside it."""
     import torch
 
-    from qpage.kernels.fp8_codec import sm90_plus
-    from qpage.kernels.paged_prefill import paged_attention_prefill, paged_attention_prefill_ref
+    from qpage.kernels.attention.prefill import paged_attention_prefill
+    from qpage.kernels.attention.reference import paged_attention_prefill_ref
+    from qpage.kernels.configs import sm90_plus
 
     ctx, dim = int(lens[0]), c["k_cache"].shape[3]
     qlen = 2048 if device.type == "cuda" else 20
@@ -202,7 +146,8 @@ def bench_attention(args: argparse.Namespace, device: Any, timer: Timer, peak: f
 def bench_cache_write(args: argparse.Namespace, device: Any, timer: Timer) -> list[dict[str, Any]]:
     import torch
 
-    from qpage.kernels.cache_write import write_kv_cache, write_kv_cache_ref
+    from qpage.kernels.attention.cache_write import write_kv_cache
+    from qpage.kernels.kv_quant import write_kv_cache_ref
 
     dtype = torch.float16 if device.type == "cuda" else torch.float32
     tokens, kvh, dim = (4096, 8, 128) if not args.interpret else (12, 2, 64)

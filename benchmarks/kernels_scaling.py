@@ -3,16 +3,15 @@
 Why: on the H200 the M=1 kernels for 4096x14336 all took 22-28 us whatever their bytes
 (INT4 29 MB, INT8 and FP8 58 MB), while cuBLAS fp16 moved 117 MB in 35 us. If a fixed cost
 (launch, the split-K reduction's round trip, a partial last wave of programs) makes up most
-of those 22 us, fewer instructions per weight cannot reach the issue's 3x; if the time grows
-with K, they can. A straight line through time against K separates the two: its intercept
-is the fixed cost per call, its slope the cost per row of weights (printed as the GB/s the
-slope streams at).
+of those 22 us, fewer instructions per weight cannot bring INT4 to 3x fp16 (~12 us); if the
+time grows with K, they can. A straight line through time against K separates the two: its
+intercept is the fixed cost per call, its slope the cost per row of weights (printed as the
+GB/s the slope streams at).
 """
 
 from __future__ import annotations
 
 import argparse
-from dataclasses import replace
 from typing import Any
 
 from kernel_common import Timer, make_fp8, make_int4, rel_err
@@ -30,12 +29,13 @@ def line_fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
 def bench_scaling(args: argparse.Namespace, device: Any, timer: Timer) -> list[dict[str, Any]]:
     import torch
 
-    from qpage.kernels.fp8_matmul import fp8_matmul, fp8_matmul_ref
-    from qpage.kernels.quant_matmul import choose_config, int_matmul, int_matmul_ref
+    from qpage.kernels.fp8.matmul import fp8_matmul, fp8_matmul_ref
+    from qpage.kernels.int_matmul import int_matmul
+    from qpage.kernels.packing import int_matmul_ref
 
     dtype = torch.float16 if device.type == "cuda" else torch.float32
     n, ks = (14336, [512, 1024, 2048, 4096, 8192]) if not args.interpret else (128, [128, 256, 512])
-    kernels = ["fp16", "int4-g128", "int4-h2", "fp8-chan"]
+    kernels = ["fp16", "int4-g128", "fp8-chan"]
     times: dict[str, list[float]] = {name: [] for name in kernels}
     rows = []
     for k in ks:
@@ -44,9 +44,8 @@ def bench_scaling(args: argparse.Namespace, device: Any, timer: Timer) -> list[d
         q4 = make_int4(k, n, 128, device)
         f8 = make_fp8(k, n, device, False)
 
-        def int4(xx: Any, p: dict[str, Any], half2: bool = False, k: int = k) -> Any:
-            cfg = replace(choose_config(xx.device, "int4-g128", 1, n, k, 128), half2=half2)
-            return int_matmul(xx, p["qweight"], p["scales"], None, None, bits=4, group_size=128, config=cfg)
+        def int4(xx: Any, p: dict[str, Any]) -> Any:
+            return int_matmul(xx, p["qweight"], p["scales"], None, None, bits=4, group_size=128)
 
         def int4_ref(xx: Any, p: dict[str, Any]) -> Any:
             return int_matmul_ref(xx, p["qweight"], p["scales"], None, None, bits=4, group_size=128)
@@ -54,8 +53,6 @@ def bench_scaling(args: argparse.Namespace, device: Any, timer: Timer) -> list[d
         cases = {"fp16": ({"w": w16}, lambda xx, p: xx @ p["w"].T, lambda xx, p: xx.float() @ p["w"].float().T,
                           n * k * 2),
                  "int4-g128": (q4, int4, int4_ref, n * k // 2 + q4["scales"].numel() * 2),
-                 "int4-h2": (q4, lambda xx, p: int4(xx, p, half2=True), int4_ref,
-                             n * k // 2 + q4["scales"].numel() * 2),
                  "fp8-chan": (f8, lambda xx, p: fp8_matmul(xx, p["weight"], p["scale"]),
                               lambda xx, p: fp8_matmul_ref(xx, p["weight"], p["scale"]), n * k + n * 4)}
         row: dict[str, Any] = dict(K=k, N=n, M=1)

@@ -15,7 +15,6 @@ compared with an fp16 cache's (the usual GPU baseline) and the ``auto`` cache's.
 
     python benchmarks/kv_cache.py [--windows 16] [--window 512] [--chunk 128]
     python benchmarks/kv_cache.py --speed     # decode tokens/s of each mode instead
-    python benchmarks/kv_cache.py --q-fp8     # also the e4m3 modes with e4m3 queries (Q_FP8_MODES)
 
 ``--speed``: greedy decode of 256 tokens at batch 1 (best of 2) and batch 8, each mode on
 its default backend (``cpu-native`` on CPU), plus the FP8 per-token cache on ``cpu-blas``
@@ -40,29 +39,6 @@ MODES = [
     ("fp8_e5m2 per-token", "fp8_e5m2", "per_token"),
     ("fp8_e5m2 per-tensor", "fp8_e5m2", "per_tensor"),
 ]
-Q_FP8_MODES = [
-    ("e4m3 per-token q-fp8", "fp8_e4m3", "per_token"),
-    ("e4m3 per-token q-hi+lo", "fp8_e4m3", "per_token"),
-    ("e4m3 per-tensor q-hi+lo", "fp8_e4m3", "per_tensor"),
-]
-"""``--q-fp8``: the FP8 e4m3 cache with every query rounded to e4m3 per head before it meets
-the cache, as the tokens-as-rows GPU decode kernel multiplies it (``paged_decode_t``,
-``QK_FP8``). Applied to prefill chunks too, so every scored position carries the rounding
-one decode step would: the per-query effect the GPU decode has, measured teacher-forced."""
-
-
-def fp8_queries(engine: Any, split: bool) -> None:
-    """Round the queries of ``engine``'s attention to e4m3 per head (``quantize_queries_ref``;
-    ``split``: plus the residual in e4m3, the kernel's arithmetic)."""
-    from qpage.kernels.paged_decode_t import quantize_queries_ref
-
-    backend = engine.runner.backend
-    attend = backend.attend
-
-    def attend_fp8_queries(q: Any, k: Any, v: Any, cache: Any, meta: Any, scale: float) -> Any:
-        return attend(quantize_queries_ref(q, split=split).to(q.dtype), k, v, cache, meta, scale)
-
-    backend.attend = attend_fp8_queries
 
 
 def parse_args() -> argparse.Namespace:
@@ -75,8 +51,6 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--out", default=None, help="default: benchmarks/results/kv_cache.json (kv_cache_speed.json)")
     p.add_argument("--speed", action="store_true", help="measure decode speed per mode instead of quality")
     p.add_argument("--tokens", type=int, default=256, help="--speed: tokens generated per request")
-    p.add_argument("--q-fp8", action="store_true",
-                   help="add the e4m3 modes with queries rounded to e4m3 (the GPU tokens-as-rows decode's arithmetic)")
     return p.parse_args()
 
 
@@ -132,12 +106,10 @@ def main() -> None:
     from qpage.layers.kv_format import KVCacheSpec
 
     engines = {}
-    for label, dtype, scales in MODES + (Q_FP8_MODES if args.q_fp8 else []):
+    for label, dtype, scales in MODES:
         llm = LLM(model=args.model, kv_cache_dtype=dtype, kv_cache_scales=scales, kv_cache_memory="64MiB",
                   enable_prefix_caching=False, max_model_len=max(args.window, 16), log_stats=False)
         engines[label] = llm.llm_engine
-        if " q-" in label:
-            fp8_queries(llm.llm_engine, split="hi+lo" in label)
     ref = engines["auto"]
     arch = ref.arch
     windows = token_windows(ref.tokenizer, Path(args.data), args.window, args.windows,

@@ -1,6 +1,6 @@
 """Quantization quality on the default model: perplexity, size and time of each qpage scheme.
 
-Protocol (issue 3): calibration windows of ``--seq-len`` tokens from wikitext-2
+Protocol: calibration windows of ``--seq-len`` tokens from wikitext-2
 ``valid.txt`` (GPTQ, AWQ), perplexity on the first ``--windows`` windows of ``test.txt``, every
 scheme scored on the same windows in one run, next to the unquantized model, and next to
 the peer tools that run here: GPTQModel 7.7 (quantizing on the same windows in its own
@@ -94,8 +94,8 @@ def run_peers(args: argparse.Namespace, src: Path, work: Path, ppl: Any, base: f
     import sys
 
     if importlib.util.find_spec("gptqmodel") is None:
-        print("GPTQModel is not installed: peer rows skipped (pip install --no-deps gptqmodel==7.7.0, "
-              "see DESIGN 7b)", flush=True)
+        print("GPTQModel is not installed: peer rows skipped (bash scripts/install_peers.sh installs it)",
+              flush=True)
         return []
     rows = []
     for label, extra in PEERS:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 BLOCK_SIZE = 16
-"""Tokens per KV-cache block (DESIGN section 4)."""
+"""Tokens per KV-cache block (vLLM's default; docs/kv-cache.md)."""
 
 
 def cache_root() -> Path:

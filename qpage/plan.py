@@ -1,4 +1,4 @@
-"""``qpage plan``: what fits on one card, for each weight scheme x KV-cache dtype (DESIGN 9).
+"""``qpage plan``: what fits on one card, for each weight scheme x KV-cache dtype (docs/serving.md).
 
 Weights: every linear of the decoder at the scheme's bits plus its scales (and zeros,
 ``g_idx``) in the layout qpage loads; embeddings, the LM head, norms and biases in FP16.

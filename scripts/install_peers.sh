@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Peer tools the interop tests and benchmarks/quality.py compare against (DESIGN 7b):
+# Peer tools the interop tests and benchmarks/quality.py compare against:
 # GPTQModel 7.7 (sdist; --no-deps because it asks for a newer torch than the pinned CPU
 # build, which it runs fine with) and what it imports; optimum for transformers' GPTQ path;
 # bitsandbytes (NF4 through transformers, on CPU) for the quality table.

@@ -4,5 +4,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
 bash scripts/install_peers.sh
-python -m ruff check qpage tests benchmarks
+python -m ruff check qpage tests benchmarks scripts
 python -m pytest -q "$@"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 # Triton kernels run on CPU in its interpreter; the flag is read when triton is imported,
-# so it is set before any test module imports qpage.kernels (DESIGN section 6).
+# so it is set before any test module imports qpage.kernels.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from collections.abc import Callable

@@ -44,3 +44,11 @@ class RunnerHarness:
         for req, n in work:
             req.num_computed_tokens += n
         return {k: torch.cat(v) for k, v in logits.items()}
+
+
+def effective_weight(linear: torch.nn.Module) -> torch.Tensor:
+    """The [out, in] weight a (bias-free) linear layer's forward multiplies by, as its kernel
+    holds it: the layer applied to the identity (exact: one nonzero product per output)."""
+    eye = torch.eye(linear.in_features, dtype=torch.float32)
+    with torch.inference_mode():
+        return linear(eye).float().t()

@@ -7,12 +7,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 
 def qpage(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "qpage.cli", *args], input=stdin, capture_output=True,
                           text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_generate_prints_text() -> None:
     r = qpage("generate", "The capital of France is", "--temperature", "0", "--max-tokens", "8",
               "--kv-cache-memory", "64MiB")
@@ -21,6 +24,7 @@ def test_generate_prints_text() -> None:
     assert "KV cache" in r.stdout and "tokens" in r.stdout  # capacity printed at start
 
 
+@pytest.mark.slow
 def test_chat_streams_a_reply_and_exits() -> None:
     r = qpage("chat", "--temperature", "0", "--max-tokens", "20", "--kv-cache-memory", "64MiB",
               stdin="What is the capital of France?\n/exit\n")
@@ -28,6 +32,7 @@ def test_chat_streams_a_reply_and_exits() -> None:
     assert "Paris" in r.stdout
 
 
+@pytest.mark.slow
 def test_cli_errors_are_clear() -> None:
     r = qpage("generate", "hi", "--model", "/no/such/dir")
     assert r.returncode == 2 and "does not exist" in r.stderr
@@ -47,6 +52,7 @@ def test_cli_defaults_come_from_the_dataclasses() -> None:
     assert args.kv_cache_memory == CacheConfig.__dataclass_fields__["kv_cache_memory"].default
 
 
+@pytest.mark.slow
 def test_quantize_and_inspect_commands(tmp_path: Path) -> None:
     out = tmp_path / "q4"
     r = subprocess.run([sys.executable, "-m", "qpage.cli", "quantize", "default", str(out), "--scheme", "int4-rtn",

@@ -1,6 +1,6 @@
-"""``qpage plan`` against DESIGN section 9's worked example (Llama-3-8B on a 24 GiB card).
+"""``qpage plan`` against the worked example of docs/serving.md (Llama-3-8B on a 24 GiB card).
 
-DESIGN 9: KV 128 KiB/token in FP16 and ~66 KiB in FP8 with per-token scales (qpage's fp16
+The example: KV 128 KiB/token in FP16 and ~66 KiB in FP8 with per-token scales (qpage's fp16
 scales make it 65 KiB); weights ~16 GB in FP16 and ~5.7 GB with INT4 g128 linears; with
 ~1.5 GB kept back, ~62 k tokens (FP16 + FP16 KV), ~141 k (INT4 + FP16 KV) and ~277 k
 (INT4 + FP8 KV, 4.5x the FP16 setup). The tolerance is 2%: the design rounds its figures.
@@ -24,7 +24,7 @@ def rows_by_key(model: str = "Llama-3-8B") -> dict[tuple[str, str], object]:
     return {(r.weights, r.kv): r for r in plan(arch, 24 * GIB, int(1.5 * GIB), 8192)}
 
 
-def test_llama3_8b_matches_design_section_9() -> None:
+def test_llama3_8b_matches_the_worked_example() -> None:
     _, arch = load_arch("Llama-3-8B")
     assert num_params(arch) == pytest.approx(8.03e9, rel=0.01)
     rows = rows_by_key()

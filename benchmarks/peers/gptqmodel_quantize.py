@@ -2,8 +2,8 @@
 qpage's benchmarks use: ``token_windows`` of a text file, or random token windows.
 
 Runs in its own process (GPTQModel sets up worker pools and thread counts at import).
-Recipe from DESIGN 7b: GPTQMODEL_CPU_WORKERS=2 (else a worker-pool error on 2 cores), a temp
-GPTQMODEL_TORCH_EXTENSIONS_DIR, the device given only in QuantizeConfig.
+Recipe (installed by scripts/install_peers.sh): GPTQMODEL_CPU_WORKERS=2 (else a worker-pool
+error on 2 cores), a temp GPTQMODEL_TORCH_EXTENSIONS_DIR, the device given only in QuantizeConfig.
 
     python benchmarks/peers/gptqmodel_quantize.py SRC OUT [--calib valid.txt --samples 128 --seq-len 512]
         [--random-windows N] [--bits 4] [--group-size 128] [--desc-act] [--asym]

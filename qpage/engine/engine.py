@@ -18,7 +18,6 @@ from qpage.engine.output_processor import OutputProcessor, ParentState
 from qpage.engine.outputs import CompletionOutput, RequestOutput
 from qpage.engine.request import Request, RequestStatus
 from qpage.engine.scheduler import Scheduler
-from qpage.kernels import cpu_matmul
 from qpage.layers.kv_format import KVCacheSpec
 from qpage.models.arch import ArchConfig
 from qpage.models.loader import load_model, read_arch_config, resolve_dtype, resolve_model_dir
@@ -72,14 +71,11 @@ class LLMEngine:
         self.kv_spec = KVCacheSpec.from_config(cc.kv_cache_dtype, cc.kv_cache_scales, self.dtype)
         num_blocks, block_bytes = plan_capacity(self.arch, self.kv_spec, int(cc.kv_cache_memory))
         self.max_model_len = self._decide_max_model_len(num_blocks * BLOCK_SIZE, block_bytes)
-        if self.device.type == "cpu" and cpu_matmul.supports(self.dtype, self.device):
-            # NOTE: the fp32 CPU matmuls run on NumPy's BLAS threads. torch's OpenMP threads
-            # spin between ops and steal those cores (measured: 10x slower decode with both
-            # at 2 threads), so torch's own ops (norms, attention) run on one thread here.
-            torch.set_num_threads(1)
         self.model = load_model(
             self.model_dir, self.arch, self.dtype, self.device, self.max_model_len, mc.allow_pickle
         )
+        if self.model.ops.torch_threads is not None:  # the chosen ops' thread count (layers.ops)
+            torch.set_num_threads(self.model.ops.torch_threads)
         self.kv = KVCacheManager(num_blocks, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
         self.runner = ModelRunner(self.model, self.arch, self.kv, self.dtype, self.device, self.max_model_len,
@@ -106,11 +102,11 @@ class LLMEngine:
 
     def _quantized_note(self) -> str:
         """'; quantized linears: ...' for the start line (empty for a dense model)."""
-        mods = [m for m in self.model.modules() if isinstance(getattr(m, "kernel_path", None), str)]
+        mods = self.model.quant_linears()
         if not mods:
             return ""
         paths = self.kernel_paths()["quantized_linears"]
-        mib = sum(int(getattr(m, "weight_bytes", 0)) for m in mods) / 2**20
+        mib = sum(m.weight_bytes for m in mods) / 2**20
         note = f"; quantized linears: {', '.join(f'{n} {p}' for p, n in sorted(paths.items()))} ({mib:.0f} MiB)"
         if paths.get("cpu-dequantized") and self.dtype == torch.float32:
             note += (" - dequantized to float32 on CPU; dtype='bfloat16' keeps INT4/INT8 weights packed "
@@ -221,7 +217,7 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         self.metrics.inc("num_preemptions_total", len(sched.preempted))
         if sched.is_empty:
-            self._update_gauges()
+            self.update_gauges()
             return []
         step = self.runner.execute(sched)
         for rid, (first, logits) in step.prompt_logits.items():
@@ -229,7 +225,7 @@ class LLMEngine:
             self.outputs.add_prompt_logprobs(req, first, logits)
         if step.logits is None:
             self.scheduler.update(sched, {})
-            self._update_gauges()
+            self.update_gauges()
             return []
         res = self.sampler(step.logits, step.sample_requests)
         sampled = {r.request_id: t for r, t in zip(step.sample_requests, res.token_ids, strict=True)}
@@ -244,10 +240,11 @@ class LLMEngine:
         for o in outs:
             if o.finished:
                 self._requests.pop(o.request_id, None)
-        self._update_gauges()
+        self.update_gauges()
         return outs
 
-    def _update_gauges(self) -> None:
+    def update_gauges(self) -> None:
+        """Refresh the running/waiting/KV-usage gauges from the scheduler (also called by the server)."""
         g = self.metrics.gauges
         g["num_requests_running"] = len(self.scheduler.running)
         g["num_requests_waiting"] = len(self.scheduler.waiting)
@@ -258,13 +255,11 @@ class LLMEngine:
     def kernel_paths(self) -> dict[str, Any]:
         """Which kernels run: the attention backend and quantized linears counted by path."""
         linears: dict[str, int] = {}
-        for mod in self.model.modules():
-            path = getattr(mod, "kernel_path", None)
-            if isinstance(path, str):
-                linears[path] = linears.get(path, 0) + 1
+        for mod in self.model.quant_linears():
+            linears[mod.kernel_path] = linears.get(mod.kernel_path, 0) + 1
         return {"attention_backend": self.runner.backend.name, "device": self.device.type,
                 "quantized_linears": linears}
 
     def get_metrics(self) -> dict[str, Any]:
-        self._update_gauges()
+        self.update_gauges()
         return self.metrics.snapshot()

@@ -1,4 +1,4 @@
-"""Engine metrics under the Prometheus names of DESIGN section 8 (vLLM's, prefixed ``qpage:``).
+"""Engine metrics under vLLM's Prometheus names, prefixed ``qpage:`` (docs/serving.md).
 
 Plain Python counters, gauges and histograms: the server exposes them through
 ``prometheus_client`` as they are; ``LLM.get_metrics()`` returns them as a dict.

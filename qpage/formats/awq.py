@@ -1,8 +1,8 @@
 """The AutoAWQ GEMM checkpoint format (``quant_method: "awq"``, ``version: "gemm"``).
 
-Per quantized linear ``<prefix>`` (DESIGN 7b): ``qweight`` int32 [in, out/8] and ``qzeros``
+Per quantized linear ``<prefix>``: ``qweight`` int32 [in, out/8] and ``qzeros``
 int32 [groups, out/8], both packed along the output axis in the interleaved nibble order
-0,2,4,6,1,3,5,7 (``kernels.quant_matmul.AWQ_ORDER``); ``scales`` fp16 [groups, out]; zeros
+0,2,4,6,1,3,5,7 (``kernels.packing.AWQ_ORDER``); ``scales`` fp16 [groups, out]; zeros
 stored as they are. W[o, i] = scales[g, o] * (q[i, o] - z[g, o]) with g = i // group_size.
 Only 4-bit exists. AutoAWQ itself refuses widths not divisible by the group; qpage reads a
 partial last group (ceil(in/g) groups) like GPTQ's, but writes AWQ only when it divides.
@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from qpage.kernels.quant_matmul import pack_cols, pack_rows, unpack_cols
+from qpage.kernels.packing import pack_cols, pack_rows, unpack_cols
 from qpage.quantizers.scheme import QuantScheme
 
 

@@ -1,5 +1,5 @@
 """compressed-tensors ``pack-quantized`` INT4/INT8 weights (llm-compressor W4A16/W8A16; vLLM
-loads them), DESIGN 7b.
+loads them).
 
 Per quantized linear ``<prefix>``:
 - ``weight_packed`` int32 [out, ceil(in*bits/32)]: signed q in [-2^(b-1), 2^(b-1)) stored as
@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from qpage.kernels.quant_matmul import pack_cols, pack_rows
+from qpage.kernels.packing import pack_cols, pack_rows
 from qpage.quantizers.scheme import QuantScheme
 
 SUFFIXES = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "weight_g_idx")

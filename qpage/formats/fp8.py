@@ -1,5 +1,5 @@
 """FP8 (E4M3) weight checkpoints: compressed-tensors FP8 (llm-compressor; vLLM loads it) and
-Hugging Face's ``fp8`` (``weight_scale_inv`` with 128x128 blocks), DESIGN 7b.
+Hugging Face's ``fp8`` (``weight_scale_inv`` with 128x128 blocks).
 
 Per quantized linear ``<prefix>``: ``<prefix>.weight`` float8_e4m3fn [out, in] and
 - compressed-tensors: ``<prefix>.weight_scale`` fp32 ``[out, 1]`` (strategy ``channel``),

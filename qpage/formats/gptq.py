@@ -1,6 +1,6 @@
 """The GPTQ checkpoint format (AutoGPTQ / GPTQModel; transformers and vLLM load it).
 
-Per quantized linear ``<prefix>`` (DESIGN 7b): ``<prefix>.qweight`` int32 [in*bits/32, out]
+Per quantized linear ``<prefix>``: ``<prefix>.qweight`` int32 [in*bits/32, out]
 packed along the input axis; ``<prefix>.qzeros`` int32 [groups, out*bits/32] packed along
 the output axis; ``<prefix>.scales`` fp16 [groups, out]; ``<prefix>.g_idx`` int32 [in].
 ``config.json`` carries ``quantization_config`` with ``quant_method: "gptq"``, ``bits``,
@@ -18,15 +18,14 @@ from typing import Any
 
 import torch
 
-from qpage.kernels.quant_matmul import pack_cols, pack_rows, unpack_cols
+from qpage.kernels.packing import pack_cols, pack_rows, unpack_cols
 from qpage.quantizers.scheme import QuantScheme
+from qpage.version import __version__
 
 SUFFIXES = ("qweight", "qzeros", "scales", "g_idx")
 
 
 def quantization_config(scheme: QuantScheme) -> dict[str, Any]:
-    from qpage import __version__
-
     return {
         "quant_method": "gptq", "bits": scheme.bits, "group_size": scheme.group_size or -1,
         "desc_act": scheme.act_order, "static_groups": scheme.static_groups,

@@ -45,7 +45,7 @@ except ImportError:  # pragma: no cover - exercised only where Triton is absent
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 """Kernels run in Triton's CPU interpreter: bf16/fp8 arithmetic there is wrong, so kernels
-upcast to fp32 before any arithmetic or ``tl.dot`` (DESIGN section 6)."""
+upcast to fp32 before any arithmetic or ``tl.dot``."""
 
 
 def triton_unavailable_reason(device_type: str) -> str | None:

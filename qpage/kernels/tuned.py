@@ -2,33 +2,41 @@
 
 ``python benchmarks/kernels.py --tune`` times candidate configurations on the GPU it runs
 on, keeps those whose output matches the ``*_ref`` reference, and writes the fastest per
-problem to ``<out dir>/configs/<device key>.json``; copied into ``qpage/kernels/configs/``
+problem to ``<out dir>/configs/<device key>.json``; copied into ``qpage/kernels/gpu_tables/``
 it becomes that GPU's default. The file:
 
     {"device": "NVIDIA H200", "triton": "3.6.0",
-     "matmul": {"int4-g128": {"4096x14336": {"1": {"block_m": 16, ...}, "16": {...}}}},
+     "matmul": {"int4-g128": {"4096x14336": {"1": {"kind": "gemv", "block_m": 16, ...}, "16": {...}}}},
      "paged_decode": {"fp8-e4m3-per-token/d128/g4": {"block_n": 64, "num_warps": 8, ...}}}
+
+Entries hold the fields of ``configs.MatmulConfig`` and ``configs.DecodeConfig``.
 
 Matmul kinds: ``int{bits}-g{group}`` (GPTQ layout, no act-order), ``int{bits}-chan``
 (one group spanning K), ``awq-g{group}``, ``fp8-chan``, ``fp8-block``; shapes ``KxN``; M
 keys are the tuned row counts, and a call with m rows takes the smallest tuned M >= m
 (the largest when m exceeds them all); an untuned N borrows the nearest tuned N of its K.
-Anything absent falls back to the heuristics in ``quant_matmul.default_config`` and
-``paged_attention``.
+Anything absent falls back to the defaults in ``configs``.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import logging
 import math
 import re
+from collections.abc import Callable
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 import torch
 
-CONFIG_DIR = Path(__file__).with_name("configs")
+from qpage.kernels.configs import DecodeConfig, MatmulConfig
+
+logger = logging.getLogger("qpage")
+
+CONFIG_DIR = Path(__file__).with_name("gpu_tables")
 
 
 def device_key(name: str) -> str:
@@ -37,11 +45,22 @@ def device_key(name: str) -> str:
 
 
 @functools.cache
-def _table(key: str, directory: Path = CONFIG_DIR) -> dict[str, Any]:
+def read_table(key: str, directory: Path = CONFIG_DIR) -> dict[str, Any]:
+    """The shipped table for ``key``; {} when there is none, or when it is unreadable or has
+    entries no kernel takes (a warning names the file: the defaults run instead)."""
     path = directory / f"{key}.json"
     if not path.is_file():
         return {}
-    return json.loads(path.read_text())
+    try:
+        table = json.loads(path.read_text())
+        bad = problems(table)
+    except (OSError, ValueError, AttributeError) as e:
+        bad = [f"unreadable: {e}"]
+    if bad:
+        logger.warning("tuned kernel table %s ignored (%s); the default kernel settings run. Regenerate it with "
+                       "`python benchmarks/kernels.py --tune` on this GPU.", path, "; ".join(bad[:3]))
+        return {}
+    return table
 
 
 @functools.cache
@@ -50,15 +69,24 @@ def _cuda_key(index: int) -> str:
 
 
 _INSTALLED: dict[str, dict[str, Any]] = {}
+_ON_INSTALL: list[Callable[[], None]] = []
+
+
+def on_install(clear: Callable[[], None]) -> None:
+    """Have ``install`` call ``clear`` (a selector's cache of choices made from the tables)."""
+    _ON_INSTALL.append(clear)
 
 
 def install(device: torch.device, table: dict[str, Any]) -> None:
     """Use ``table`` for ``device`` in this process (the tuner, before timing its choices)."""
+    bad = problems({"device": "installed", **table})
+    if bad:
+        raise ValueError("kernel table: " + "; ".join(bad))
     _INSTALLED[device.type] = table
-    from qpage.kernels.quant_matmul import choose_config
-
-    choose_config.cache_clear()
-    decode_settings.cache_clear()
+    tuned_matmul_config.cache_clear()
+    tuned_decode_config.cache_clear()
+    for clear in _ON_INSTALL:
+        clear()
 
 
 def table_for(device: torch.device) -> dict[str, Any]:
@@ -68,7 +96,7 @@ def table_for(device: torch.device) -> dict[str, Any]:
         return _INSTALLED[device.type]
     if device.type != "cuda":
         return {}
-    return _table(_cuda_key(device.index if device.index is not None else torch.cuda.current_device()))
+    return read_table(_cuda_key(device.index if device.index is not None else torch.cuda.current_device()))
 
 
 def matmul_kind(bits: int, group_size: int, k: int, awq: bool, act_order: bool) -> str | None:
@@ -104,12 +132,20 @@ def tuned_matmul(table: dict[str, Any], kind: str | None, m: int, n: int, k: int
     return pick_m(entries, m)
 
 
+@functools.lru_cache(maxsize=4096)
+def tuned_matmul_config(device: torch.device, kind: str | None, m: int, n: int, k: int) -> MatmulConfig | None:
+    """This device's tuned ``MatmulConfig`` for the problem, or None; cached (looked up per layer
+    and step)."""
+    entry = tuned_matmul(table_for(device), kind, m, n, k)
+    return MatmulConfig(**entry) if entry else None
+
+
 @functools.lru_cache(maxsize=256)
-def decode_settings(device: torch.device, fp8_format: str | None, per_token: bool, head_dim: int, group: int
-                    ) -> dict[str, Any]:
-    """The tuned paged-decode settings for this device and cache mode ({} when untuned); cached,
-    since decode looks them up for every layer at every step."""
-    return table_for(device).get("paged_decode", {}).get(decode_key(fp8_format, per_token, head_dim, group), {})
+def tuned_decode_config(device: torch.device, fp8_format: str | None, per_token: bool, head_dim: int, group: int,
+                        default: DecodeConfig) -> DecodeConfig:
+    """``default`` with this device's tuned paged-decode fields for the cache mode laid over it."""
+    entry = table_for(device).get("paged_decode", {}).get(decode_key(fp8_format, per_token, head_dim, group), {})
+    return DecodeConfig(**{**default.__dict__, **entry})
 
 
 def decode_key(fp8_format: str | None, per_token: bool, head_dim: int, group: int) -> str:
@@ -119,11 +155,6 @@ def decode_key(fp8_format: str | None, per_token: bool, head_dim: int, group: in
 
 def problems(table: dict[str, Any]) -> list[str]:
     """What is wrong with a table (empty when every entry is usable)."""
-    from dataclasses import fields
-
-    from qpage.kernels.quant_matmul import MatmulConfig
-
-    names = {f.name for f in fields(MatmulConfig)}
     errors = []
     if "device" not in table:
         errors.append("no 'device' field")
@@ -135,16 +166,21 @@ def problems(table: dict[str, Any]) -> list[str]:
                 where = f"matmul {kind} {shape} M={m}"
                 if not m.isdigit() or int(m) < 1:
                     errors.append(f"{where}: M must be a positive integer")
-                if set(cfg) - names:
-                    errors.append(f"{where}: unknown fields {sorted(set(cfg) - names)}")
-                    continue
-                c = MatmulConfig(**cfg)
-                if c.block_k % 8 or c.block_n % 8 or c.split_k < 1:
-                    errors.append(f"{where}: block_k and block_n must be multiples of 8, split_k >= 1")
+                bad = _entry_problems(where, MatmulConfig, cfg)
+                if not bad and (cfg["block_k"] % 8 or cfg["block_n"] % 8 or cfg.get("split_k", 1) < 1):
+                    bad.append(f"{where}: block_k and block_n must be multiples of 8, split_k >= 1")
+                errors += bad
     for key, cfg in table.get("paged_decode", {}).items():
-        if set(cfg) - {"block_n", "num_warps", "num_stages", "partition", "prefetch", "scales_ahead", "v_f16",
-                       "maxnreg", "decode_t", "qk_fp8", "q_pad", "loop_stages"}:
-            errors.append(f"paged_decode {key}: unknown fields {sorted(cfg)}")
-        elif cfg.get("partition", 512) % cfg.get("block_n", 64):
-            errors.append(f"paged_decode {key}: partition must be a multiple of block_n")
+        errors += _entry_problems(f"paged_decode {key}", DecodeConfig, cfg)
     return errors
+
+
+def _entry_problems(where: str, config: type, entry: dict[str, Any]) -> list[str]:
+    unknown = set(entry) - {f.name for f in fields(config)}
+    if unknown:
+        return [f"{where}: unknown fields {sorted(unknown)}"]
+    try:
+        config(**entry)
+    except (TypeError, ValueError) as e:
+        return [f"{where}: {e}"]
+    return []

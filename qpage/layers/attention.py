@@ -1,91 +1,56 @@
 """Attention over the paged KV cache.
 
-Cache layout per layer: ``kv_format.LayerKV`` (model dtype, or FP8 codes with scales).
-A step's batch is flattened: the requests that compute one token (decodes) come first,
-then the prefill chunks, each a contiguous range of tokens.
+Cache layout per layer: ``kv_format.LayerKV`` (model dtype, or FP8 codes with scales). The
+batch layout and the metadata: ``attention_metadata``.
 
 The torch paths below are the CPU implementation and the reference; with an FP8 cache
 they dequantize what they gather. ``AttentionBackend`` is the seam: the Triton backend
-(``attention_triton``) implements the same two methods over the same metadata, and
+(``attention_triton``) implements the same methods with its own metadata, and
 ``backends.select_attention_backend`` picks one by declared capabilities.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 
-from qpage.kernels import cpu_attention, cpu_native, cpu_native_fp8
+from qpage.kernels.cpu import blas_attention, native, native_fp8
+from qpage.layers.attention_metadata import (
+    AttentionBatch,
+    AttentionMetadata,
+    DecodeGroup,
+    PrefillSeq,
+    build_torch_metadata,
+    mask_bias,
+)
 from qpage.layers.kv_format import LayerKV, gather_kv
-
-
-@dataclass(slots=True)
-class PrefillSeq:
-    start: int
-    """First row of this chunk in the flattened batch."""
-    end: int
-    """One past its last row."""
-    context_len: int
-    """Tokens in its KV after this step (cached context plus this chunk)."""
-    block_ids: torch.Tensor
-    """Its block table, long [ceil(context_len / BLOCK_SIZE)]."""
-    mask: torch.Tensor | None
-    """Bool [chunk, context_len], True = attend; None when the chunk has no earlier context."""
-
-
-@dataclass(slots=True)
-class DecodeGroup:
-    """Single-token queries of similar context length, attended as one padded batch."""
-
-    start: int
-    """First row in the flattened batch."""
-    end: int
-    """One past the last row."""
-    block_table: torch.Tensor
-    """Long [rows, max_blocks], padded with block 0 (masked out)."""
-    mask: torch.Tensor
-    """Bool [rows, 1, 1, max_blocks * BLOCK_SIZE]: True for positions < seq_len."""
-    max_seq_len: int
-    """Context length of the group's longest (first) row, this step's token included."""
-    seq_lens: torch.Tensor | None = None
-    """Long [rows]: each row's context length, this step's token included."""
-    first_block: int | None = None
-    """For a one-row group whose blocks are consecutive ids, the first id (K/V can then be
-    read as a view of the cache, without a gather); else None."""
-    scratch: dict[str, torch.Tensor] = field(default_factory=dict)
-    """Tensors a backend derives from the above once per step and reuses in every layer."""
-
-
-@dataclass
-class AttentionMetadata:
-    slot_mapping: torch.Tensor
-    """Long [num_tokens]: cache slot of each new token's K and V."""
-    decode_groups: list[DecodeGroup] = field(default_factory=list)
-    """Single-token queries (one per request), first in the batch, split by context length
-    so padding stays small."""
-    prefills: list[PrefillSeq] = field(default_factory=list)
-    scratch: dict[str, object] = field(default_factory=dict)
-    """Tensors a backend derives from the above once per step and reuses in every layer."""
 
 
 class AttentionBackend(Protocol):
     name: str
 
+    def build_metadata(self, batch: AttentionBatch, device: torch.device) -> Any:
+        """This backend's metadata for the step (once per step; every layer reuses it). It
+        carries the batch's ``slot_mapping``."""
+        ...
+
     def write_cache(self, k: torch.Tensor, v: torch.Tensor, cache: LayerKV, slot_mapping: torch.Tensor) -> None: ...
 
-    def attend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKV, meta: AttentionMetadata,
-        scale: float,
-    ) -> torch.Tensor: ...
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKV, meta: Any,
+               scale: float) -> torch.Tensor:
+        """q: [T, H, D]; k, v: [T, KVH, D] (this step's, already written) -> [T, H, D]."""
+        ...
 
 
 class TorchPagedAttention:
     """Paged attention in plain torch (SDPA over K/V gathered block by block)."""
 
     name = "torch"
+
+    def build_metadata(self, batch: AttentionBatch, device: torch.device) -> AttentionMetadata:
+        return build_torch_metadata(batch, device)
 
     def write_cache(self, k: torch.Tensor, v: torch.Tensor, cache: LayerKV, slot_mapping: torch.Tensor) -> None:
         cache.write_ref(k, v, slot_mapping)
@@ -147,16 +112,19 @@ class TorchPagedAttention:
 
 
 class CpuBlasPagedAttention(TorchPagedAttention):
-    """fp32 on CPU: the same gathers, with the matmuls on NumPy's BLAS (``kernels.cpu_attention``)."""
+    """fp32 on CPU: the same gathers, with the matmuls on NumPy's BLAS (``kernels.cpu.blas_attention``)."""
 
     name = "cpu-blas"
+
+    def build_metadata(self, batch: AttentionBatch, device: torch.device) -> AttentionMetadata:
+        return build_torch_metadata(batch, device, bias=True)
 
     @staticmethod
     def _decode(q: torch.Tensor, cache: LayerKV, d: DecodeGroup, scale: float) -> torch.Tensor:
         bt = d.block_table
         if bt.shape[0] == 1:
             # One sequence, no padding: SDPA with the query heads grouped under their kv head
-            # (no mask, no GQA expansion) beats the BLAS path at this size (measured 1.4-3x).
+            # (no mask, no GQA expansion) beats the BLAS path at this size.
             if d.first_block is not None:
                 kvh, hd = cache.k.shape[2], cache.k.shape[3]
                 keys, values = cache.read_span(d.first_block, bt.shape[1])
@@ -169,13 +137,9 @@ class CpuBlasPagedAttention(TorchPagedAttention):
                 q.view(1, kvh, -1, hd), keys.transpose(1, 2), values.transpose(1, 2), scale=scale
             )
             return out.view(q.shape)
-        bias = d.scratch.get("bias")
-        if bias is None:
-            mask = d.mask.view(bt.shape[0], -1, 1)
-            bias = torch.zeros(mask.shape, dtype=q.dtype).masked_fill_(~mask, float("-inf"))
-            d.scratch["bias"] = bias
+        bias = d.bias if d.bias is not None else mask_bias(d.mask, bt.shape[0])
         keys, values = gather_kv(cache, bt)
-        return cpu_attention.decode_attention(q, keys, values, bias, scale)
+        return blas_attention.decode_attention(q, keys, values, bias, scale)
 
     @staticmethod
     def _prefill(
@@ -187,29 +151,32 @@ class CpuBlasPagedAttention(TorchPagedAttention):
         else:
             keys, values = gather_kv(cache, p.block_ids[None], p.context_len)
             keys, values = keys[0], values[0]
-        return cpu_attention.prefill_attention(q[q_offset + p.start : q_offset + p.end], keys, values, scale)
+        return blas_attention.prefill_attention(q[q_offset + p.start : q_offset + p.end], keys, values, scale)
 
 
 class CpuNativePagedAttention(CpuBlasPagedAttention):
     """fp32 on CPU: decode attention and the cache write in C, reading and writing the cache
-    blocks in place (``kernels.cpu_native`` for an fp32 cache, ``kernels.cpu_native_fp8`` for
+    blocks in place (``kernels.cpu.native`` for an fp32 cache, ``kernels.cpu.native_fp8`` for
     FP8 codes); prefill as ``CpuBlasPagedAttention``."""
 
     name = "cpu-native"
 
+    def build_metadata(self, batch: AttentionBatch, device: torch.device) -> AttentionMetadata:
+        return build_torch_metadata(batch, device)  # the C decode reads seq_lens, not a bias
+
     def write_cache(self, k: torch.Tensor, v: torch.Tensor, cache: LayerKV, slot_mapping: torch.Tensor) -> None:
         if cache.fp8_format is None:
-            cpu_native.write_kv(k, v, cache.k, cache.v, slot_mapping)
+            native.write_kv(k, v, cache.k, cache.v, slot_mapping)
         else:
             assert cache.k_scale is not None and cache.v_scale is not None
-            cpu_native_fp8.write_kv_fp8(k, v, cache.k, cache.v, slot_mapping, cache.k_scale, cache.v_scale,
+            native_fp8.write_kv_fp8(k, v, cache.k, cache.v, slot_mapping, cache.k_scale, cache.v_scale,
                                         cache.fp8_format)
 
     @staticmethod
     def _decode(q: torch.Tensor, cache: LayerKV, d: DecodeGroup, scale: float) -> torch.Tensor:
         seq_lens = d.seq_lens if d.seq_lens is not None else d.mask.view(d.mask.shape[0], -1).sum(-1)
         if cache.fp8_format is None:
-            return cpu_native.paged_decode(q, cache.k, cache.v, d.block_table, seq_lens, scale)
+            return native.paged_decode(q, cache.k, cache.v, d.block_table, seq_lens, scale)
         assert cache.k_scale is not None and cache.v_scale is not None
-        return cpu_native_fp8.paged_decode_fp8(q, cache.k, cache.v, cache.k_scale, cache.v_scale, cache.fp8_format,
+        return native_fp8.paged_decode_fp8(q, cache.k, cache.v, cache.k_scale, cache.v_scale, cache.fp8_format,
                                                d.block_table, seq_lens, scale)

@@ -1,61 +1,97 @@
-"""The Triton attention backend: cache write and paged attention kernels (``qpage.kernels``).
+"""The Triton attention backend: cache write and paged attention kernels (``kernels.attention``).
 
-Runs on CUDA, and on CPU under ``TRITON_INTERPRET=1`` (tests). Per step it converts the
-block tables and lengths of the metadata to the kernels' int32 layout once (kept in the
-metadata's scratch) and reuses them in every layer.
+Runs on CUDA, and on CPU under ``TRITON_INTERPRET=1`` (tests). Its metadata, built once per
+step from the runner's batch: int32 block tables and lengths in the kernels' layout, a table
+per group of decodes of similar length (``attention_metadata.decode_groups``: each group's
+longest context decides its split-KV partitions) and one for all the prefill chunks.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from qpage.kernels.cache_write import write_kv_cache
-from qpage.kernels.paged_attention import paged_attention_decode
-from qpage.kernels.paged_prefill import paged_attention_prefill
-from qpage.layers.attention import AttentionMetadata
+from qpage.kernels.attention.cache_write import write_kv_cache
+from qpage.kernels.attention.decode import paged_attention_decode
+from qpage.kernels.attention.prefill import paged_attention_prefill
+from qpage.layers.attention_metadata import AttentionBatch, SeqSpan, decode_groups
 from qpage.layers.kv_format import LayerKV
+
+
+@dataclass
+class TritonDecode:
+    start: int
+    """First row of the group in the batch."""
+    end: int
+    """One past its last row."""
+    block_tables: torch.Tensor
+    """int32 [rows, max_blocks], padded with 0."""
+    seq_lens: torch.Tensor
+    """int32 [rows], this step's token included."""
+    max_seq_len: int
+
+
+@dataclass
+class TritonPrefill:
+    start: int
+    """First row of the chunks in the batch (they run to its end)."""
+    block_tables: torch.Tensor
+    """int32 [chunks, max_blocks]."""
+    cu_seqlens_q: torch.Tensor
+    """int32 [chunks + 1]: row offsets of the chunks, from 0."""
+    context_lens: torch.Tensor
+    """int32 [chunks]."""
+    max_q_len: int
+
+
+@dataclass
+class TritonMetadata:
+    slot_mapping: torch.Tensor
+    decodes: list[TritonDecode]
+    prefill: TritonPrefill | None
+
+
+def _tables(spans: list[SeqSpan], device: torch.device) -> torch.Tensor:
+    width = max(len(s.block_ids) for s in spans)
+    table = torch.zeros(len(spans), width, dtype=torch.int32)
+    for i, s in enumerate(spans):
+        table[i, : len(s.block_ids)] = torch.tensor(s.block_ids, dtype=torch.int32)
+    return table.to(device)
 
 
 class TritonPagedAttention:
     name = "triton"
 
+    def build_metadata(self, batch: AttentionBatch, device: torch.device) -> TritonMetadata:
+        decodes, prefill = [], None
+        for a, b in decode_groups(batch.decodes):
+            spans = batch.decodes[a:b]
+            lens = [s.context_len for s in spans]
+            decodes.append(TritonDecode(spans[0].start, spans[-1].end, _tables(spans, device),
+                                        torch.tensor(lens, dtype=torch.int32, device=device), max(lens)))
+        if batch.prefills:
+            ps = batch.prefills
+            cu = [0]
+            for s in ps:
+                cu.append(cu[-1] + s.end - s.start)
+            prefill = TritonPrefill(ps[0].start, _tables(ps, device),
+                                    torch.tensor(cu, dtype=torch.int32, device=device),
+                                    torch.tensor([s.context_len for s in ps], dtype=torch.int32, device=device),
+                                    max(s.end - s.start for s in ps))
+        return TritonMetadata(batch.slot_mapping, decodes, prefill)
+
     def write_cache(self, k: torch.Tensor, v: torch.Tensor, cache: LayerKV, slot_mapping: torch.Tensor) -> None:
         write_kv_cache(k, v, cache.k, cache.v, slot_mapping, cache.k_scale, cache.v_scale, cache.fp8_format)
 
-    def attend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKV, meta: AttentionMetadata,
-        scale: float,
-    ) -> torch.Tensor:
-        prep = meta.scratch.get("triton")
-        if prep is None:
-            prep = meta.scratch["triton"] = _prepare(meta, q.device)
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKV, meta: TritonMetadata,
+               scale: float) -> torch.Tensor:
         kw = dict(k_scale=cache.k_scale, v_scale=cache.v_scale, fp8_format=cache.fp8_format)
         outs = []
-        for d, (table, lens) in zip(meta.decode_groups, prep["decode"], strict=True):  # type: ignore[call-overload]
-            outs.append(paged_attention_decode(q[d.start : d.end], cache.k, cache.v, table, lens, scale,
-                                               max_seq_len=d.max_seq_len, **kw))
-        if meta.prefills:
-            start, end = meta.prefills[0].start, meta.prefills[-1].end
-            tables, cu, ctx, max_q = prep["prefill"]  # type: ignore[misc]
-            outs.append(paged_attention_prefill(q[start:end], cache.k, cache.v, tables, cu, ctx, max_q, scale, **kw))
+        for d in meta.decodes:
+            outs.append(paged_attention_decode(q[d.start : d.end], cache.k, cache.v, d.block_tables, d.seq_lens,
+                                               scale, max_seq_len=d.max_seq_len, **kw))
+        if (p := meta.prefill) is not None:
+            outs.append(paged_attention_prefill(q[p.start :], cache.k, cache.v, p.block_tables, p.cu_seqlens_q,
+                                                p.context_lens, p.max_q_len, scale, **kw))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
-
-
-def _prepare(meta: AttentionMetadata, device: torch.device) -> dict[str, object]:
-    decode = []
-    for d in meta.decode_groups:
-        assert d.seq_lens is not None, "the model runner fills DecodeGroup.seq_lens"
-        decode.append((d.block_table.to(device=device, dtype=torch.int32),
-                       d.seq_lens.to(device=device, dtype=torch.int32)))
-    prefill = None
-    if meta.prefills:
-        width = max(p.block_ids.shape[0] for p in meta.prefills)
-        tables = torch.zeros(len(meta.prefills), width, dtype=torch.int32)
-        cu = [0]
-        for i, p in enumerate(meta.prefills):
-            tables[i, : p.block_ids.shape[0]] = p.block_ids
-            cu.append(cu[-1] + p.end - p.start)
-        ctx = torch.tensor([p.context_len for p in meta.prefills], dtype=torch.int32, device=device)
-        max_q = max(p.end - p.start for p in meta.prefills)
-        prefill = (tables.to(device), torch.tensor(cu, dtype=torch.int32, device=device), ctx, max_q)
-    return {"decode": decode, "prefill": prefill}

@@ -14,7 +14,10 @@ from dataclasses import dataclass
 import torch
 
 from qpage.config import ATTENTION_BACKENDS
+from qpage.kernels.cpu import native
 from qpage.kernels.triton_utils import HAS_TRITON, INTERPRET
+from qpage.layers.attention import CpuBlasPagedAttention, CpuNativePagedAttention, TorchPagedAttention
+from qpage.layers.attention_triton import TritonPagedAttention
 from qpage.layers.kv_format import KVCacheSpec
 
 logger = logging.getLogger("qpage")
@@ -55,46 +58,16 @@ class AttentionCapabilities:
         return self.unavailable() if self.unavailable is not None else None
 
 
-def _triton() -> object:
-    from qpage.layers.attention_triton import TritonPagedAttention
-
-    return TritonPagedAttention()
-
-
-def _cpu_blas() -> object:
-    from qpage.layers.attention import CpuBlasPagedAttention
-
-    return CpuBlasPagedAttention()
-
-
-def _cpu_native() -> object:
-    from qpage.layers.attention import CpuNativePagedAttention
-
-    return CpuNativePagedAttention()
-
-
-def _native_unavailable() -> str | None:
-    from qpage.kernels import cpu_native
-
-    return cpu_native.unavailable_reason()
-
-
-def _torch() -> object:
-    from qpage.layers.attention import TorchPagedAttention
-
-    return TorchPagedAttention()
-
-
 ALL_KV = (None, "e4m3", "e5m2")
 ATTENTION_CAPABILITIES = (
     AttentionCapabilities("triton", ("cuda",), (torch.float16, torch.bfloat16, torch.float32), ALL_KV, 256,
-                          needs_triton=True, auto=True, make=_triton),
+                          needs_triton=True, auto=True, make=TritonPagedAttention),
     AttentionCapabilities("cpu-native", ("cpu",), (torch.float32,), ALL_KV, 1024, needs_triton=False, auto=True,
-                          make=_cpu_native, unavailable=_native_unavailable),
+                          make=CpuNativePagedAttention, unavailable=native.unavailable_reason),
     AttentionCapabilities("cpu-blas", ("cpu",), (torch.float32,), ALL_KV, 1024,
-                          needs_triton=False, auto=True, make=_cpu_blas),
+                          needs_triton=False, auto=True, make=CpuBlasPagedAttention),
     AttentionCapabilities("torch", ("cpu", "cuda", "mps"), (torch.float16, torch.bfloat16, torch.float32), ALL_KV,
-                          1024, needs_triton=False, auto=True, make=_torch),
+                          1024, needs_triton=False, auto=True, make=TorchPagedAttention),
 )
 
 

@@ -2,11 +2,10 @@
 
 Codes are kept as uint8 [out, in]; scales per output channel ``[out]`` or per 128x128 block,
 kept expanded along the rows (``[out, ceil(in/128)]``) so that fused projections whose
-boundaries do not fall on a 128-row block (q/k/v of small models) still load. Forward:
-- CUDA with Triton: the fused FP8 matmul kernel (``kernels.fp8_matmul``), per channel, or
-  with the block grid when every fused projection starts on a block boundary;
-- otherwise the weight is dequantized once at ``prepare`` and multiplied like a dense layer
-  (the CPU design; on CUDA a reported slow fallback).
+boundaries do not fall on a 128-row block (q/k/v of small models) still load. The kernel is
+chosen at ``prepare`` (``linear_kernels``): the fused Triton FP8 matmul on CUDA (per channel,
+or with the block grid when every fused projection starts on a block boundary), else the
+weight dequantized once (the CPU path; on CUDA a reported slow fallback).
 """
 
 from __future__ import annotations
@@ -14,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from qpage.formats.fp8 import Fp8Config, check_linear
-from qpage.kernels.triton_utils import triton_unavailable_reason
+from qpage.layers.linear_kernels import LinearSpec
 from qpage.layers.quant_base import QuantLinearBase
 
 
@@ -26,7 +25,6 @@ class Fp8Linear(QuantLinearBase):
         scale_shape = (out_features, -(-in_features // cfg.block)) if cfg.block else (out_features,)
         self.register_buffer("scale", torch.ones(scale_shape, dtype=torch.float32))
         self.offsets: list[int] = []
-        self._kernel_scale: torch.Tensor | None = None
 
     def wants(self, parts: dict[str, torch.Tensor]) -> bool:
         """Whether one projection's tensors are all there."""
@@ -45,22 +43,14 @@ class Fp8Linear(QuantLinearBase):
             return w * self.scale[:, None]
         return w * self.scale.repeat_interleave(self.cfg.block, 1)[:, : self.in_features]
 
-    def prepare(self, dtype: torch.dtype) -> None:
-        dev = self.codes.device
+    def spec(self, dtype: torch.dtype) -> LinearSpec:
         b = self.cfg.block
-        if dev.type == "cuda" and triton_unavailable_reason("cuda") is None:
-            if b is None:
-                self._kernel_scale = self.scale
-            elif all(off % b == 0 for off in self.offsets):
-                self._kernel_scale = self.scale[::b].contiguous()  # the [ceil(out/b), ceil(in/b)] grid
-            if self._kernel_scale is not None:
-                self.kernel_path = "triton-fused"
-                self.weight_bytes = self.codes.numel() + 4 * self._kernel_scale.numel()
-                return
-        self.use_dense(self.dequantized().t(), dtype)
+        aligned = b is None or all(off % b == 0 for off in self.offsets)
+        return LinearSpec("fp8", self.codes.device, dtype, self.in_features, self.out_features,
+                          fp8_block_aligned=aligned)
+
+    def dequantized_in_out(self) -> torch.Tensor:
+        return self.dequantized().t()
+
+    def drop_packed(self) -> None:
         self.codes = torch.empty(0, dtype=torch.uint8)
-
-    def fused(self, x: torch.Tensor) -> torch.Tensor:
-        from qpage.kernels.fp8_matmul import fp8_matmul
-
-        return fp8_matmul(x, self.codes, self._kernel_scale)

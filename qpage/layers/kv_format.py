@@ -5,10 +5,10 @@ slot ``s`` is block ``s // BLOCK_SIZE``, offset ``s % BLOCK_SIZE``.
 
 ``kv_cache_dtype``:
 - ``auto``: the model's dtype.
-- ``fp8`` / ``fp8_e4m3`` / ``fp8_e5m2``: uint8 codes (``kernels.fp8_codec``) with scales:
+- ``fp8`` / ``fp8_e4m3`` / ``fp8_e5m2``: uint8 codes (``kernels.fp8.codec``) with scales:
   - ``per_token`` (default): fp16 ``k_scale``/``v_scale`` [num_blocks, BLOCK_SIZE,
     kv_heads], one per (token, kv head), chosen when the token is written
-    (``kernels.cache_write``). 2 bytes per head per token: 3% of the codes at head_dim 64,
+    (``kernels.attention.cache_write``). 2 bytes per head per token: 3% of the codes at head_dim 64,
     1.6% at 128. K and V are also centered first: per-channel means measured once at start
     (``kv_calibration``) are subtracted before quantization, which attention undoes exactly
     (``LayerKV.k_shift``): the centered values quantize with less error.
@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import torch
 
 from qpage.config import BLOCK_SIZE
-from qpage.kernels.cache_write import write_kv_cache_ref
-from qpage.kernels.fp8_codec import decode_fp8_ref
+from qpage.kernels.fp8.codec import decode_fp8_ref
+from qpage.kernels.kv_quant import write_kv_cache_ref
 
 KV_CACHE_DTYPES = {"auto": None, "fp8": "e4m3", "fp8_e4m3": "e4m3", "fp8_e5m2": "e5m2"}
 KV_SCALE_MODES = ("per_token", "per_tensor")
@@ -134,8 +134,8 @@ def make_layer_kv(
 def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
     """Copy whole blocks out of a cache tensor, [len(block_ids), *cache.shape[1:]].
 
-    NOTE: index_select over blocks viewed as flat rows is ~4x faster on CPU than advanced
-    indexing (``cache[ids]``), which goes element-wise through TensorIterator (measured).
+    NOTE: index_select over blocks viewed as flat rows is several times faster on CPU than
+    advanced indexing (``cache[ids]``), which goes element-wise through TensorIterator.
     """
     return cache.view(cache.shape[0], -1).index_select(0, block_ids).view(-1, *cache.shape[1:])
 

@@ -6,12 +6,14 @@ never assumes a whole dense matrix.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from qpage.kernels import cpu_matmul
+from qpage.formats.detect import LinearConfig
+from qpage.formats.fp8 import Fp8Config
+from qpage.layers.fp8_linear import Fp8Linear
+from qpage.layers.linear_kernels import LinearSpec, Matmul, select_linear_kernel
+from qpage.layers.quant_linear import IntLinear
 
 
 class Linear(nn.Module):
@@ -22,34 +24,32 @@ class Linear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
-        self._w_t: np.ndarray | None = None
+        self.kernel_path = "unprepared"
+        self.weight_bytes = 0
+        """Bytes the weight occupies in memory on the chosen path."""
+        self._mm: Matmul | None = None
+        self._add_bias = bias
 
     def prepare(self) -> None:
         """Called once the weights are loaded and on their device."""
         w = self.weight.data
-        if cpu_matmul.supports(w.dtype, w.device):
-            # Store W transposed ([in, out] contiguous); `weight` stays an [out, in] view of it.
-            w_t = w.t().contiguous()
-            self.weight.data = w_t.t()
-            self._w_t = w_t.numpy()
-        else:
-            self._w_t = None
+        spec = LinearSpec("dense", w.device, w.dtype, self.in_features, self.out_features)
+        kernel = select_linear_kernel(spec)
+        built = kernel.build(self, spec)
+        self._mm, self.kernel_path, self.weight_bytes = built.mm, kernel.name, built.weight_bytes
+        self._add_bias = self.bias is not None and not built.adds_bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._w_t is not None:
-            y = cpu_matmul.matmul_wt(x, self._w_t)
-            return y + self.bias if self.bias is not None else y
-        return F.linear(x, self.weight, self.bias)
+        if self._mm is None:
+            raise RuntimeError("a linear runs only after prepare() (the model loader calls it)")
+        y = self._mm(x)
+        return y + self.bias if self._add_bias else y
 
 
-def make_linear(in_features: int, out_features: int, bias: bool, quant: object | None = None) -> nn.Module:
-    """A dense ``Linear``, or the quantized layer for ``quant`` (a ``formats.detect.LinearConfig``)."""
+def make_linear(in_features: int, out_features: int, bias: bool, quant: LinearConfig | None = None) -> nn.Module:
+    """A dense ``Linear``, or the quantized layer for ``quant``."""
     if quant is None:
         return Linear(in_features, out_features, bias)
-    from qpage.formats.fp8 import Fp8Config
-    from qpage.layers.fp8_linear import Fp8Linear
-    from qpage.layers.quant_linear import IntLinear
-
     if isinstance(quant, Fp8Config):
         return Fp8Linear(in_features, out_features, bias, quant)
-    return IntLinear(in_features, out_features, bias, quant)  # type: ignore[arg-type]
+    return IntLinear(in_features, out_features, bias, quant)

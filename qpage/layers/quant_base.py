@@ -1,16 +1,12 @@
-"""What every quantized linear shares: the bias, the kernel-path record, the packed CPU
-path, and the dequantize-once dense path (the fp32 CPU design; on CUDA without a kernel,
-a reported fallback)."""
+"""What every quantized linear shares: the bias, and the kernel chosen once at ``prepare``
+(``linear_kernels``), recorded as ``kernel_path`` with the bytes its weight occupies."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from qpage.kernels import cpu_matmul
+from qpage.layers.linear_kernels import LinearSpec, Matmul, select_linear_kernel
 
 
 class QuantLinearBase(nn.Module):
@@ -19,40 +15,34 @@ class QuantLinearBase(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.kernel_path = "unprepared"
-        """How forward runs: triton-fused (CUDA), cpu-int4pack / cpu-int8pack (CPU, packed
-        weights, bf16), cpu-dequantized (CPU, fp32), dequantized-fallback (CUDA, no kernel)."""
+        """The chosen kernel's name (``linear_kernels``)."""
         self.weight_bytes = 0
         """Bytes the weight occupies in memory on the chosen path."""
-        self._dense: torch.Tensor | None = None
-        self._w_t = None
-        self._packed_mm: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self._mm: Matmul | None = None
 
-    def use_dense(self, w_in_out: torch.Tensor, dtype: torch.dtype) -> None:
-        """Run from the dequantized weight [in, out] from now on (the caller drops the packed tensors)."""
-        dev = w_in_out.device
-        self.kernel_path = "cpu-dequantized" if dev.type == "cpu" else "dequantized-fallback"
-        if cpu_matmul.supports(dtype, dev):
-            self._w_t = w_in_out.to(dtype).contiguous().numpy()
-            self.weight_bytes = self._w_t.nbytes
-        else:
-            self._dense = w_in_out.t().to(dtype).contiguous()
-            self.weight_bytes = self._dense.numel() * self._dense.element_size()
-
-    def use_packed(self, path: str, mm: Callable[[torch.Tensor], torch.Tensor], nbytes: int) -> None:
-        """Run through a packed CPU kernel (``kernels.cpu_packed``) from now on."""
-        self.kernel_path, self._packed_mm, self.weight_bytes = path, mm, nbytes
-
-    def fused(self, x: torch.Tensor) -> torch.Tensor:
-        """The fused kernel on the packed weight (CUDA)."""
+    def spec(self, dtype: torch.dtype) -> LinearSpec:
+        """What the kernel must handle, for activations of ``dtype``."""
         raise NotImplementedError
 
+    def dequantized_in_out(self) -> torch.Tensor:
+        """The fp32 weight [in, out]."""
+        raise NotImplementedError
+
+    def drop_packed(self) -> None:
+        """Release the packed tensors (the chosen kernel built its own copy)."""
+        raise NotImplementedError
+
+    def prepare(self, dtype: torch.dtype) -> None:
+        """Choose and build the kernel, once the weights are loaded and on their device."""
+        spec = self.spec(dtype)
+        kernel = select_linear_kernel(spec)
+        built = kernel.build(self, spec)
+        self._mm, self.kernel_path, self.weight_bytes = built.mm, kernel.name, built.weight_bytes
+        if not built.keeps_packed:
+            self.drop_packed()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._w_t is not None:
-            y = cpu_matmul.matmul_wt(x, self._w_t)
-        elif self._dense is not None:
-            y = F.linear(x, self._dense)
-        elif self._packed_mm is not None:
-            y = self._packed_mm(x)
-        else:
-            y = self.fused(x)
+        if self._mm is None:
+            raise RuntimeError("a quantized linear runs only after prepare() (the model loader calls it)")
+        y = self._mm(x)
         return y + self.bias if self.bias is not None else y

@@ -1,20 +1,12 @@
 """Integer-weight linear layers (GPTQ layout), possibly fused from several projections.
 
 The packed tensors are kept as loaded (``formats.gptq`` validates them and converts zeros
-to the kernels' convention). Forward:
-- CUDA: the Triton dequant-matmul kernels (``kernels.quant_matmul``);
-- CPU with bf16 activations: torch's packed int4/int8 kernels (``kernels.cpu_packed``),
-  the weight staying at 4 or 8 bits in memory;
-- CPU with fp32 (the default dtype there) or fp16 activations: the weight is dequantized once at
-  ``prepare`` and multiplied like a dense layer through NumPy's BLAS. That is the fastest
-  fp32 CPU path (torch's packed kernels run 10-60x slower with fp32 activations,
-  DESIGN 6), at the cost of dense memory. ``benchmarks/cpu_paths.py`` measures both.
+to the kernels' convention); the kernel is chosen at ``prepare`` (``linear_kernels``): the
+Triton kernels on CUDA, torch's packed INT4/INT8 kernels on CPU with bf16 activations, else
+the weight dequantized once (the fp32 CPU path, on NumPy's BLAS).
 """
 
 from __future__ import annotations
-
-import functools
-import logging
 
 import torch
 
@@ -23,12 +15,9 @@ from qpage.formats.awq import check_linear as awq_check_linear
 from qpage.formats.compressed_tensors import CtIntConfig
 from qpage.formats.compressed_tensors import check_linear as ct_check_linear
 from qpage.formats.gptq import GptqConfig, check_linear
-from qpage.kernels import cpu_packed
-from qpage.kernels.quant_matmul import dequantize_ref, int_matmul, unpack_cols, unpack_rows
-from qpage.kernels.triton_utils import triton_unavailable_reason
+from qpage.kernels.packing import dequantize_ref
+from qpage.layers.linear_kernels import LinearSpec
 from qpage.layers.quant_base import QuantLinearBase
-
-logger = logging.getLogger("qpage")
 
 
 class IntLinear(QuantLinearBase):
@@ -70,41 +59,16 @@ class IntLinear(QuantLinearBase):
                              "qpage needs projections that share an input to share g_idx")
         self.g_idx, self._g_idx_set = g, True
 
-    def prepare(self, dtype: torch.dtype) -> None:
-        dev = self.qweight.device
-        if dev.type == "cuda" and triton_unavailable_reason("cuda") is None:
-            self.kernel_path = "triton-fused"
-            self.weight_bytes = sum(t.numel() * t.element_size() for t in (self.qweight, self.qzeros, self.scales))
-            return
-        group = self.cfg.group_size or self.in_features
-        if not (dev.type == "cpu" and self._pack_cpu(dtype, group)):
-            # fp32 on CPU by design; on CUDA without Triton a slow fallback (dense memory),
-            # which the server's doctor reports through the kernel-path metric.
-            self.use_dense(dequantize_ref(self.qweight, self.scales, self.qzeros, self.g_idx, bits=self.cfg.bits,
-                                          group_size=group, in_features=self.in_features), dtype)
-        self.qweight = self.qzeros = self.scales = torch.empty(0)  # not needed on these paths
+    def spec(self, dtype: torch.dtype) -> LinearSpec:
+        return LinearSpec("int", self.qweight.device, dtype, self.in_features, self.out_features, bits=self.cfg.bits,
+                          group_size=self.cfg.group_size or self.in_features, g_idx=self.g_idx)
 
-    def _pack_cpu(self, dtype: torch.dtype, group: int) -> bool:
-        """Repack for torch's CPU int4/int8 kernels when they fit (bf16 activations)."""
-        bits = self.cfg.bits
-        why = cpu_packed.packed_reason(bits, group, self.g_idx, self.in_features, self.out_features, dtype)
-        if why is not None:
-            logger.debug("int%d linear [%d -> %d] dequantized on CPU: %s", bits, self.in_features,
-                         self.out_features, why)
-            return False
-        q = unpack_rows(self.qweight, bits, self.in_features)
-        zeros = unpack_cols(self.qzeros, bits, self.out_features)
-        if bits == 4:
-            p4 = cpu_packed.pack_int4(q, self.scales, zeros, self.g_idx, group, dtype)
-            self.use_packed("cpu-int4pack", functools.partial(cpu_packed.int4_mm, p=p4), p4.nbytes())
-        else:
-            p8 = cpu_packed.pack_int8(q, self.scales, zeros, dtype)
-            self.use_packed("cpu-int8pack", functools.partial(cpu_packed.int8_mm, p=p8), p8.nbytes())
-        return True
+    def dequantized_in_out(self) -> torch.Tensor:
+        return dequantize_ref(self.qweight, self.scales, self.qzeros, self.g_idx, bits=self.cfg.bits,
+                              group_size=self.cfg.group_size or self.in_features, in_features=self.in_features)
 
-    def fused(self, x: torch.Tensor) -> torch.Tensor:
-        return int_matmul(x, self.qweight, self.scales, self.qzeros, self.g_idx, bits=self.cfg.bits,
-                          group_size=self.cfg.group_size or self.in_features)
+    def drop_packed(self) -> None:
+        self.qweight = self.qzeros = self.scales = torch.empty(0)
 
 
 def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:

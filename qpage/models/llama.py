@@ -10,18 +10,19 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from qpage.formats.detect import LinearConfig, linear_config
-from qpage.kernels import cpu_matmul, cpu_native
-from qpage.layers.attention import AttentionBackend, AttentionMetadata
+from qpage.layers.attention import AttentionBackend
+from qpage.layers.attention_metadata import StepMetadata
 from qpage.layers.fp8_linear import Fp8Linear
 from qpage.layers.kv_format import LayerKV
 from qpage.layers.linear import Linear, make_linear
+from qpage.layers.linear_kernels import Matmul, tied_head
 from qpage.layers.norms import RMSNorm
+from qpage.layers.ops import TORCH_OPS, TorchOps, select_ops
 from qpage.layers.quant_linear import IntLinear
 from qpage.layers.rotary import RotaryEmbedding, apply_rotary
 from qpage.models.arch import ArchConfig
@@ -60,12 +61,11 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
         self.scale = c.head_dim**-0.5
-        self.native = False
-        """fp32 on CPU with the C kernels: rotary in place (set by the model's ``prepare``)."""
+        self.ops: TorchOps = TORCH_OPS
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
-        meta: AttentionMetadata, backend: AttentionBackend,
+        meta: StepMetadata, backend: AttentionBackend,
     ) -> torch.Tensor:
         c = self.c
         t = x.shape[0]
@@ -74,14 +74,8 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(qkv[:, :nq]), self.k_norm(qkv[:, nq : nq + c.num_kv_heads])
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        elif self.native:
-            # In place on the projection's output (q and k heads are its first nq + kvh heads).
-            cpu_native.rope_(qkv, cos.view(t, -1), sin.view(t, -1), nq + c.num_kv_heads)
-            q, k = qkv[:, :nq], qkv[:, nq : nq + c.num_kv_heads]
         else:
-            # One rotary call over the q and k heads together.
-            qk = apply_rotary(qkv[:, : nq + c.num_kv_heads], cos, sin)
-            q, k = qk[:, :nq], qk[:, nq:]
+            q, k = self.ops.rope_qk(qkv, cos, sin, nq, c.num_kv_heads)
         v = qkv[:, nq + c.num_kv_heads :]
         if cache.k_shift is not None and cache.v_shift is not None:
             # Centered K/V quantize better; see LayerKV.k_shift for why this is exact.
@@ -96,19 +90,13 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, c: ArchConfig) -> None:
         super().__init__()
-        self.inter = c.intermediate_size
         q = _quant(c)
         self.gate_up_proj = make_linear(c.hidden_size, 2 * c.intermediate_size, c.mlp_bias, q)
         self.down_proj = make_linear(c.intermediate_size, c.hidden_size, c.mlp_bias, q)
-        self.native = False
-        """fp32 on CPU with the C kernels: SiLU-and-mul in one call (set by the model's ``prepare``)."""
+        self.ops: TorchOps = TORCH_OPS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj.forward(x)
-        if self.native:
-            return self.down_proj.forward(cpu_native.silu_mul(gate_up))
-        gate, up = gate_up.split([self.inter, self.inter], dim=-1)
-        return self.down_proj.forward(F.silu(gate) * up)
+        return self.down_proj.forward(self.ops.silu_mul(self.gate_up_proj.forward(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -121,7 +109,7 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
-        meta: AttentionMetadata, backend: AttentionBackend,
+        meta: StepMetadata, backend: AttentionBackend,
     ) -> torch.Tensor:
         """The layer on its own (calibration): input hidden states -> output hidden states."""
         out, residual = self.step(h.clone(), None, cos, sin, cache, meta, backend)
@@ -129,13 +117,13 @@ class DecoderLayer(nn.Module):
 
     def step(
         self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
-        cache: KVCache, meta: AttentionMetadata, backend: AttentionBackend,
+        cache: KVCache, meta: StepMetadata, backend: AttentionBackend,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """vLLM's residual form: the layer's output is ``h_out + residual_out``, and the add is
         fused into the next norm. ``residual`` None: ``h`` is the input of the first layer (and,
-        on the native path, is updated in place as the residual)."""
+        with the in-place ops of ``layers.ops``, is updated in place as the residual)."""
         # NOTE: submodules are called through .forward: nn.Module.__call__'s hook handling
-        # costs ~1 ms per token at batch 1 over 240 calls, and qpage registers no hooks.
+        # costs time on each of the step's hundreds of calls, and qpage registers no hooks.
         if residual is None:
             residual, h = h, self.input_layernorm.forward(h)  # type: ignore[assignment]
         else:
@@ -154,7 +142,9 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.lm_head = None if c.tie_word_embeddings else make_linear(c.hidden_size, c.vocab_size, False)
         self.rotary = RotaryEmbedding(c.head_dim, max_positions, c.rope_theta, c.rope_scaling, dtype)
-        self._head_np: np.ndarray | None = None
+        self.ops: TorchOps = TORCH_OPS
+        """The small ops every layer uses (``layers.ops``), chosen at ``prepare``."""
+        self._tied_head: Matmul | None = None
         self.kv_scales: dict[int, tuple[float, float]] = {}
         """Static FP8 KV scales per layer from the checkpoint (vLLM's ``self_attn.k_scale``)."""
 
@@ -165,27 +155,28 @@ class LlamaForCausalLM(nn.Module):
 
     def prepare(self) -> None:
         """Pick kernels for the loaded weights (once, after loading and moving)."""
-        dtype = self.embed_tokens.weight.dtype
+        e = self.embed_tokens.weight.data
         for m in self.modules():
             if isinstance(m, Linear):
                 m.prepare()
             elif isinstance(m, QUANT_LINEARS):
-                m.prepare(dtype)
-        e = self.embed_tokens.weight.data
-        native = cpu_matmul.supports(e.dtype, e.device) and cpu_native.load() is not None
-        self.norm.native = native
-        for layer in self.layers:
-            layer.input_layernorm.native = layer.post_attention_layernorm.native = native
-            layer.self_attn.native = layer.mlp.native = native
-        if self.lm_head is None and cpu_matmul.supports(e.dtype, e.device):
-            # NOTE: a transposed copy of the tied embedding ([hidden, vocab]) costs its size in
-            # memory but makes the head ~25% faster than reading the embedding in place.
-            self._head_np = e.t().contiguous().numpy()
+                m.prepare(e.dtype)
+        self.ops = select_ops(e.device, e.dtype)
+        self.norm.ops = self.ops
+        for layer in self.layers:  # not q_norm/k_norm: they normalise [T, heads, head_dim] views
+            for m in (layer.input_layernorm, layer.post_attention_layernorm, layer.self_attn, layer.mlp):
+                m.ops = self.ops
+        if self.lm_head is None:
+            self._tied_head = tied_head(e)
+
+    def quant_linears(self) -> list[QuantLinear]:
+        """The model's quantized linear layers."""
+        return [m for m in self.modules() if isinstance(m, QUANT_LINEARS)]
 
     @torch.inference_mode()
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[KVCache],
-        meta: AttentionMetadata, backend: AttentionBackend,
+        meta: StepMetadata, backend: AttentionBackend,
     ) -> torch.Tensor:
         """Hidden states after the final norm, [num_tokens, hidden]."""
         h = self.embed_tokens(input_ids)
@@ -198,8 +189,8 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:
-            if self._head_np is not None:
-                return cpu_matmul.matmul_wt(hidden.contiguous(), self._head_np)
+            if self._tied_head is not None:
+                return self._tied_head(hidden.contiguous())
             return F.linear(hidden, self.embed_tokens.weight)
         return self.lm_head(hidden)
 

@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-from qpage.layers.attention import AttentionMetadata, PrefillSeq, TorchPagedAttention
+from qpage.layers.attention import TorchPagedAttention
+from qpage.layers.attention_metadata import AttentionBatch, SeqSpan
 from qpage.layers.kv_format import KVCacheSpec, make_layer_kv
 from qpage.models.llama import projections
 from qpage.quantizers.gptq import gptq_quantize
@@ -51,7 +52,7 @@ def gptq_calibrate(src: Path, scheme: QuantScheme, windows: list[list[int]], sto
     """Quantize every decoder linear of ``src`` into ``store`` (prefix -> (q, scales, zeros, g_idx))."""
     threads = torch.get_num_threads()
     # NOTE: the fp32 CPU matmuls run on NumPy's BLAS threads; torch's own OpenMP threads
-    # would spin against them (see qpage.engine.engine), so torch runs on one thread here.
+    # would spin against them (see qpage.layers.ops), so torch runs on one thread here.
     torch.set_num_threads(1)
     try:
         return _calibrate(src, scheme, windows, store, on_layer)
@@ -116,7 +117,7 @@ def _run_layer(model: Any, layer: Any, hidden: list[torch.Tensor], backend: Any,
             nb = -(-t // 16)
             cache = make_layer_kv(spec, nb, c.num_kv_heads, c.head_dim, torch.device("cpu"))
             pos = torch.arange(t)
-            meta = AttentionMetadata(slot_mapping=pos, prefills=[PrefillSeq(0, t, t, torch.arange(nb), None)])
+            meta = backend.build_metadata(AttentionBatch(pos, prefills=[SeqSpan(0, t, t, list(range(nb)))]), pos.device)
             cos, sin = model.rotary.lookup(pos)
             outs.append(layer.forward(h, cos, sin, cache, meta, backend))
         return outs

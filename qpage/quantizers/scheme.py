@@ -1,7 +1,7 @@
 """A quantization scheme: what a quantized linear layer is, saved with the checkpoint.
 
-The job's settings (calibration samples, sequence length, seed, device) are not part of it
-(CONVENTIONS 8): two runs with different settings produce checkpoints of the same scheme.
+The job's settings (calibration samples, sequence length, seed, device) are not part of it:
+two runs with different settings produce checkpoints of the same scheme.
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """Turns a SchedulerOutput into tensors, runs the model, and returns the logits to sample.
 
 The batch is flattened: single-token requests (decodes) first, then prefill chunks, each
-a contiguous row range. Per step this builds ``input_ids``, ``positions``,
-``slot_mapping`` (block_id * BLOCK_SIZE + offset for each new token) and the attention
-metadata (block tables, masks) once; every layer reuses them.
+a contiguous row range. Per step this builds ``input_ids``, ``positions``, ``slot_mapping``
+(block_id * BLOCK_SIZE + offset for each new token) and the backend-neutral
+``AttentionBatch``, from which the attention backend builds its own metadata once; every
+layer reuses them.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from qpage.config import BLOCK_SIZE
 from qpage.engine.kv_cache import KVCacheManager
 from qpage.engine.request import Request
 from qpage.engine.scheduler import ScheduledRequest, SchedulerOutput
-from qpage.layers.attention import AttentionMetadata, DecodeGroup, PrefillSeq
+from qpage.layers.attention_metadata import AttentionBatch, SeqSpan
 from qpage.layers.backends import select_attention_backend
 from qpage.layers.kv_format import KVCacheSpec, make_layer_kv
 from qpage.models.arch import ArchConfig
@@ -39,6 +40,8 @@ class _Batch:
     input_ids: list[int] = field(default_factory=list)
     positions: list[torch.Tensor] = field(default_factory=list)
     slots: list[torch.Tensor] = field(default_factory=list)
+    decodes: list[SeqSpan] = field(default_factory=list)
+    prefills: list[SeqSpan] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -62,8 +65,6 @@ class ModelRunner:
             make_layer_kv(spec, kv.num_blocks, arch.num_kv_heads, arch.head_dim, device, scales.get(i))
             for i in range(arch.num_layers)
         ]
-        # Positions 0.. of a padded block table row: enough for the longest sequence.
-        self._offsets = torch.arange(max_model_len + BLOCK_SIZE, dtype=torch.long)
 
     @torch.inference_mode()
     def calibrate_kv_shifts(self, token_ids: list[int]) -> None:
@@ -80,6 +81,9 @@ class ModelRunner:
         class _Recorder:
             name = "calibration"
 
+            def build_metadata(self, batch: AttentionBatch, device: torch.device) -> object:
+                return inner.build_metadata(batch, device)  # type: ignore[attr-defined]
+
             def write_cache(self, k: torch.Tensor, v: torch.Tensor, cache: object, slots: torch.Tensor) -> None:
                 means.append((k.float().mean(0), v.float().mean(0)))
                 inner.write_cache(k, v, cache, slots)  # type: ignore[attr-defined]
@@ -88,9 +92,9 @@ class ModelRunner:
                 return inner.attend(*args)  # type: ignore[attr-defined]
 
         pos = torch.arange(n, device=self.device)
-        ids = torch.arange(nb, device=self.device)
-        meta = AttentionMetadata(slot_mapping=pos, prefills=[PrefillSeq(0, n, n, ids, None)])
-        self.model(torch.tensor(token_ids, device=self.device), pos, scratch, meta, _Recorder())
+        recorder = _Recorder()
+        meta = recorder.build_metadata(AttentionBatch(pos, prefills=[SeqSpan(0, n, n, list(range(nb)))]), self.device)
+        self.model(torch.tensor(token_ids, device=self.device), pos, scratch, meta, recorder)
         for cache, (k_mean, v_mean) in zip(self.caches, means, strict=True):
             cache.set_shifts(k_mean, v_mean)
 
@@ -100,55 +104,33 @@ class ModelRunner:
                          key=lambda s: -s.request.num_computed_tokens)
         prefills = [s for s in out.scheduled if s.num_tokens > 1]
         batch = _Batch()
-        meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long))
-        self._prepare_decodes(decodes, batch, meta)
-        self._prepare_prefills(prefills, batch, meta)
+        self._prepare_decodes(decodes, batch)
+        self._prepare_prefills(prefills, batch)
         dev = self.device
         input_ids = torch.tensor(batch.input_ids, dtype=torch.long, device=dev)
         positions = torch.cat(batch.positions).to(dev)
-        meta.slot_mapping = torch.cat(batch.slots).to(dev)
+        step = AttentionBatch(torch.cat(batch.slots).to(dev), batch.decodes, batch.prefills)
+        meta = self.backend.build_metadata(step, dev)
         hidden = self.model(input_ids, positions, self.caches, meta, self.backend)
         return self._select_logits(decodes + prefills, hidden)
 
-    def _prepare_decodes(
-        self, decodes: list[ScheduledRequest], batch: _Batch, meta: AttentionMetadata
-    ) -> None:
-        """Decodes are ordered longest context first (the caller keeps this order for the
-        logits) and cut into groups whose shortest member needs at least 7/8 of the
-        longest's blocks, so a padded batch wastes little gather and matmul work."""
+    def _prepare_decodes(self, decodes: list[ScheduledRequest], batch: _Batch) -> None:
+        """Decodes are ordered longest context first (the caller keeps this order for the logits)."""
         if not decodes:
             return
-        tables = [self.kv.block_ids(s.request.request_id) for s in decodes]
         n = len(decodes)
         pos = torch.tensor([s.request.num_computed_tokens for s in decodes], dtype=torch.long)
         slots = torch.empty(n, dtype=torch.long)
-        for i, (s, t) in enumerate(zip(decodes, tables, strict=True)):
+        for i, s in enumerate(decodes):
             p = s.request.num_computed_tokens
+            table = self.kv.block_ids(s.request.request_id)
             batch.input_ids.append(s.request.all_token_ids[p])
-            slots[i] = t[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
+            slots[i] = table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
+            batch.decodes.append(SeqSpan(i, i + 1, p + 1, list(table)))
         batch.positions.append(pos)
         batch.slots.append(slots)
-        start = 0
-        while start < n:
-            width = len(tables[start])
-            end = start + 1
-            while end < n and 8 * len(tables[end]) >= 7 * width:
-                end += 1
-            table = torch.zeros(end - start, width, dtype=torch.long)
-            for i in range(start, end):
-                table[i - start, : len(tables[i])] = torch.tensor(tables[i])
-            mask = self._offsets[: width * BLOCK_SIZE][None, :] <= pos[start:end, None]
-            first = tables[start][0]
-            consecutive = end - start == 1 and tables[start] == list(range(first, first + width))
-            meta.decode_groups.append(DecodeGroup(
-                start, end, table.to(self.device), mask[:, None, None, :].to(self.device),
-                int(pos[start]) + 1, pos[start:end] + 1, first if consecutive else None,
-            ))
-            start = end
 
-    def _prepare_prefills(
-        self, prefills: list[ScheduledRequest], batch: _Batch, meta: AttentionMetadata
-    ) -> None:
+    def _prepare_prefills(self, prefills: list[ScheduledRequest], batch: _Batch) -> None:
         row = len(batch.input_ids)
         for s in prefills:
             req, n = s.request, s.num_tokens
@@ -156,15 +138,11 @@ class ModelRunner:
             ctx = start + n
             batch.input_ids.extend(req.all_token_ids[start:ctx])
             pos = torch.arange(start, ctx, dtype=torch.long)
-            blocks = torch.tensor(self.kv.block_ids(req.request_id), dtype=torch.long)
+            table = self.kv.block_ids(req.request_id)
+            blocks = torch.tensor(table, dtype=torch.long)
             batch.positions.append(pos)
             batch.slots.append(blocks[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE)
-            mask = None
-            if start > 0:
-                # Row i (position start+i) sees context positions j <= start + i.
-                mask = self._offsets[:ctx][None, :] <= pos[:, None]
-                mask = mask.to(self.device)
-            meta.prefills.append(PrefillSeq(row, row + n, ctx, blocks.to(self.device), mask))
+            batch.prefills.append(SeqSpan(row, row + n, ctx, list(table)))
             row += n
 
     def _select_logits(self, ordered: list[ScheduledRequest], hidden: torch.Tensor) -> StepOutput:

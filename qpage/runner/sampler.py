@@ -84,7 +84,7 @@ class Sampler:
             floor = probs.max(dim=-1, keepdim=True).values * min_ps[:, None]
             probs = probs.masked_fill(probs < floor, 0.0)
         # Inverse-CDF draw: one uniform per row (from the request's own generator when seeded)
-        # instead of one exponential per vocabulary entry (~1 ms per row at vocab 49k).
+        # instead of one exponential per vocabulary entry (a large vocabulary made that costly).
         cdf = probs.cumsum(dim=-1)
         u = torch.stack([torch.rand((), generator=r.generator or self.generator) for r in reqs])
         # side="right": the first index whose cdf exceeds u, never a zero-probability token.

@@ -268,7 +268,7 @@ class AsyncEngine:
         if now - t0 < self.log_interval:
             return
         m = self.engine.metrics
-        self.engine._update_gauges()
+        self.engine.update_gauges()
         p, g = m.counters["prompt_tokens_total"], m.counters["generation_tokens_total"]
         q, h = m.counters["prefix_cache_queries"], m.counters["prefix_cache_hits"]
         self._last_log = (now, p, g, q, h)

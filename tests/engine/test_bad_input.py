@@ -56,6 +56,7 @@ def test_bad_prompts_raise_and_engine_keeps_serving(llm_factory: Any) -> None:
     assert engine.kv.usage() == 0.0
 
 
+@pytest.mark.slow
 def test_generation_capped_at_max_model_len(llm_factory: Any) -> None:
     llm = llm_factory(max_model_len=256, kv_cache_memory="64MiB")
     prompt = "count: " + " ".join(str(i) for i in range(60))

@@ -9,7 +9,9 @@ from typing import Any
 import pytest
 
 from qpage import LLM, SamplingParams
-from qpage.kernels import cpu_native
+from qpage.kernels.cpu import native as cpu_native
+
+pytestmark = pytest.mark.slow  # see pyproject.toml's markers
 
 if cpu_native.no_compiler_or_disabled():  # pragma: no cover
     # Skipped only where they cannot build; a compiler that fails the build fails the tests.
@@ -29,12 +31,12 @@ def test_native_path_matches_torch_path(llm_factory: Any, monkeypatch: pytest.Mo
     p = SamplingParams(temperature=0, max_tokens=24, logprobs=2, prompt_logprobs=0)  # top 2: a tie's runner-up
     native = llm_factory(**kw)
     assert native.llm_engine.runner.backend.name == "cpu-native"
-    assert native.llm_engine.model.layers[0].mlp.native
+    assert native.llm_engine.model.layers[0].mlp.ops.name == "cpu-native"
     out_native = native.generate(PROMPTS, p, use_tqdm=False)
     monkeypatch.setattr(cpu_native, "load", lambda: None)
     plain = LLM(**kw, log_stats=False)
     assert plain.llm_engine.runner.backend.name == "cpu-blas"
-    assert not plain.llm_engine.model.layers[0].mlp.native
+    assert plain.llm_engine.model.layers[0].mlp.ops.name == "cpu-blas"
     # fp32 cache: the same math up to fp32 rounding (summation order, the C exp): the same
     # tokens, logprobs within 2e-4. FP8 cache: an fp32 rounding difference anywhere upstream
     # (the C norms, rotary, attention) can move a K/V element across an FP8 rounding boundary,

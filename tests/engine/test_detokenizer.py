@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from qpage import SamplingParams
 from qpage.engine.detokenizer import IncrementalDetokenizer
 
@@ -37,6 +39,7 @@ def test_stop_string_spanning_tokens(tokenizer: Any) -> None:
     assert hit == "a gam" and d.text == "alpha bet"
 
 
+@pytest.mark.slow
 def test_streamed_outputs_are_exact_for_chinese_and_emoji(llm: Any, tokenizer: Any) -> None:
     engine = llm.llm_engine
     p = SamplingParams(temperature=0.8, seed=11, max_tokens=40)

@@ -15,6 +15,8 @@ import torch
 
 from qpage import SamplingParams
 
+pytestmark = pytest.mark.slow  # see pyproject.toml's markers
+
 MAX_NEW = 24
 NEAR_TIE = 1e-3
 STORY = ("The old lighthouse keeper had watched the sea for forty years. Every night he climbed "

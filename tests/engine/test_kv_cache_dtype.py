@@ -14,10 +14,12 @@ from safetensors.torch import save_file
 from qpage import LLM, SamplingParams
 from qpage.config import BLOCK_SIZE
 from qpage.eval.perplexity import kl_rows, score_window
-from qpage.kernels import cpu_native
+from qpage.kernels.cpu import native as cpu_native
 from qpage.layers import backends
 from qpage.layers.backends import select_attention_backend
 from qpage.layers.kv_format import KVCacheSpec
+
+pytestmark = pytest.mark.slow  # see pyproject.toml's markers
 
 MEM = "32MiB"
 TEXT = Path(__file__).resolve().parents[3] / "shared" / "data" / "wikitext2" / "test.txt"

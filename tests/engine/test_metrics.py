@@ -1,4 +1,4 @@
-"""Engine metrics under the Prometheus names of DESIGN section 8, with values that move."""
+"""Engine metrics under vLLM's Prometheus names, with values that move."""
 
 from __future__ import annotations
 

@@ -5,7 +5,11 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
+import pytest
+
 from qpage import SamplingParams
+
+pytestmark = pytest.mark.slow  # see pyproject.toml's markers
 
 SYSTEM = ("You are a careful assistant for a public library. " * 20).strip()
 QUESTIONS = ["What are your opening hours?", "How do I renew a book?", "Can I print documents?",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 
 from qpage import SamplingParams
@@ -11,6 +12,7 @@ from qpage import SamplingParams
 PROMPT = "Once upon a time, a little robot who wanted to paint"
 
 
+@pytest.mark.slow
 def test_seed_reproduces_whatever_else_is_batched(llm: Any) -> None:
     p = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=24, seed=1234)
     alone = llm.generate(PROMPT, p, use_tqdm=False)[0].outputs[0].token_ids

@@ -82,6 +82,7 @@ def _dense_reference(src: Path, dst: Path, block: int | None, scale_key: str = "
     return dst
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,block", [("fp8", None), ("fp8-block", 128)])
 def test_qpage_fp8_checkpoint_equals_its_dequantized_weights(fp8_dirs: dict[str, Path], tmp_path: Path,
                                                               name: str, block: int | None) -> None:
@@ -93,6 +94,7 @@ def test_qpage_fp8_checkpoint_equals_its_dequantized_weights(fp8_dirs: dict[str,
     assert (got - ref).abs().max() < 1e-4
 
 
+@pytest.mark.slow
 def test_transformers_loads_qpage_fp8(fp8_dirs: dict[str, Path]) -> None:
     pytest.importorskip("compressed_tensors")
     from transformers import AutoModelForCausalLM
@@ -105,6 +107,7 @@ def test_transformers_loads_qpage_fp8(fp8_dirs: dict[str, Path]) -> None:
     assert (got - ref).abs().max() < 2e-3
 
 
+@pytest.mark.slow
 def test_hf_fp8_block_checkpoint_loads(fp8_dirs: dict[str, Path], tmp_path: Path) -> None:
     """Hugging Face `fp8` (FineGrainedFP8): `weight_scale_inv` 128x128 blocks, quant_method fp8."""
     dst = tmp_path / "hf-fp8"
@@ -120,6 +123,7 @@ def test_hf_fp8_block_checkpoint_loads(fp8_dirs: dict[str, Path], tmp_path: Path
     assert (_logprobs(str(dst)) - _logprobs(str(fp8_dirs["fp8-block"]))).abs().max() == 0
 
 
+@pytest.mark.slow
 def test_bad_fp8_checkpoints(fp8_dirs: dict[str, Path], tmp_path: Path) -> None:
     dst = tmp_path / "bad"
     shutil.copytree(fp8_dirs["fp8"], dst)

@@ -21,6 +21,8 @@ from safetensors.torch import load_file
 from qpage.formats.gguf import default_gguf_path
 from tests.helpers import RunnerHarness
 
+pytestmark = pytest.mark.slow  # see pyproject.toml's markers
+
 gguf = pytest.importorskip("gguf")
 QTYPES = {"ffn_": "Q4_0", "attn_": "Q4_1", "token_embd": "Q8_0"}
 IDS = [1, 504, 3458, 282, 4649, 314, 253, 1345, 30, 378, 2575, 314]

@@ -1,7 +1,7 @@
 """GPTQ format reading: v1 zero offsets (AutoGPTQ/GPTQModel) and v2, validated per tensor.
 
-No peer GPTQ writer installs here without a GPU (auto-gptq needs CUDA to quantize; DESIGN
-7b), so the fixtures are built from the documented layout: v1 symmetric 4-bit qzeros read
+No peer GPTQ writer installs here without a GPU (auto-gptq needs CUDA to quantize),
+so the fixtures are built from the documented layout: v1 symmetric 4-bit qzeros read
 0x77777777 (zero 8 stored as 7)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from qpage.formats.gptq import GptqConfig, check_linear, pack_linear
-from qpage.kernels.quant_matmul import dequantize_ref, pack_cols, pack_rows, unpack_cols
+from qpage.kernels.packing import dequantize_ref, pack_cols, pack_rows, unpack_cols
 from qpage.quantizers.rtn import dequantize_rtn, quantize_rtn
 
 

@@ -23,12 +23,13 @@ from safetensors.torch import load_file
 
 from qpage.quantizers.pipeline import quantize_checkpoint
 from qpage.quantizers.scheme import QuantScheme
-from tests.helpers import RunnerHarness
+from tests.helpers import RunnerHarness, effective_weight
 
 ROOT = Path(__file__).resolve().parents[2]
 IDS = [1, 504, 3458, 282, 4649, 314, 253, 1345, 30, 77, 1000, 20000]
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("gptqmodel") is None,
-                                reason="GPTQModel is not installed (scripts/test.sh installs it)")
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(importlib.util.find_spec("gptqmodel") is None,
+                                 reason="GPTQModel is not installed (scripts/test.sh installs it)")]
 
 
 def qpage_run(model_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
@@ -36,7 +37,7 @@ def qpage_run(model_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
     h = RunnerHarness(model_dir, num_blocks=16, max_len=256)
     logits = h.step([(h.request("r", IDS), len(IDS))])["r"]
     down = h.model.layers[0].mlp.down_proj
-    return logits, torch.from_numpy(down._w_t).t()
+    return logits, effective_weight(down)
 
 
 def peer_run(model_dir: Path, tmp: Path) -> tuple[torch.Tensor, torch.Tensor]:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import torch
 
@@ -25,16 +23,3 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 @pytest.fixture
 def device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() and not INTERPRET else "cpu")
-
-
-def spy(monkeypatch: pytest.MonkeyPatch, module: Any, name: str) -> list[Any]:
-    """Wraps ``module.name`` for the test: the returned list collects each call's result."""
-    results: list[Any] = []
-    fn = getattr(module, name)
-
-    def recorded(*args: object, **kwargs: object) -> Any:
-        results.append(fn(*args, **kwargs))
-        return results[-1]
-
-    monkeypatch.setattr(module, name, recorded)
-    return results

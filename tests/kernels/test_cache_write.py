@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qpage.kernels.cache_write import per_token_scales_ref, quantize_kv_ref, write_kv_cache, write_kv_cache_ref
+from qpage.kernels.attention.cache_write import write_kv_cache
+from qpage.kernels.kv_quant import per_token_scales_ref, quantize_kv_ref, write_kv_cache_ref
 
 
 def _inputs(dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -24,6 +25,7 @@ def _inputs(dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, torch.Tens
 MODES = [("e4m3", True), ("e4m3", False), ("e5m2", True), ("e5m2", False), (None, False)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("fmt", "per_token"), MODES,
                          ids=["e4m3-token", "e4m3-tensor", "e5m2-token", "e5m2-tensor", "plain"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)

@@ -1,4 +1,4 @@
-"""The C kernels of the fp32 CPU path (``kernels.cpu_native``) against their torch references.
+"""The C kernels of the fp32 CPU path (``kernels.cpu.native``) against their torch references.
 
 References: ``TorchPagedAttention._decode`` (SDPA over gathered blocks), ``write_kv_cache_ref``,
 ``F.rms_norm``, ``F.silu(gate) * up`` and ``apply_rotary``. Tolerances (fp32): the cache
@@ -17,9 +17,10 @@ import torch
 import torch.nn.functional as F
 
 from qpage.config import BLOCK_SIZE
-from qpage.kernels import cpu_native
-from qpage.kernels.cache_write import write_kv_cache_ref
-from qpage.layers.attention import DecodeGroup, TorchPagedAttention
+from qpage.kernels.cpu import native as cpu_native
+from qpage.kernels.kv_quant import write_kv_cache_ref
+from qpage.layers.attention import TorchPagedAttention
+from qpage.layers.attention_metadata import DecodeGroup
 from qpage.layers.kv_format import LayerKV
 from qpage.layers.rotary import RotaryEmbedding, apply_rotary
 from tests.kernels.conftest import rel_err
@@ -139,9 +140,10 @@ def test_rope_in_place(hd: int) -> None:
     assert torch.equal(out[:, 12:], x[:, 12:])  # the v heads are left alone
 
 
+@pytest.mark.slow
 def test_unavailable_compiler_falls_back() -> None:
     """No compiler: a clear reason, and the engine's CPU backend falls back to BLAS."""
-    code = ("import os; from qpage.kernels import cpu_native as c; from qpage.layers.backends import "
+    code = ("import os; from qpage.kernels.cpu import native as c; from qpage.layers.backends import "
             "select_attention_backend as s; from qpage.layers.kv_format import KVCacheSpec; import torch;"
             "print(c.unavailable_reason()); print(s(torch.device('cpu'), KVCacheSpec(torch.float32), 64).name)")
     env = {"PATH": "/nonexistent", "CC": "/nonexistent/cc", "QPAGE_CACHE": "/nonexistent-cache"}

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qpage.kernels.fp8_matmul import dequantize_fp8_weight_ref, fp8_matmul, fp8_matmul_ref
-from qpage.kernels.quant_matmul import MatmulConfig
+from qpage.kernels.configs import MatmulConfig
+from qpage.kernels.fp8.matmul import dequantize_fp8_weight_ref, fp8_matmul, fp8_matmul_ref
 from tests.kernels.conftest import rel_err
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}

@@ -13,9 +13,12 @@ import pytest
 import torch
 
 from qpage.config import BLOCK_SIZE
-from qpage.kernels.cache_write import write_kv_cache_ref
-from qpage.kernels.paged_attention import check_scale_offsets, paged_attention_decode, paged_attention_decode_ref
-from qpage.kernels.paged_prefill import paged_attention_prefill, paged_attention_prefill_ref
+from qpage.kernels.attention.decode import paged_attention_decode
+from qpage.kernels.attention.prefill import paged_attention_prefill
+from qpage.kernels.attention.reference import paged_attention_decode_ref, paged_attention_prefill_ref
+from qpage.kernels.attention.tiles import check_scale_offsets
+from qpage.kernels.configs import DecodeConfig
+from qpage.kernels.kv_quant import write_kv_cache_ref
 
 TOL = {torch.float16: 2e-3, torch.float32: 1e-5, torch.bfloat16: 2e-2}
 KVH, H, D = 2, 6, 64
@@ -51,6 +54,7 @@ def filled_cache(lens: list[int], dtype: torch.dtype, fmt: str | None, per_token
     return dict(k_cache=kc, v_cache=vc, k_scale=ks, v_scale=vs, fp8_format=fmt), tables
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("fmt", "per_token"), MODES, ids=IDS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.bfloat16], ids=str)
 def test_decode_matches_ref(fmt: str | None, per_token: bool, dtype: torch.dtype) -> None:
@@ -59,20 +63,19 @@ def test_decode_matches_ref(fmt: str | None, per_token: bool, dtype: torch.dtype
     q = torch.randn(len(lens), H, D, generator=torch.Generator().manual_seed(1)).to(dtype)
     seq_lens = torch.tensor(lens, dtype=torch.int32)
     ref = paged_attention_decode_ref(q, block_tables=tables, seq_lens=seq_lens, scale=D**-0.5, **cache)
-    # The defaults (per-token scales loaded a tile ahead), split-KV, smaller tiles, register
-    # prefetch, the scales loaded in their own tile, FP8 V staged as fp16 (rows scaled), and a
-    # register cap (a compile option: the interpreter takes it and ignores it).
-    for kw in ({}, {"partition": 64}, {"partition": 32, "block_n": 16}, {"prefetch": True},
-               {"partition": 64, "block_n": 16, "prefetch": True}, {"scales_ahead": False},
-               {"partition": 32, "block_n": 16, "v_f16": True},
-               {"v_f16": True, "scales_ahead": False, "prefetch": True},
-               {"v_f16": True, "num_warps": 8, "maxnreg": 80}):
+    # The defaults (per-token scales loaded a tile ahead), split-KV, smaller tiles, the scales
+    # loaded in their own tile, and FP8 V staged as fp16 (rows scaled).
+    small = DecodeConfig(block_n=16, partition=64)
+    for kw in ({}, {"partition": 64}, {"partition": 32, "config": small}, {"config": DecodeConfig(scales_ahead=False)},
+               {"partition": 32, "config": DecodeConfig(block_n=16, partition=64, v_f16=True)},
+               {"config": DecodeConfig(v_f16=True, scales_ahead=False, num_warps=8)}):
         out = paged_attention_decode(q, block_tables=tables, seq_lens=seq_lens, scale=D**-0.5, **cache, **kw)
         assert out.dtype == dtype
         err = (out.float() - ref.float()).abs().max().item()
         assert err <= TOL[dtype], (kw, err)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("fmt", "per_token"), MODES, ids=IDS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
 def test_prefill_matches_ref(fmt: str | None, per_token: bool, dtype: torch.dtype) -> None:
@@ -110,9 +113,9 @@ def test_decode_compiles_once_as_the_context_grows(monkeypatch: pytest.MonkeyPat
     length compiled a new kernel at every decode step."""
     import inspect
 
-    from qpage.kernels import paged_attention
+    from qpage.kernels.attention import decode
 
-    kernel = paged_attention._decode_kernel
+    kernel = decode._decode_kernel
     params = inspect.signature(getattr(kernel, "fn", kernel)).parameters
     launches: list[dict] = []
 
@@ -120,7 +123,7 @@ def test_decode_compiles_once_as_the_context_grows(monkeypatch: pytest.MonkeyPat
         def __getitem__(self, grid: tuple) -> object:
             return lambda *args, **kwargs: launches.append(kwargs)
 
-    monkeypatch.setattr(paged_attention, "_decode_kernel", Recorder())
+    monkeypatch.setattr(decode, "_decode_kernel", Recorder())
     cache, tables = filled_cache([300], torch.float16, "e4m3", True)
     q = torch.randn(1, H, D, dtype=torch.float16)
     for length in (1, 15, 16, 17, 64, 100, 255, 300):
@@ -139,9 +142,9 @@ def test_dot_dtype_per_activation_and_cache(monkeypatch: pytest.MonkeyPatch) -> 
     unless per-token scales multiply the K/V rows (a bf16 model's values need not fit fp16)."""
     import triton.language as tl
 
-    from qpage.kernels import paged_attention as pa
+    from qpage.kernels.attention import tiles
 
-    monkeypatch.setattr(pa, "INTERPRET", False)
+    monkeypatch.setattr(tiles, "INTERPRET", False)
     per_token = torch.ones(4, 16, 2, dtype=torch.float16)
     cases = [(torch.float16, None, None, False, tl.float16), (torch.bfloat16, None, None, False, tl.bfloat16),
              (torch.bfloat16, "e4m3", per_token, False, tl.float16),
@@ -149,7 +152,7 @@ def test_dot_dtype_per_activation_and_cache(monkeypatch: pytest.MonkeyPatch) -> 
              (torch.bfloat16, "e4m3", per_token, True, tl.bfloat16),
              (torch.float16, "e4m3", per_token, True, tl.float16)]
     for dtype, fmt, k_scale, rows, want in cases:
-        _, flags = pa._launch_args(torch.zeros(1, 4, 8, dtype=dtype), k_scale, fmt, 1.0, scaled_rows=rows)
+        _, flags = tiles.launch_args(torch.zeros(1, 4, 8, dtype=dtype), k_scale, fmt, 1.0, scaled_rows=rows)
         assert flags["DOT_DTYPE"] == want, (dtype, fmt, rows)
 
 

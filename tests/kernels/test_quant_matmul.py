@@ -1,4 +1,5 @@
-"""INT4/INT8 dequant-matmul (GPTQ and AWQ layouts; tl.dot and GEMV kernels) against the torch reference.
+"""INT4/INT8 matmuls (GPTQ and AWQ layouts; GEMV, tiled and dequant kernels) against the torch
+reference, and the kernel selection.
 
 Tolerances, ||out - ref|| / ||ref|| against ``int_matmul_ref`` on the same packed weights
 (fp32 math, output cast to the activation dtype): fp32 1e-5, fp16 2e-3, bf16 1e-2 (the
@@ -7,22 +8,13 @@ output dtype's rounding; accumulation is fp32 in both).
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import torch
 
-from qpage.kernels.quant_matmul import (
-    MatmulConfig,
-    dequantize_ref,
-    int_matmul,
-    int_matmul_ref,
-    pack_cols,
-    pack_rows,
-    unpack_cols,
-    unpack_rows,
-)
-from tests.kernels.conftest import rel_err, spy
+from qpage.kernels.configs import MatmulConfig
+from qpage.kernels.int_matmul import int_matmul
+from qpage.kernels.packing import dequantize_ref, int_matmul_ref, pack_cols, pack_rows, unpack_cols, unpack_rows
+from tests.kernels.conftest import rel_err
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 
@@ -98,33 +90,29 @@ def test_int_matmul_matches_ref(case: tuple, dtype: torch.dtype) -> None:
     assert rel_err(out, ref) < TOL[dtype]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("awq", "bits"), [(False, 4), (True, 4), (False, 8)], ids=["gptq4", "awq4", "gptq8"])
 @pytest.mark.parametrize("sym", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 def test_gemv_and_split_k(awq: bool, sym: bool, bits: int, dtype: torch.dtype) -> None:
-    """M=1 through the GEMV kernels (GPTQ: in-place and shift unpacking; split K in 2 and 3)
-    and the tl.dot kernel with split K, each with the serial (last program sums) and the
-    atomic reduction. K = 324 ends in a half-filled word and a short last tile; N = 96 a
-    partial column tile."""
+    """M=1 through the GEMV kernel (split K in 2 and 3) and the tiled kernel with split K in 4.
+    K = 324 ends in a half-filled word and a short last tile; N = 96 a partial column tile."""
     w = make_weight(324, 96, bits, 64, awq=awq, sym=sym, seed=3)
     x = torch.randn(1, 324, generator=torch.Generator().manual_seed(4)).to(dtype)
-    for serial in (True, False):
-        for lean in ((True, False) if not awq else (True,)):
-            for cfg in (MatmulConfig(16, 32, 64, split_k=2, gemv=True, serial=serial, lean=lean),
-                        MatmulConfig(16, 64, 64, split_k=3, gemv=True, serial=serial, lean=lean),
-                        MatmulConfig(16, 32, 32, split_k=4, serial=serial)):
-                out, ref = run(x, w, cfg)
-                assert out.dtype == dtype
-                assert rel_err(out, ref) < TOL[dtype], cfg
+    for cfg in (MatmulConfig(16, 32, 64, split_k=2, kind="gemv"), MatmulConfig(16, 64, 64, split_k=3, kind="gemv"),
+                MatmulConfig(16, 32, 32, split_k=4)):
+        out, ref = run(x, w, cfg)
+        assert out.dtype == dtype
+        assert rel_err(out, ref) < TOL[dtype], cfg
 
 
-@pytest.mark.parametrize("kernel", ["gemv", "dot", "fp8"])
-def test_serial_split_k_is_deterministic_and_resets_its_counters(kernel: str) -> None:
-    """The serial reduction sums the partials in a fixed order (two calls give the same bits,
+@pytest.mark.parametrize("kernel", ["gemv", "tiled", "fp8"])
+def test_split_k_is_deterministic_and_resets_its_counters(kernel: str) -> None:
+    """The split-K reduction sums the partials in a fixed order (two calls give the same bits,
     equal to the unsplit kernel's within fp32 rounding) and leaves every counter at zero, so
     the next launch (another shape, another grid) starts clean."""
-    from qpage.kernels.fp8_matmul import fp8_matmul
-    from qpage.kernels.split_k import _LOCKS
+    from qpage.kernels.fp8.matmul import fp8_matmul
+    from qpage.kernels.split_k import tile_locks
 
     w = make_weight(512, 192, 4, 64, seed=5)
     x = torch.randn(3 if kernel != "gemv" else 1, 512, generator=torch.Generator().manual_seed(6))
@@ -132,40 +120,23 @@ def test_serial_split_k_is_deterministic_and_resets_its_counters(kernel: str) ->
     s8 = torch.rand(192) * 0.01
 
     def call(split: int) -> torch.Tensor:
-        cfg = MatmulConfig(16, 64, 64, split_k=split, gemv=kernel == "gemv")
+        cfg = MatmulConfig(16, 64, 64, split_k=split, kind="gemv" if kernel == "gemv" else "tiled")
         return fp8_matmul(x, f8, s8, cfg) if kernel == "fp8" else run(x, w, cfg)[0]
 
     a, b, whole = call(4), call(4), call(1)
     assert torch.equal(a, b)
     assert rel_err(a, whole) < 1e-6
-    assert int(_LOCKS[x.device].abs().sum()) == 0
-
-
-def test_split_k_atomic_override(monkeypatch: pytest.MonkeyPatch) -> None:
-    """QPAGE_SPLIT_K=atomic turns a serial config into the atomic scheme: same result up to
-    summation order, and the serial path's counters are never touched."""
-    from qpage.kernels import split_k
-
-    w = make_weight(512, 192, 4, 64, seed=5)
-    x = torch.randn(1, 512, generator=torch.Generator().manual_seed(6))
-    cfg = MatmulConfig(16, 64, 64, split_k=4, gemv=True)
-    serial = run(x, w, cfg)[0]
-    sentinel = torch.full((4096,), 7, dtype=torch.int32)
-    monkeypatch.setitem(split_k._LOCKS, x.device, sentinel)
-    monkeypatch.setenv("QPAGE_SPLIT_K", "atomic")
-    out, ref = run(x, w, cfg)
-    assert rel_err(out, ref) < TOL[torch.float32] and rel_err(out, serial) < 1e-6
-    assert bool((sentinel == 7).all())  # a serial launch would have found 7s and mis-summed
+    assert int(tile_locks(x.device, 1).abs().sum()) == 0
 
 
 @pytest.mark.parametrize(("awq", "act_order", "bits", "sym"),
                          [(False, False, 4, False), (False, True, 4, False), (True, False, 4, False),
                           (True, False, 4, True), (False, False, 8, True)],
                          ids=["gptq", "gptq-actorder", "awq", "awq-sym", "int8"])
-def test_gather_unpack_and_dequant_paths(awq: bool, act_order: bool, bits: int, sym: bool) -> None:
-    """The gather unpack (tl.dot path) and the dequantize-then-matmul path (prefill-sized M),
-    whose dense weight equals ``dequantize_ref`` bit for bit in fp32, built in column chunks."""
-    from qpage.kernels.quant_dequant import dequant_matmul, dequantize_int
+def test_dequant_path(awq: bool, act_order: bool, bits: int, sym: bool) -> None:
+    """The dequantize-then-matmul path (prefill-sized M), whose dense weight equals
+    ``dequantize_ref`` bit for bit in fp32, built in column chunks."""
+    from qpage.kernels.int_matmul.dequant import dequant_matmul, dequantize_int
 
     k, n = 256, 200
     w = make_weight(k, n, bits, 64, awq=awq, sym=sym, act_order=act_order, seed=8)
@@ -177,9 +148,7 @@ def test_gather_unpack_and_dequant_paths(awq: bool, act_order: bool, bits: int, 
     assert torch.equal(part, dense[:, 64:136])
     x = torch.randn(20, k, generator=torch.Generator().manual_seed(9))
     ref = int_matmul_ref(x, *args, bits=bits, group_size=64, awq=awq)
-    for cfg in (MatmulConfig(16, 64, 32, gather=True), MatmulConfig(16, 64, 64, split_k=2, gather=True),
-                MatmulConfig(128, 128, 64, dequant=True)):
-        assert rel_err(run(x, w, cfg)[0], ref) < TOL[torch.float32], cfg
+    assert rel_err(run(x, w, MatmulConfig(128, 128, 64, kind="dequant"))[0], ref) < TOL[torch.float32]
     chunked = dequant_matmul(x, *args, bits=bits, group_size=64, awq=awq, max_chunk_bytes=k * 4 * 128)
     assert rel_err(chunked, ref) < TOL[torch.float32]
 
@@ -190,92 +159,54 @@ def test_rejects_unsupported_bits() -> None:
         int_matmul(torch.randn(1, 64), w["qweight"], w["scales"], None, None, bits=3, group_size=32)
 
 
-@pytest.fixture
-def pairs_calls(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
-    """The outputs of the calls ``int_matmul`` makes into the pairs kernel's launcher."""
-    from qpage.kernels import quant_pairs
-
-    return spy(monkeypatch, quant_pairs, "pairs_matmul")
-
-
-@pytest.mark.parametrize("layout", ["gptq", "gptq8", "awq"])
-@pytest.mark.parametrize("sym", [False, True], ids=["asym", "sym"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
-def test_pairs_kernel(layout: str, sym: bool, dtype: torch.dtype, pairs_calls: list[Any]) -> None:
-    """The pairs kernels (4-bit, decode batches) at M = 2, 16 and 21; K unsplit, split serially
-    in 2 and atomically in 3. GPTQ: K = 320 in 128-row tiles ends in a half-masked tile, N = 96
-    in a partial column tile, and a per-channel weight (one group spanning K = 384); 8-bit
-    GPTQ alike with 64- and 128-row tiles. AWQ:
-    N = 136 ends in a partial word column of a 128- or 256-column tile, groups of 64 and 128."""
-    if layout.startswith("gptq"):
-        bits = 8 if layout == "gptq8" else 4
-        weights = (make_weight(320, 96, bits, 128, sym=sym, seed=10),
-                   make_weight(384, 64, bits, 384, sym=sym, seed=11))
-        bk = 64 if bits == 8 else 128
-        configs = (MatmulConfig(16, 64, bk, pairs=True), MatmulConfig(32, 32, 128, split_k=2, pairs=True),
-                   MatmulConfig(16, 64, bk, split_k=3, serial=False, pairs=True))
-    else:
-        weights = (make_weight(320, 136, 4, 64, awq=True, sym=sym, seed=10),
-                   make_weight(256, 128, 4, 128, awq=True, sym=sym, seed=11))
-        configs = (MatmulConfig(16, 128, 64, pairs=True), MatmulConfig(32, 128, 32, split_k=2, pairs=True),
-                   MatmulConfig(16, 256, 64, split_k=3, serial=False, pairs=True))
-    for w in weights:
-        for m in (2, 16, 21):
-            x = torch.randn(m, w["q"].shape[0], generator=torch.Generator().manual_seed(m)).to(dtype)
-            for cfg in configs:
-                out, ref = run(x, w, cfg)
-                assert out.shape == ref.shape and out.dtype == dtype
-                assert rel_err(out, ref) < TOL[dtype], (m, cfg)
-    assert len(pairs_calls) == 2 * 3 * len(configs)
+def test_a_config_its_kernel_cannot_run_is_refused() -> None:
+    """An explicit config is run as asked or refused with the kernel's reason: the GEMV serves
+    one row of a weight without act-order whose groups hold whole K tiles."""
+    w = make_weight(256, 64, 4, 64, act_order=True, seed=12)
+    cases = ((2, w, "gemv", "one activation row"), (1, w, "gemv", "act-order"),
+             (1, make_weight(256, 64, 4, 32, seed=12), "gemv", "does not divide the group size"))
+    for m, weight, kind, why in cases:
+        x = torch.randn(m, 256, generator=torch.Generator().manual_seed(13))
+        with pytest.raises(ValueError, match=why):
+            run(x, weight, MatmulConfig(16, 64, 64, kind=kind))
+    awq = make_weight(256, 64, 4, 64, awq=True, seed=12)
+    with pytest.raises(ValueError, match="multiples of 8"):
+        run(torch.randn(3, 256), awq, MatmulConfig(16, 4, 64))
 
 
-@pytest.mark.parametrize(("awq", "bits", "act_order", "group", "block_k", "dtype"), [
-    (True, 4, False, 128, 128, torch.float32), (False, 8, False, 128, 32, torch.float32),
-    (False, 4, True, 128, 128, torch.float32), (False, 4, False, 64, 64, torch.float32),
-    (False, 4, False, 64, 128, torch.float16)],
-    ids=["awq-64-columns", "int8-bk32", "actorder", "bk64", "tile-across-groups"])
-def test_pairs_falls_back_where_it_does_not_apply(awq: bool, bits: int, act_order: bool, group: int,
-                                                  block_k: int, dtype: torch.dtype, pairs_calls: list[Any]) -> None:
-    """A ``pairs`` config on a weight or tile the kernel does not take runs the general tl.dot
-    kernel (same tiles) and still matches the reference."""
-    w = make_weight(256, 64, bits, group, awq=awq, act_order=act_order, seed=12)
-    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(13)).to(dtype)
-    out, ref = run(x, w, MatmulConfig(16, 64, block_k, pairs=True))
-    assert rel_err(out, ref) < TOL[dtype]
-    assert pairs_calls == []
-
-
-def test_cuda_defaults_route_decode_batches_to_pairs(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The CUDA heuristic (no GPU needed: the SM count and an empty tuned table are faked):
-    M = 1 takes the GEMV, GPTQ weights (4 and 8 bits) with 2 <= M <= 32 the pairs kernel on
-    128x128 tiles, AWQ with M <= 16 on 16x256 tiles, anything else (FP8, GPTQ groups too small
-    for 16 words, M = 33) the tiles it had."""
+def test_cuda_defaults_by_regime(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA selection (no GPU needed: the SM count and the interpreter flag are faked, the
+    tuned table emptied): one row takes the GEMV, up to 255 rows the tiled kernel, from 256 the
+    dequantize-then-cuBLAS path; the GEMV passes to the tiled kernel where it cannot run
+    (act-order, or a group smaller than its K tile), and a tuned config the kernel cannot run
+    gives way to the default."""
     from types import SimpleNamespace
 
-    from qpage.kernels import quant_matmul, tuned
+    from qpage.kernels import configs, tuned
+    from qpage.kernels.int_matmul import select
 
-    monkeypatch.setattr(quant_matmul, "INTERPRET", False)
-    monkeypatch.setitem(tuned._INSTALLED, "cuda", {})  # an untuned GPU: the heuristic decides
+    monkeypatch.setattr(configs, "INTERPRET", False)
+    monkeypatch.setitem(tuned._INSTALLED, "cuda", {})
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda _: SimpleNamespace(multi_processor_count=128))
-    quant_matmul.choose_config.cache_clear()
+    caches = (select.choose_config, configs.default_matmul_config, configs._sm_count, tuned.tuned_matmul_config)
+    for c in caches:
+        c.cache_clear()
     try:
         cuda = torch.device("cuda")
 
-        def pick(m: int, kind: str | None, group: int | None = 128) -> MatmulConfig:
-            return quant_matmul.choose_config(cuda, kind, m, 14336, 4096, group)
+        def pick(m: int, group: int = 128, act_order: bool = False) -> MatmulConfig:
+            return select.choose_config(cuda, m, 14336, 4096, 4, group, False, act_order)
 
-        assert pick(1, "int4-g128").gemv and not pick(1, "int4-g128").pairs
-        for m in (2, 16, 17, 32):
-            cfg = pick(m, "int4-g128")
-            assert cfg.pairs and (cfg.block_m, cfg.block_n, cfg.block_k) == (16 if m <= 16 else 32, 128, 128)
-            assert cfg.split_k >= 1 and not cfg.gemv
-        assert pick(8, "int4-chan", 4096).pairs and pick(8, "int8-chan", 4096).pairs
-        assert pick(20, "int8-g128").pairs
-        awq = pick(8, "awq-g128")
-        assert awq.pairs and (awq.block_m, awq.block_n, awq.block_k) == (16, 256, 128)
-        assert pick(8, "awq-g64", 64).pairs and not pick(20, "awq-g128").pairs
-        for cfg in (pick(8, "fp8-chan", None), pick(8, "int4-g64", 64), pick(8, "int8-g32", 32),
-                    pick(33, "int4-g128"), pick(8, None)):
-            assert not cfg.pairs, cfg
+        assert pick(1).kind == "gemv" and pick(1).split_k > 1
+        assert {pick(m).kind for m in (2, 16, 17, 255)} == {"tiled"}
+        assert pick(256).kind == "dequant"
+        assert pick(1, act_order=True).kind == "tiled"
+        assert pick(1, group=8).kind == "tiled"  # block_k 128 spans several groups of 8
+        bad = {"matmul": {"int4-g128": {"4096x14336": {"1": {"block_m": 16, "block_n": 64, "block_k": 256,
+                                                             "kind": "gemv"}}}}}
+        tuned.install(cuda, bad)
+        select.choose_config.cache_clear()
+        assert pick(1) == configs.default_matmul_config(1, 14336, 4096, cuda, 128)
     finally:
-        quant_matmul.choose_config.cache_clear()
+        for c in caches:
+            c.cache_clear()

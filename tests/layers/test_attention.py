@@ -1,8 +1,9 @@
 """Paged attention backends against dense attention computed per sequence.
 
-The torch (SDPA) path, the CPU-BLAS path and the Triton kernels (interpreter), on a randomly filled paged cache with
-shuffled block tables: decode groups of one and of several rows with different lengths,
-prefill chunks with and without cached context. fp32; tolerance 1e-5 absolute.
+The torch (SDPA) path, the CPU-BLAS path, the C kernels and the Triton kernels (interpreter),
+each building its own metadata from the same batch, on a randomly filled paged cache with
+shuffled block tables: decodes that group into one padded group of two rows and a one-row
+group, prefill chunks with and without cached context. fp32; tolerance 1e-5 absolute.
 """
 
 from __future__ import annotations
@@ -11,13 +12,9 @@ import pytest
 import torch
 
 from qpage.config import BLOCK_SIZE
-from qpage.layers.attention import (
-    AttentionMetadata,
-    CpuBlasPagedAttention,
-    DecodeGroup,
-    PrefillSeq,
-    TorchPagedAttention,
-)
+from qpage.kernels.cpu import native
+from qpage.layers.attention import CpuBlasPagedAttention, CpuNativePagedAttention, TorchPagedAttention
+from qpage.layers.attention_metadata import AttentionBatch, SeqSpan, decode_groups
 from qpage.layers.attention_triton import TritonPagedAttention
 from qpage.layers.kv_format import LayerKV
 
@@ -36,9 +33,11 @@ def dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torc
     return torch.einsum("htc,chd->thd", s.softmax(-1), v)
 
 
-@pytest.mark.parametrize("backend", [TorchPagedAttention(), CpuBlasPagedAttention(), TritonPagedAttention()],
-                         ids=lambda b: b.name)
+@pytest.mark.parametrize("backend", [TorchPagedAttention(), CpuBlasPagedAttention(), CpuNativePagedAttention(),
+                                     TritonPagedAttention()], ids=lambda b: b.name)
 def test_paged_attention_matches_dense(backend: TorchPagedAttention) -> None:
+    if backend.name == "cpu-native" and native.unavailable_reason():
+        pytest.skip(f"C kernels: {native.unavailable_reason()}")
     g = torch.Generator().manual_seed(0)
     nblocks = 64
     k_cache = torch.randn(nblocks + 8, BLOCK_SIZE, KVH, HD, generator=g)
@@ -58,32 +57,20 @@ def test_paged_attention_matches_dense(backend: TorchPagedAttention) -> None:
         q_rows.append(q)
         want.append(dense(q, kd, vd, ctx - new))
     q_all = torch.cat(q_rows)
-    groups = []
-    for start, end in ((0, 2), (2, 3)):  # two decode groups: 2 rows (padded), 1 row
-        width = max(len(tables[i]) for i in range(start, end))
-        bt = torch.zeros(end - start, width, dtype=torch.long)
-        for i in range(start, end):
-            bt[i - start, : len(tables[i])] = tables[i]
-        lens = torch.tensor([seqs[i][0] for i in range(start, end)])
-        mask = (torch.arange(width * BLOCK_SIZE)[None, :] < lens[:, None])[:, None, None, :]
-        first = int(bt[0, 0]) if start == 2 else None
-        groups.append(DecodeGroup(start, end, bt, mask, int(lens[0]), lens, first))
+    decodes = [SeqSpan(i, i + 1, seqs[i][0], tables[i].tolist()) for i in range(3)]
+    assert decode_groups(decodes) == [(0, 2), (2, 3)]  # 2 rows (padded), 1 row (consecutive blocks)
     prefills, row = [], 3
     fresh_k = torch.zeros(len(q_all), KVH, HD)
     fresh_v = torch.zeros(len(q_all), KVH, HD)
     for i in (3, 4):
         ctx, new = seqs[i]
-        start = ctx - new
-        mask = None
-        if start > 0:
-            mask = torch.arange(ctx)[None, :] <= (start + torch.arange(new))[:, None]
-        else:  # no context: the backend reads this chunk's own K/V, as written this step
+        if ctx == new:  # no context: the backend reads this chunk's own K/V, as written this step
             fresh_k[row : row + new] = k_cache[tables[i]].reshape(-1, KVH, HD)[:ctx]
             fresh_v[row : row + new] = v_cache[tables[i]].reshape(-1, KVH, HD)[:ctx]
-        prefills.append(PrefillSeq(row, row + new, ctx, tables[i], mask))
+        prefills.append(SeqSpan(row, row + new, ctx, tables[i].tolist()))
         row += new
-    meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long),
-                             decode_groups=groups, prefills=prefills)
+    batch = AttentionBatch(torch.empty(0, dtype=torch.long), decodes, prefills)
+    meta = backend.build_metadata(batch, torch.device("cpu"))
     got = backend.attend(q_all, fresh_k, fresh_v, LayerKV(k_cache, v_cache), meta, HD**-0.5)
     torch.testing.assert_close(got, torch.cat(want), atol=1e-5, rtol=0)
 

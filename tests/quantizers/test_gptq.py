@@ -52,6 +52,7 @@ def test_gptq_beats_rtn_on_layer_output(sym: bool, act_order: bool) -> None:
         assert g_idx is None
 
 
+@pytest.mark.slow
 def test_gptq_checkpoint_with_act_order_runs(default_model_dir: Path, tokenizer: Any, tmp_path: Path) -> None:
     text = Path(__file__).resolve().parents[2] / "README.md"
     calib = token_windows(tokenizer, text, 64, 2)

@@ -19,6 +19,7 @@ from qpage.quantizers import pipeline
 from qpage.quantizers.pipeline import quantize_checkpoint
 from qpage.quantizers.rtn import dequantize_rtn, quantize_rtn
 from qpage.quantizers.scheme import QuantScheme
+from tests.helpers import effective_weight
 
 
 @pytest.fixture(scope="module")
@@ -60,10 +61,11 @@ def test_quantized_model_runs_the_dequantized_weights(int4_dir: Path, default_mo
     src = load_file(str(default_model_dir / "model.safetensors"))["model.layers.3.mlp.down_proj.weight"]
     q, s, z = quantize_rtn(src, 4, 128, False)
     want = dequantize_rtn(q, s, z, 128)  # [out, in]
-    got = torch.from_numpy(llm.llm_engine.model.layers[3].mlp.down_proj._w_t).t()
+    got = effective_weight(llm.llm_engine.model.layers[3].mlp.down_proj)
     assert torch.allclose(got, want, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_bf16_runs_packed_int4(int4_dir: Path, tokenizer: Any) -> None:
     """With bf16 activations on CPU the INT4 layers stay packed (torch's int4 kernel, K=576
     padded to whole groups of 128) and score like the fp32 dequantized path: mean KL of the
@@ -81,6 +83,7 @@ def test_bf16_runs_packed_int4(int4_dir: Path, tokenizer: Any) -> None:
     assert float(kl_rows(score_window(ref, ids, 64), score_window(eng, ids, 64)).mean()) < 2e-3
 
 
+@pytest.mark.slow
 def test_int8_close_to_dense(int8_dir: Path, llm_factory: Any, tokenizer: Any) -> None:
     ids = tokenizer.encode("The history of the river town is told in its mills and bridges. " * 12)[:160]
     dense = score_window(llm_factory(kv_cache_memory="16MiB").llm_engine, ids, 64)
@@ -126,6 +129,7 @@ def _broken_copy(src: Path, dst: Path, edit: Any) -> Path:
     return dst
 
 
+@pytest.mark.slow
 def test_bad_checkpoints(int4_dir: Path, tmp_path: Path) -> None:
     pre = "model.layers.2.self_attn.k_proj"
 

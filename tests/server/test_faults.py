@@ -97,6 +97,7 @@ def test_disconnect_mid_stream_frees_blocks(client: Any, server: Server) -> None
     assert_still_serving(server)
 
 
+@pytest.mark.slow
 def test_queue_bound_gives_503_then_recovers(server: Server) -> None:
     import openai
 
@@ -131,6 +132,7 @@ def test_queue_bound_gives_503_then_recovers(server: Server) -> None:
     assert_still_serving(server)
 
 
+@pytest.mark.slow
 def test_metrics_parse_and_move(client: Any, server: Server) -> None:
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -166,6 +168,7 @@ def test_metrics_parse_and_move(client: Any, server: Server) -> None:
     assert families["qpage:time_to_first_token_seconds"].type == "histogram"
 
 
+@pytest.mark.slow
 def test_doctor_command_reads_the_server(server: Server) -> None:
     import subprocess
     import sys

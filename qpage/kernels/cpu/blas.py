@@ -1,0 +1,27 @@
+"""Dense fp32 matmul on CPU through NumPy's BLAS (OpenBLAS).
+
+Why: decode at small batch is bound by reading the weights, and OpenBLAS streams them about
+twice as fast as torch's own sgemv/sgemm on the CPUs measured (docs/cpu.md). The weight is
+kept transposed, ``[in, out]`` contiguous, OpenBLAS's fastest layout at every batch size.
+``torch.from_numpy`` and ``Tensor.numpy`` share memory, so no copies are made.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+
+def supports(x_dtype: torch.dtype, device: torch.device) -> bool:
+    return device.type == "cpu" and x_dtype == torch.float32
+
+
+def matmul_wt(x: torch.Tensor, w_t: np.ndarray) -> torch.Tensor:
+    """``x @ w_t`` for x fp32 [M, in] on CPU and w_t fp32 [in, out] (NumPy, contiguous)."""
+    return torch.from_numpy(np.matmul(x.numpy(), w_t))
+
+
+def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """Reference: torch's own linear, weight [out, in]."""
+    return F.linear(x, weight, bias)

@@ -1,0 +1,115 @@
+/* fp32 paged attention and cache write on CPU, called through ctypes (qpage/kernels/cpu/native.py).
+ *
+ * Cache layout per layer, as qpage/layers/attention.py: k_cache and v_cache are
+ * [num_blocks, block_size, kv_heads, head_dim] contiguous; token slot s is block
+ * s / block_size, offset s % block_size.
+ *
+ * Why C: a decode step reads each sequence's K and V once and does ~3 FMAs per element
+ * read, so it is bound by memory. In torch it costs a gather of the blocks (a copy of all
+ * of K and V) and several dispatches per layer; this reads the blocks where they are, in
+ * one call per layer. Single-threaded on purpose: qpage's fp32 matmuls run on NumPy's
+ * OpenBLAS threads, which spin between calls, and a second thread pool here would fight
+ * them for the cores (see qpage/layers/ops.py).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "qp_math.h"
+
+/* Cache blocks sit anywhere in memory and the hardware prefetcher stops at page edges, so
+ * the next block is requested while this one is processed. */
+static inline void prefetch_row(const float *p, int64_t n) {
+    for (int64_t i = 0; i < n; i += 16) __builtin_prefetch(p + i);
+}
+
+/* One sequence, all heads, one cache block at a time (a block's K or V is one contiguous
+ * run of memory, read once for all heads).
+ * q: [num_heads, head_dim] rows head_dim apart; out likewise; scores: scratch [num_heads, seq_len];
+ * m: scratch [num_heads]. */
+static inline __attribute__((always_inline)) void attend_seq(
+    const float *q, const float *k_cache, const float *v_cache, const int64_t *blocks, int64_t seq_len,
+    int num_heads, int num_kv_heads, int head_dim, int block_size, float scale, float *scores, float *m, float *out) {
+    const int group = num_heads / num_kv_heads;
+    const int64_t tok_stride = (int64_t)num_kv_heads * head_dim, block_stride = block_size * tok_stride;
+    for (int h = 0; h < num_heads; h++) m[h] = -INFINITY;
+    /* Pass 1: scores, and each head's maximum. */
+    for (int64_t b0 = 0; b0 < seq_len; b0 += block_size) {
+        const float *kb = k_cache + blocks[b0 / block_size] * block_stride;
+        const int64_t count = seq_len - b0 < block_size ? seq_len - b0 : block_size;
+        const float *next = b0 + block_size < seq_len ? k_cache + blocks[b0 / block_size + 1] * block_stride : NULL;
+        for (int64_t t = 0; t < count; t++) {
+            if (next) prefetch_row(next + t * tok_stride, tok_stride);
+            for (int h = 0; h < num_heads; h++) {
+                const float s = dot(q + (int64_t)h * head_dim, kb + t * tok_stride + (int64_t)(h / group) * head_dim,
+                                    head_dim) * scale;
+                scores[(int64_t)h * seq_len + b0 + t] = s;
+                m[h] = s > m[h] ? s : m[h];
+            }
+        }
+    }
+    /* Softmax numerators in place; m[h] becomes 1 / denominator. */
+    qp_softmax_numerators(scores, m, num_heads, seq_len);
+    memset(out, 0, sizeof(float) * (size_t)num_heads * head_dim);
+    /* Pass 2: weighted sum of V. */
+    for (int64_t b0 = 0; b0 < seq_len; b0 += block_size) {
+        const float *vb = v_cache + blocks[b0 / block_size] * block_stride;
+        const int64_t count = seq_len - b0 < block_size ? seq_len - b0 : block_size;
+        if (b0 + block_size < seq_len) prefetch_row(v_cache + blocks[b0 / block_size + 1] * block_stride,
+                                                    count * tok_stride);
+        for (int h = 0; h < num_heads; h++)
+            weighted_rows(out + (int64_t)h * head_dim, scores + (int64_t)h * seq_len + b0,
+                          vb + (int64_t)(h / group) * head_dim, tok_stride, count, head_dim);
+    }
+    qp_scale_rows(out, m, num_heads, head_dim);
+}
+
+/* Decode attention: one query token per sequence over its paged context.
+ * q: [num_seqs, num_heads, head_dim], rows q_seq_stride floats apart (heads contiguous);
+ * block_table: int64 [num_seqs, table_cols], rows table_stride apart; seq_lens: int64 [num_seqs]
+ * (>= 1, this step's token included); out: [num_seqs, num_heads, head_dim] contiguous.
+ * Returns 0; -1 when the scratch cannot be allocated; -2 when a seq_len is < 1 or a block id
+ * it reaches is outside [0, num_blocks) (nothing is read then). */
+int qp_paged_decode_f32(const float *q, int64_t q_seq_stride, const float *k_cache, const float *v_cache,
+                        const int64_t *block_table, int64_t table_stride, int64_t table_cols,
+                        const int64_t *seq_lens, float *out, int num_seqs, int num_heads, int num_kv_heads,
+                        int head_dim, int block_size, float scale, int64_t num_blocks) {
+    const int64_t longest =
+        qp_check_decode_tables(block_table, table_stride, table_cols, seq_lens, num_seqs, block_size, num_blocks);
+    float *m = NULL, *scores = longest < 0 ? NULL : qp_score_scratch(num_heads, longest, &m);
+    if (!scores) return longest < 0 ? -2 : -1;
+    for (int s = 0; s < num_seqs; s++) {
+        const float *qs = q + s * q_seq_stride;
+        const int64_t *bt = block_table + s * table_stride;
+        float *os = out + (int64_t)s * num_heads * head_dim;
+        /* A constant head_dim lets the compiler unroll the dot products fully. */
+        if (head_dim == 64)
+            attend_seq(qs, k_cache, v_cache, bt, seq_lens[s], num_heads, num_kv_heads, 64, block_size, scale,
+                       scores, m, os);
+        else if (head_dim == 128)
+            attend_seq(qs, k_cache, v_cache, bt, seq_lens[s], num_heads, num_kv_heads, 128, block_size, scale,
+                       scores, m, os);
+        else
+            attend_seq(qs, k_cache, v_cache, bt, seq_lens[s], num_heads, num_kv_heads, head_dim, block_size, scale,
+                       scores, m, os);
+    }
+    free(scores);
+    return 0;
+}
+
+/* Cache write: token i's K and V rows ([kv_heads * head_dim] floats, contiguous within the
+ * row; rows k_stride / v_stride floats apart) go to slot slots[i]; slot -1 is skipped.
+ * Returns 0, or -2 (nothing written) when a slot is outside [-1, num_slots). */
+int qp_write_kv_f32(const float *k, int64_t k_stride, const float *v, int64_t v_stride, float *k_cache,
+                    float *v_cache, const int64_t *slots, int num_tokens, int64_t row, int64_t num_slots) {
+    for (int i = 0; i < num_tokens; i++)
+        if (slots[i] < -1 || slots[i] >= num_slots) return -2;
+    for (int i = 0; i < num_tokens; i++) {
+        const int64_t slot = slots[i];
+        if (slot < 0) continue;
+        memcpy(k_cache + slot * row, k + i * k_stride, sizeof(float) * (size_t)row);
+        memcpy(v_cache + slot * row, v + i * v_stride, sizeof(float) * (size_t)row);
+    }
+    return 0;
+}

@@ -1,0 +1,244 @@
+"""The fp32 CPU kernels in C (``csrc/``), compiled once with the system C compiler and
+called through ctypes: paged decode attention and the cache write (``cpu_attention.c``),
+RMSNorm with the residual add, SiLU-and-mul and rotary embedding (``cpu_ops.c``), and the
+same two cache kernels for the FP8 cache (``cpu_fp8.c``; wrappers in ``native_fp8``).
+
+Why: at batch 1 the torch path spends most of its attention time gathering the sequence's
+blocks into one tensor and dispatching ops, and each norm and activation is several small
+ops, each allocating (docs/cpu.md); the C kernels read the cache blocks in place and do each
+step in one call. No compiler, a failed build, or ``QPAGE_NATIVE=0``:
+``load()`` returns None with the reason logged once, and the torch/NumPy path runs instead.
+Every kernel has its torch reference beside the caller (tests/kernels/test_cpu_native.py).
+
+The shared library is cached under ``$QPAGE_CACHE/native`` (default ``~/.cache/qpage``),
+keyed by the source, the compiler's version, the flags and this CPU's feature flags
+(``-march=native`` code must not run on another CPU), and written to a temporary name
+then renamed, so a concurrent or interrupted build never leaves a broken file.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from qpage.config import cache_root
+
+logger = logging.getLogger("qpage")
+
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = (CSRC / "cpu_attention.c", CSRC / "cpu_ops.c", CSRC / "cpu_fp8.c")
+HEADERS = (CSRC / "qp_math.h",)
+FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-std=c11", "-shared", "-fPIC")
+_lib: ctypes.CDLL | None = None
+_tried = False
+_why_not = ""
+
+# Pointers go over as plain addresses (``Tensor.data_ptr()``): cheaper than ctypes pointer casts.
+_ptr, _i64, _int, _float = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+
+
+def _cpu_key() -> str:
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+        return next((ln for ln in info.splitlines() if ln.startswith("flags")), platform.processor())
+    except OSError:
+        return platform.machine() + platform.processor()
+
+
+def _compiler() -> str | None:
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    return cc if cc and shutil.which(cc) else None
+
+
+def _build(cc: str) -> Path:
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True, timeout=30).stdout
+    texts = [p.read_text() for p in (*SOURCES, *HEADERS)]
+    key = hashlib.sha256("\n".join([*texts, version, " ".join(FLAGS), _cpu_key()]).encode())
+    out_dir = cache_root() / "native"
+    lib = out_dir / f"qpage_cpu-{key.hexdigest()[:16]}.so"
+    if lib.is_file():
+        return lib
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=out_dir)
+    os.close(fd)
+    try:
+        proc = subprocess.run([cc, *FLAGS, "-o", tmp, *map(str, SOURCES), "-lm"], capture_output=True, text=True,
+                              timeout=120, check=False)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[-500:]}")
+        os.replace(tmp, lib)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return lib
+
+
+def load() -> ctypes.CDLL | None:
+    """The compiled kernels, or None (the reason is logged once; see ``unavailable_reason``)."""
+    global _lib, _tried, _why_not
+    if _tried:
+        return _lib
+    _tried = True
+    if os.environ.get("QPAGE_NATIVE", "1") == "0":
+        _why_not = "disabled by QPAGE_NATIVE=0"
+    elif (cc := _compiler()) is None:
+        _why_not = "no C compiler found (install gcc or set CC)"
+    else:
+        try:
+            lib = ctypes.CDLL(str(_build(cc)))
+            lib.qp_paged_decode_f32.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _ptr, _ptr,
+                                                _int, _int, _int, _int, _int, _float, _i64]
+            lib.qp_paged_decode_f32.restype = _int
+            lib.qp_write_kv_f32.argtypes = [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _int, _i64, _i64]
+            lib.qp_write_kv_f32.restype = _int
+            lib.qp_rms_norm_f32.argtypes = [_ptr, _i64, _ptr, _ptr, _int, _int, _float]
+            lib.qp_rms_norm_f32.restype = None
+            lib.qp_add_rms_norm_f32.argtypes = [_ptr, _ptr, _ptr, _int, _int, _float]
+            lib.qp_add_rms_norm_f32.restype = None
+            lib.qp_silu_mul_f32.argtypes = [_ptr, _i64, _ptr, _int, _int]
+            lib.qp_silu_mul_f32.restype = None
+            lib.qp_rope_f32.argtypes = [_ptr, _i64, _ptr, _ptr, _int, _int, _int]
+            lib.qp_rope_f32.restype = _int
+            lib.qp_write_kv_fp8.argtypes = [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _float, _float, _ptr, _int,
+                                            _int, _int, _i64, _ptr, _int, _ptr, _int]
+            lib.qp_write_kv_fp8.restype = _int
+            lib.qp_paged_decode_fp8.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _float, _float, _ptr, _int, _ptr,
+                                                _i64, _i64, _ptr, _ptr, _int, _int, _int, _int, _int, _float, _i64]
+            lib.qp_paged_decode_fp8.restype = _int
+            _lib = lib
+        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+            _why_not = f"building the C kernels in {CSRC} failed: {e}"
+    if _lib is None:
+        level = logging.INFO if _why_not.startswith("disabled") else logging.WARNING
+        logger.log(level, "native CPU kernels unavailable (%s); using the slower torch/NumPy path", _why_not)
+    return _lib
+
+
+def no_compiler_or_disabled() -> bool:
+    """True when the kernels are off by choice (``QPAGE_NATIVE=0``) or for want of a compiler,
+    False when they loaded or a compiler failed to build them."""
+    return load() is None and (_why_not.startswith("disabled") or _why_not.startswith("no C compiler"))
+
+
+def unavailable_reason() -> str | None:
+    """Why ``load()`` returned None, or None when the kernels are loaded."""
+    return None if load() is not None else (_why_not or "not loaded")
+
+
+def as_i64(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as contiguous int64 (itself when it already is: no copy on the hot path)."""
+    return t if t.dtype == torch.int64 and t.is_contiguous() else t.to(torch.int64).contiguous()
+
+
+def paged_decode(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+    seq_lens: torch.Tensor, scale: float,
+) -> torch.Tensor:
+    """Decode attention, as ``TorchPagedAttention._decode`` computes it.
+
+    q: fp32 [n, H, hd] (heads contiguous; sequences may be strided); k_cache/v_cache: fp32
+    [num_blocks, block, kvh, hd] contiguous; block_table: int64 [n, >= blocks used];
+    seq_lens: int64 [n], each >= 1. Returns fp32 [n, H, hd].
+    """
+    lib = load()
+    assert lib is not None, "paged_decode needs the native kernels; check load() first"
+    n, h, hd = q.shape
+    nb, bs, kvh, hd_c = k_cache.shape
+    if (q.device.type != "cpu" or q.dtype != torch.float32 or k_cache.dtype != torch.float32
+            or q.stride(2) != 1 or q.stride(1) != hd or hd_c != hd or h % kvh or k_cache.shape != v_cache.shape
+            or block_table.shape[0] != n or not (k_cache.is_contiguous() and v_cache.is_contiguous())):
+        raise ValueError(f"paged_decode: unsupported layout q {tuple(q.shape)}/{q.stride()} {q.dtype}, "
+                         f"cache {tuple(k_cache.shape)} {k_cache.dtype}")
+    bt, lens = as_i64(block_table), as_i64(seq_lens)
+    out = torch.empty(n, h, hd, dtype=torch.float32)
+    rc = lib.qp_paged_decode_f32(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), bt.data_ptr(),
+                                 bt.stride(0), bt.shape[1], lens.data_ptr(), out.data_ptr(), n, h, kvh, hd, bs, scale,
+                                 nb)
+    if rc == -2:
+        raise ValueError(f"paged_decode: a seq_len < 1 or a block id outside [0, {nb}) in the block table")
+    if rc != 0:
+        raise MemoryError("paged_decode: could not allocate the score scratch")
+    return out
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """``write_kv_cache_ref`` for an fp32 cache: k, v fp32 [T, kvh, hd] (each token's heads
+    contiguous), slot -1 skipped."""
+    lib = load()
+    assert lib is not None, "write_kv needs the native kernels; check load() first"
+    t, kvh, hd = k.shape
+    row = kvh * hd
+    ok = all(x.dtype == torch.float32 and x.stride(2) == 1 and x.stride(1) == hd for x in (k, v))
+    ok = ok and k.shape == v.shape and k_cache.shape == v_cache.shape and tuple(k_cache.shape[2:]) == (kvh, hd)
+    if not ok or not (k_cache.is_contiguous() and v_cache.is_contiguous()) or k_cache.dtype != torch.float32:
+        raise ValueError("write_kv: unsupported layout or dtype")
+    slots = as_i64(slot_mapping)
+    n_slots = k_cache.shape[0] * k_cache.shape[1]
+    rc = lib.qp_write_kv_f32(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k_cache.data_ptr(),
+                             v_cache.data_ptr(), slots.data_ptr(), t, row, n_slots)
+    if rc != 0:
+        raise ValueError(f"write_kv: a slot outside [-1, {n_slots}) in slot_mapping")
+
+
+def _rows_ok(x: torch.Tensor, width: int) -> bool:
+    """fp32 on CPU, 2-D, ``width`` contiguous floats per row."""
+    return (x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and x.shape[1] >= width
+            and (x.stride(1) == 1 or x.shape[1] == 1))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``F.rms_norm(x, (dim,), weight, eps)`` for fp32 x [T, dim] (rows may be strided)."""
+    lib = load()
+    assert lib is not None, "rms_norm needs the native kernels; check load() first"
+    t, dim = x.shape
+    if not _rows_ok(x, dim) or not weight.is_contiguous() or weight.shape != (dim,):
+        raise ValueError(f"rms_norm: unsupported input {tuple(x.shape)}/{x.stride()} {x.dtype}")
+    out = torch.empty(t, dim, dtype=torch.float32)
+    lib.qp_rms_norm_f32(x.data_ptr(), x.stride(0), out.data_ptr(), weight.data_ptr(), t, dim, eps)
+    return out
+
+
+def add_rms_norm_(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    """In place: ``residual += x``, then ``x = rms_norm(residual) * weight`` (fp32 [T, dim], contiguous)."""
+    lib = load()
+    assert lib is not None, "add_rms_norm_ needs the native kernels; check load() first"
+    t, dim = x.shape
+    if (not (x.is_contiguous() and residual.is_contiguous() and weight.is_contiguous()) or residual.shape != x.shape
+            or weight.shape != (dim,) or not _rows_ok(x, dim) or residual.dtype != torch.float32):
+        raise ValueError(f"add_rms_norm_: unsupported inputs {tuple(x.shape)}, {tuple(residual.shape)}")
+    lib.qp_add_rms_norm_f32(x.data_ptr(), residual.data_ptr(), weight.data_ptr(), t, dim, eps)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for fp32 gate_up [T, 2 * inter] (gate first); returns [T, inter]."""
+    lib = load()
+    assert lib is not None, "silu_mul needs the native kernels; check load() first"
+    t, width = gate_up.shape
+    if not _rows_ok(gate_up, width) or width % 2:
+        raise ValueError(f"silu_mul: unsupported input {tuple(gate_up.shape)}/{gate_up.stride()} {gate_up.dtype}")
+    out = torch.empty(t, width // 2, dtype=torch.float32)
+    lib.qp_silu_mul_f32(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), t, width // 2)
+    return out
+
+
+def rope_(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, heads: int) -> None:
+    """In place on the first ``heads`` heads of x fp32 [T, >= heads, hd]:
+    ``apply_rotary`` with cos and signed_sin contiguous [T, hd] (rows of the rotary tables)."""
+    lib = load()
+    assert lib is not None, "rope_ needs the native kernels; check load() first"
+    t, nh, hd = x.shape
+    ok = (x.device.type == "cpu" and x.dtype == torch.float32 and x.stride(2) == 1 and x.stride(1) == hd
+          and heads <= nh and cos.shape == (t, hd) and signed_sin.shape == (t, hd) and cos.is_contiguous()
+          and signed_sin.is_contiguous() and cos.dtype == signed_sin.dtype == torch.float32)
+    if not ok or lib.qp_rope_f32(x.data_ptr(), x.stride(0), cos.data_ptr(), signed_sin.data_ptr(), t, heads, hd):
+        raise ValueError(f"rope_: unsupported input {tuple(x.shape)}/{x.stride()} with cos {tuple(cos.shape)}")

@@ -1,0 +1,220 @@
+"""The one choice of kernel for each linear layer, made once at ``prepare``.
+
+Each kernel declares whether it can run a layer (``can_implement(spec) -> None | reason``) and,
+when chosen, builds the layer's matmul from its loaded weights. ``select_linear_kernel`` tries
+the kernels of the layer's scheme in priority order, logs the ones passed over, and when none
+fits raises with every reason. A kernel's ``name`` is the layer's ``kernel_path``, which the
+start line and ``qpage:quantized_linear_layers{path=...}`` report.
+
+Priority: the fused Triton kernels on CUDA; on CPU torch's packed INT4/INT8 kernels (fast only
+with bf16 activations), else the weight dequantized once and multiplied on NumPy's BLAS (fp32)
+or by torch; anywhere else the dequantized torch fallback, which the doctor reports.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from qpage.kernels.cpu import blas, packed
+from qpage.kernels.fp8.matmul import fp8_matmul
+from qpage.kernels.int_matmul import int_matmul
+from qpage.kernels.packing import unpack_cols, unpack_rows
+from qpage.kernels.triton_utils import triton_unavailable_reason
+
+logger = logging.getLogger("qpage")
+
+Matmul = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class LinearSpec:
+    """What a kernel must handle: the weight's scheme and shape, and the activations."""
+
+    scheme: str
+    """``dense``, ``int`` (GPTQ/AWQ/compressed-tensors INT4/INT8) or ``fp8``."""
+    device: torch.device
+    dtype: torch.dtype
+    """The activations' dtype."""
+    in_features: int
+    out_features: int
+    bits: int = 0
+    group_size: int = 0
+    g_idx: torch.Tensor | None = None
+    """Act-order row -> group map (INT), None without act-order."""
+    fp8_block_aligned: bool = True
+    """FP8 block scales: every fused projection starts on a scale block boundary."""
+
+
+@dataclass
+class Built:
+    mm: Matmul
+    weight_bytes: int
+    """Bytes the weight occupies on this path."""
+    keeps_packed: bool = False
+    """Whether ``mm`` reads the layer's packed tensors (else the layer drops them)."""
+    adds_bias: bool = False
+    """Whether ``mm`` adds the layer's bias itself (fused into the matmul)."""
+
+
+class LinearKernel(Protocol):
+    name: str
+    schemes: tuple[str, ...]
+
+    def can_implement(self, spec: LinearSpec) -> str | None: ...
+
+    def build(self, layer: Any, spec: LinearSpec) -> Built: ...
+
+
+def dense_matmul(w_in_out: torch.Tensor, dtype: torch.dtype) -> Built:
+    """A matmul on a dense weight [in, out]: NumPy's BLAS for fp32 on CPU (kept ``[in, out]``
+    contiguous, its fastest layout), else ``F.linear``."""
+    if blas.supports(dtype, w_in_out.device):
+        w_t: np.ndarray = w_in_out.to(dtype).contiguous().numpy()
+        return Built(lambda x: blas.matmul_wt(x, w_t), w_t.nbytes)
+    dense = w_in_out.t().to(dtype).contiguous()
+    return Built(lambda x: F.linear(x, dense), dense.numel() * dense.element_size())
+
+
+def tied_head(embedding: torch.Tensor) -> Matmul | None:
+    """The LM head of a model whose head is its embedding [vocab, hidden]: on the BLAS path a
+    transposed copy, which costs its size in memory but runs faster than reading the embedding
+    in place; elsewhere None (``F.linear`` on the embedding itself)."""
+    if not blas.supports(embedding.dtype, embedding.device):
+        return None
+    return dense_matmul(embedding.t(), embedding.dtype).mm
+
+
+def _needs_triton(spec: LinearSpec) -> str | None:
+    return triton_unavailable_reason("cuda") if spec.device.type == "cuda" else f"runs on cuda, not {spec.device.type}"
+
+
+class TritonInt:
+    name, schemes = "triton-fused", ("int",)
+
+    def can_implement(self, spec: LinearSpec) -> str | None:
+        return _needs_triton(spec)
+
+    def build(self, layer: Any, spec: LinearSpec) -> Built:
+        group = layer.cfg.group_size or layer.in_features
+
+        def mm(x: torch.Tensor) -> torch.Tensor:
+            return int_matmul(x, layer.qweight, layer.scales, layer.qzeros, layer.g_idx, bits=layer.cfg.bits,
+                              group_size=group)
+
+        nbytes = sum(t.numel() * t.element_size() for t in (layer.qweight, layer.qzeros, layer.scales))
+        return Built(mm, nbytes, keeps_packed=True)
+
+
+class TritonFp8:
+    name, schemes = "triton-fused", ("fp8",)
+
+    def can_implement(self, spec: LinearSpec) -> str | None:
+        if not spec.fp8_block_aligned:
+            return "a fused projection does not start on a 128-row scale block"
+        return _needs_triton(spec)
+
+    def build(self, layer: Any, spec: LinearSpec) -> Built:
+        b = layer.cfg.block
+        scale = layer.scale if b is None else layer.scale[::b].contiguous()  # the [ceil(out/b), ceil(in/b)] grid
+        codes = layer.codes
+        return Built(lambda x: fp8_matmul(x, codes, scale), codes.numel() + 4 * scale.numel(), keeps_packed=True)
+
+
+class CpuPackedInt:
+    """torch's packed CPU matmuls (``kernels.cpu.packed``): the weight stays at 4 or 8 bits."""
+
+    schemes = ("int",)
+
+    def __init__(self, bits: int) -> None:
+        self.bits, self.name = bits, f"cpu-int{bits}pack"
+
+    def can_implement(self, spec: LinearSpec) -> str | None:
+        if spec.device.type != "cpu":
+            return f"runs on cpu, not {spec.device.type}"
+        if spec.bits != self.bits:
+            return f"{spec.bits}-bit weights"
+        return packed.packed_reason(spec.bits, spec.group_size, spec.g_idx, spec.in_features, spec.out_features,
+                                    spec.dtype)
+
+    def build(self, layer: Any, spec: LinearSpec) -> Built:
+        q = unpack_rows(layer.qweight, self.bits, layer.in_features)
+        zeros = unpack_cols(layer.qzeros, self.bits, layer.out_features)
+        if self.bits == 4:
+            p4 = packed.pack_int4(q, layer.scales, zeros, layer.g_idx, spec.group_size, spec.dtype)
+            return Built(lambda x: packed.int4_mm(x, p4), p4.nbytes())
+        p8 = packed.pack_int8(q, layer.scales, zeros, spec.dtype)
+        return Built(lambda x: packed.int8_mm(x, p8), p8.nbytes())
+
+
+class Dequantized:
+    """The weight dequantized once at ``prepare`` and multiplied like a dense layer: the fp32
+    CPU path by design (BLAS beats torch's packed kernels there, docs/cpu.md), and elsewhere
+    a slow fallback with dense memory, which the server's doctor reports."""
+
+    schemes = ("int", "fp8")
+
+    def __init__(self, name: str, devices: tuple[str, ...] | None) -> None:
+        self.name, self.devices = name, devices
+
+    def can_implement(self, spec: LinearSpec) -> str | None:
+        if self.devices is not None and spec.device.type not in self.devices:
+            return f"runs on {'/'.join(self.devices)}, not {spec.device.type}"
+        return None
+
+    def build(self, layer: Any, spec: LinearSpec) -> Built:
+        return dense_matmul(layer.dequantized_in_out(), spec.dtype)
+
+
+class Dense:
+    """An unquantized weight: NumPy's BLAS for fp32 on CPU, torch elsewhere."""
+
+    schemes = ("dense",)
+
+    def __init__(self, name: str, blas_only: bool) -> None:
+        self.name, self.blas_only = name, blas_only
+
+    def can_implement(self, spec: LinearSpec) -> str | None:
+        if self.blas_only and not blas.supports(spec.dtype, spec.device):
+            return "needs fp32 activations on cpu"
+        return None
+
+    def build(self, layer: Any, spec: LinearSpec) -> Built:
+        w = layer.weight.data
+        if not self.blas_only:  # the bias fused into the matmul, one rounding in half precision
+            return Built(lambda x: F.linear(x, layer.weight, layer.bias), w.numel() * w.element_size(),
+                         keeps_packed=True, adds_bias=True)
+        # Store W transposed ([in, out] contiguous); ``weight`` stays an [out, in] view of it.
+        w_t = w.t().contiguous()
+        layer.weight.data = w_t.t()
+        w_np: np.ndarray = w_t.numpy()
+        return Built(lambda x: blas.matmul_wt(x, w_np), w_np.nbytes, keeps_packed=True)
+
+
+LINEAR_KERNELS: tuple[LinearKernel, ...] = (
+    TritonInt(), TritonFp8(), CpuPackedInt(4), CpuPackedInt(8),
+    Dequantized("cpu-dequantized", ("cpu",)), Dequantized("dequantized-fallback", None),
+    Dense("cpu-blas", blas_only=True), Dense("torch", blas_only=False),
+)
+
+
+def select_linear_kernel(spec: LinearSpec, kernels: Sequence[LinearKernel] = LINEAR_KERNELS) -> LinearKernel:
+    """The first kernel of the spec's scheme that can run it (see the module docstring)."""
+    reasons = []
+    for k in kernels:
+        if spec.scheme not in k.schemes:
+            continue
+        why = k.can_implement(spec)
+        if why is None:
+            for r in reasons:
+                logger.debug("%s linear [%d -> %d]: skipped %s", spec.scheme, spec.in_features, spec.out_features, r)
+            return k
+        reasons.append(f"{k.name}: {why}")
+    raise ValueError(f"no kernel runs a {spec.scheme} linear [{spec.in_features} -> {spec.out_features}] on "
+                     f"{spec.device.type} with {spec.dtype}: " + "; ".join(reasons))
