@@ -22,7 +22,7 @@ class RunnerHarness:
         self.arch = read_arch_config(model_dir)
         self.model = load_model(model_dir, self.arch, dtype, torch.device("cpu"), max_len)
         self.kv = KVCacheManager(num_blocks, enable_caching=False)
-        self.runner = ModelRunner(self.model, self.arch, self.kv, dtype, torch.device("cpu"), max_len)
+        self.runner = ModelRunner(self.model, self.arch, self.kv, dtype, torch.device("cpu"))
 
     def request(self, rid: str, ids: list[int]) -> Request:
         return Request(rid, ids, SamplingParams(prompt_logprobs=0), 1000, set())

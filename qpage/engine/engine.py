@@ -78,7 +78,7 @@ class LLMEngine:
             torch.set_num_threads(self.model.ops.torch_threads)
         self.kv = KVCacheManager(num_blocks, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
-        self.runner = ModelRunner(self.model, self.arch, self.kv, self.dtype, self.device, self.max_model_len,
+        self.runner = ModelRunner(self.model, self.arch, self.kv, self.dtype, self.device,
                                   kv_spec=self.kv_spec, attention_backend=mc.attention_backend)
         if self.kv_spec.fp8_format is not None and self.kv_spec.per_token:
             from qpage.layers.kv_calibration import CALIBRATION_TEXT

@@ -113,6 +113,7 @@ def default_matmul_config(m: int, n: int, k: int, device: torch.device, group_si
                         num_stages=3, kind=kind)
 
 
+@functools.lru_cache(maxsize=16)
 def default_decode_config(device: torch.device) -> DecodeConfig:
     """Small tiles under the interpreter; FP8 V staged as fp16 on sm_90+, where shared memory
     leaves room for the staging buffer (docs/kernels.md)."""

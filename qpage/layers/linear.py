@@ -12,7 +12,7 @@ from torch import nn
 from qpage.formats.detect import LinearConfig
 from qpage.formats.fp8 import Fp8Config
 from qpage.layers.fp8_linear import Fp8Linear
-from qpage.layers.linear_kernels import LinearSpec, Matmul, select_linear_kernel
+from qpage.layers.linear_kernels import LinearSpec, Matmul, build_linear
 from qpage.layers.quant_linear import IntLinear
 
 
@@ -28,22 +28,18 @@ class Linear(nn.Module):
         self.weight_bytes = 0
         """Bytes the weight occupies in memory on the chosen path."""
         self._mm: Matmul | None = None
-        self._add_bias = bias
 
     def prepare(self) -> None:
         """Called once the weights are loaded and on their device."""
         w = self.weight.data
         spec = LinearSpec("dense", w.device, w.dtype, self.in_features, self.out_features)
-        kernel = select_linear_kernel(spec)
-        built = kernel.build(self, spec)
+        kernel, built = build_linear(self, spec)
         self._mm, self.kernel_path, self.weight_bytes = built.mm, kernel.name, built.weight_bytes
-        self._add_bias = self.bias is not None and not built.adds_bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._mm is None:
             raise RuntimeError("a linear runs only after prepare() (the model loader calls it)")
-        y = self._mm(x)
-        return y + self.bias if self._add_bias else y
+        return self._mm(x)
 
 
 def make_linear(in_features: int, out_features: int, bias: bool, quant: LinearConfig | None = None) -> nn.Module:

@@ -3,8 +3,10 @@
 Each kernel declares whether it can run a layer (``can_implement(spec) -> None | reason``) and,
 when chosen, builds the layer's matmul from its loaded weights. ``select_linear_kernel`` tries
 the kernels of the layer's scheme in priority order, logs the ones passed over, and when none
-fits raises with every reason. A kernel's ``name`` is the layer's ``kernel_path``, which the
-start line and ``qpage:quantized_linear_layers{path=...}`` report.
+fits raises with every reason. ``build_linear`` is what a layer's ``prepare`` calls: the chosen
+kernel's matmul with the layer's bias added (or fused by the kernel), so a layer's forward is
+that one call. A kernel's ``name`` is the layer's ``kernel_path``, which the start line and
+``qpage:quantized_linear_layers{path=...}`` report.
 
 Priority: the fused Triton kernels on CUDA; on CPU torch's packed INT4/INT8 kernels (fast only
 with bf16 activations), else the weight dequantized once and multiplied on NumPy's BLAS (fp32)
@@ -172,35 +174,42 @@ class Dequantized:
         return dense_matmul(layer.dequantized_in_out(), spec.dtype)
 
 
-class Dense:
-    """An unquantized weight: NumPy's BLAS for fp32 on CPU, torch elsewhere."""
+class DenseBlas:
+    """An unquantized fp32 weight on CPU, on NumPy's BLAS."""
 
-    schemes = ("dense",)
-
-    def __init__(self, name: str, blas_only: bool) -> None:
-        self.name, self.blas_only = name, blas_only
+    name, schemes = "cpu-blas", ("dense",)
 
     def can_implement(self, spec: LinearSpec) -> str | None:
-        if self.blas_only and not blas.supports(spec.dtype, spec.device):
-            return "needs fp32 activations on cpu"
-        return None
+        return None if blas.supports(spec.dtype, spec.device) else "needs fp32 activations on cpu"
 
     def build(self, layer: Any, spec: LinearSpec) -> Built:
-        w = layer.weight.data
-        if not self.blas_only:  # the bias fused into the matmul, one rounding in half precision
-            return Built(lambda x: F.linear(x, layer.weight, layer.bias), w.numel() * w.element_size(),
-                         keeps_packed=True, adds_bias=True)
-        # Store W transposed ([in, out] contiguous); ``weight`` stays an [out, in] view of it.
-        w_t = w.t().contiguous()
+        # Store W transposed ([in, out] contiguous); ``weight`` stays an [out, in] view of it, so
+        # weights copied into it later (the quantizer's layer refills) reach the BLAS copy too.
+        w_t = layer.weight.data.t().contiguous()
         layer.weight.data = w_t.t()
         w_np: np.ndarray = w_t.numpy()
         return Built(lambda x: blas.matmul_wt(x, w_np), w_np.nbytes, keeps_packed=True)
 
 
+class DenseTorch:
+    """An unquantized weight anywhere else: ``F.linear`` with the bias fused (one rounding in
+    half precision)."""
+
+    name, schemes = "torch", ("dense",)
+
+    def can_implement(self, spec: LinearSpec) -> str | None:
+        return None
+
+    def build(self, layer: Any, spec: LinearSpec) -> Built:
+        w = layer.weight.data
+        return Built(lambda x: F.linear(x, layer.weight, layer.bias), w.numel() * w.element_size(),
+                     keeps_packed=True, adds_bias=True)
+
+
 LINEAR_KERNELS: tuple[LinearKernel, ...] = (
     TritonInt(), TritonFp8(), CpuPackedInt(4), CpuPackedInt(8),
     Dequantized("cpu-dequantized", ("cpu",)), Dequantized("dequantized-fallback", None),
-    Dense("cpu-blas", blas_only=True), Dense("torch", blas_only=False),
+    DenseBlas(), DenseTorch(),
 )
 
 
@@ -218,3 +227,15 @@ def select_linear_kernel(spec: LinearSpec, kernels: Sequence[LinearKernel] = LIN
         reasons.append(f"{k.name}: {why}")
     raise ValueError(f"no kernel runs a {spec.scheme} linear [{spec.in_features} -> {spec.out_features}] on "
                      f"{spec.device.type} with {spec.dtype}: " + "; ".join(reasons))
+
+
+def build_linear(layer: Any, spec: LinearSpec) -> tuple[LinearKernel, Built]:
+    """The chosen kernel for ``layer`` and its matmul, which computes the whole layer: the
+    layer's ``bias`` (if any) is added here unless the kernel fused it."""
+    kernel = select_linear_kernel(spec)
+    built = kernel.build(layer, spec)
+    bias = layer.bias
+    if bias is not None and not built.adds_bias:
+        mm = built.mm
+        built.mm = lambda x: mm(x) + bias
+    return kernel, built

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from qpage.layers.linear_kernels import LinearSpec, Matmul, select_linear_kernel
+from qpage.layers.linear_kernels import LinearSpec, Matmul, build_linear
 
 
 class QuantLinearBase(nn.Module):
@@ -34,9 +34,7 @@ class QuantLinearBase(nn.Module):
 
     def prepare(self, dtype: torch.dtype) -> None:
         """Choose and build the kernel, once the weights are loaded and on their device."""
-        spec = self.spec(dtype)
-        kernel = select_linear_kernel(spec)
-        built = kernel.build(self, spec)
+        kernel, built = build_linear(self, self.spec(dtype))
         self._mm, self.kernel_path, self.weight_bytes = built.mm, kernel.name, built.weight_bytes
         if not built.keeps_packed:
             self.drop_packed()
@@ -44,5 +42,4 @@ class QuantLinearBase(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._mm is None:
             raise RuntimeError("a quantized linear runs only after prepare() (the model loader calls it)")
-        y = self._mm(x)
-        return y + self.bias if self.bias is not None else y
+        return self._mm(x)

@@ -47,7 +47,7 @@ class _Batch:
 class ModelRunner:
     def __init__(
         self, model: torch.nn.Module, arch: ArchConfig, kv: KVCacheManager,
-        dtype: torch.dtype, device: torch.device, max_model_len: int,
+        dtype: torch.dtype, device: torch.device,
         kv_spec: KVCacheSpec | None = None, attention_backend: str = "auto",
     ) -> None:
         self.model = model
