@@ -5,7 +5,12 @@ Starts its own server on a free port (or uses ``--url``), runs for ``--duration`
 lets the last requests finish, then checks through ``/metrics`` that the block pool is back
 to all-free (KV usage 0, nothing running or waiting). Prints a table, writes JSON.
 
-    python benchmarks/serve_load.py [--clients 64] [--duration 60] [--disconnect 0.25]
+``--slow-clients N`` adds N clients without the API key (the script then starts the server
+with one) that hold connections open the slow way: a request head sent a line at a time, a
+4 MiB body sent in small pieces, or nothing at all, over and over. The table then adds how
+long the server let such a connection live and the server's resident memory.
+
+    python benchmarks/serve_load.py [--clients 64] [--duration 60] [--disconnect 0.25] [--slow-clients 32]
 """
 
 from __future__ import annotations
@@ -25,6 +30,16 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 TEXT = ROOT.parent / "shared" / "data" / "wikitext2" / "test.txt"
 MODEL = "SmolLM2-135M-Instruct"
+
+
+@dataclass
+class SlowStats:
+    connections: int = 0
+    lifetimes: list[float] = field(default_factory=list)
+    """Seconds from connect until the server closed the connection."""
+    replies: dict[str, int] = field(default_factory=dict)
+    """First status line the server sent (a 401 to a head without a key), by text."""
+    rss_mib: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -116,6 +131,69 @@ async def run_clients(url: str, args: argparse.Namespace) -> tuple[Stats, float]
     return st, time.perf_counter() - t0
 
 
+async def slow_client(port: int, kind: int, deadline: float, ss: SlowStats) -> None:
+    """One unauthenticated client opening slow connections until ``deadline``."""
+    while time.perf_counter() < deadline:
+        t0 = time.perf_counter()
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        except OSError:
+            await asyncio.sleep(1)
+            continue
+        ss.connections += 1
+        head = [b"POST /v1/completions HTTP/1.1\r\n", b"Host: x\r\n", b"Content-Type: application/json\r\n",
+                b"Content-Length: 4194304\r\n", b"\r\n"]
+
+        async def trickle() -> None:
+            parts = head[:-1] if kind == 0 else (head + [b"a" * 65536] * 64 if kind == 1 else [])
+            for part in parts:
+                writer.write(part)
+                await writer.drain()
+                await asyncio.sleep(1.0)
+            await asyncio.sleep(3600)
+
+        sender = asyncio.create_task(trickle())
+        try:
+            first = await reader.readline()
+            if first:
+                ss.replies[first.decode().strip()] = ss.replies.get(first.decode().strip(), 0) + 1
+            while await reader.read(65536):
+                pass
+        except OSError:
+            pass
+        finally:
+            sender.cancel()
+            writer.close()
+        ss.lifetimes.append(time.perf_counter() - t0)
+
+
+async def sample_rss(pid: int, stop: asyncio.Event, ss: SlowStats) -> None:
+    while not stop.is_set():
+        with open(f"/proc/{pid}/status") as f:
+            rss_kb = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+        ss.rss_mib.append(rss_kb / 1024)
+        await asyncio.sleep(0.5)
+
+
+async def run_all(url: str, args: argparse.Namespace, pid: int | None) -> tuple[Stats, float, SlowStats]:
+    """The streaming clients, plus the slow clients and the RSS sampler when asked."""
+    ss, stop = SlowStats(), asyncio.Event()
+    port = int(url.rsplit(":", 1)[1])
+    deadline = time.perf_counter() + args.duration
+    extra = [asyncio.create_task(slow_client(port, i % 3, deadline, ss)) for i in range(args.slow_clients)]
+    if pid is not None:
+        extra.append(asyncio.create_task(sample_rss(pid, stop, ss)))
+    try:
+        st, wall = await run_clients(url, args)
+    finally:
+        stop.set()
+        await asyncio.sleep(0.6)
+        for t in extra:
+            t.cancel()
+        await asyncio.gather(*extra, return_exceptions=True)
+    return st, wall, ss
+
+
 def scrape(url: str, key: str | None) -> dict[str, float]:
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -151,6 +229,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--request-timeout", type=float, default=300.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--slow-clients", type=int, default=0,
+                    help="unauthenticated slow clients alongside (the started server then requires a key)")
     ap.add_argument("--server-args", default="--max-model-len 1024 --kv-cache-memory 512MiB --max-num-seqs 64",
                     help="arguments for the server this script starts")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "serve_load.json"))
@@ -158,24 +238,28 @@ def main() -> None:
 
     server = None
     url = args.url
+    if args.slow_clients and not args.api_key:
+        args.api_key = "serve-load-key"
     if url is None:
         from tests.server.conftest import start_server, stop_server
 
         log = Path(args.out).with_suffix(".server.log")
         log.parent.mkdir(parents=True, exist_ok=True)
-        server = start_server([*args.server_args.split(), "--no-access-log"], log)
+        key = ["--api-key", args.api_key] if args.api_key else []
+        server = start_server([*args.server_args.split(), *key, "--no-access-log"], log)
         url = server.url
     try:
         before = scrape(url, args.api_key)
-        st, wall = asyncio.run(run_clients(url, args))
+        st, wall, ss = asyncio.run(run_all(url, args, server.proc.pid if server is not None else None))
         after = settle(url, args.api_key)
     finally:
         if server is not None:
             stop_server(server)
-    report(args, st, wall, before, after)
+    report(args, st, wall, before, after, ss)
 
 
-def report(args: argparse.Namespace, st: Stats, wall: float, before: dict[str, float], after: dict[str, float]) -> None:
+def report(args: argparse.Namespace, st: Stats, wall: float, before: dict[str, float], after: dict[str, float],
+           ss: SlowStats) -> None:
     done = st.ok + st.disconnected
     res: dict[str, Any] = {
         "clients": args.clients, "duration_s": args.duration, "wall_s": wall, "disconnect_share": args.disconnect,
@@ -189,6 +273,10 @@ def report(args: argparse.Namespace, st: Stats, wall: float, before: dict[str, f
     for name, xs in (("ttft_s", st.ttft), ("itl_s", st.itl)):
         for q in (0.5, 0.9, 0.99):
             res[f"{name}_p{int(q * 100)}"] = pct(xs, q)
+    res.update({"slow_clients": args.slow_clients, "slow_connections": ss.connections,
+                "slow_lifetime_p50_s": pct(ss.lifetimes, 0.5), "slow_lifetime_max_s": max(ss.lifetimes, default=None),
+                "slow_replies": ss.replies, "server_rss_mib_first": ss.rss_mib[0] if ss.rss_mib else None,
+                "server_rss_mib_max": max(ss.rss_mib, default=None)})
     ms = lambda v: "-" if v is None else f"{1000 * v:.0f}"  # noqa: E731
     print(f"\n{args.clients} streaming clients for {args.duration:.0f}s ({wall:.0f}s with the tail), "
           f"{100 * args.disconnect:.0f}% disconnecting mid-stream\n")
@@ -205,6 +293,14 @@ def report(args: argparse.Namespace, st: Stats, wall: float, before: dict[str, f
         ("after: running / waiting", f"{after['qpage:num_requests_running']:.0f} / "
                                      f"{after['qpage:num_requests_waiting']:.0f}"),
     ]
+    if ss.rss_mib:
+        rows.append(("server RSS first / max (MiB)", f"{ss.rss_mib[0]:.0f} / {max(ss.rss_mib):.0f}"))
+    if args.slow_clients:
+        life = " / ".join("-" if v is None else f"{v:.1f}" for v in (pct(ss.lifetimes, 0.5), max(ss.lifetimes,
+                                                                                              default=None)))
+        rows += [("slow clients: connections opened", ss.connections),
+                 ("slow clients: connection lifetime p50 / max (s)", life),
+                 ("slow clients: replies", ", ".join(f"{k} x{v}" for k, v in ss.replies.items()) or "-")]
     for k, v in rows:
         print(f"| {k} | {v} |")
     if st.errors:

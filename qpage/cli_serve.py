@@ -25,13 +25,22 @@ def add_parsers(sub: Any, engine_args: Any) -> None:
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--api-key", default=os.environ.get("QPAGE_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on every endpoint but /health "
-                        "(default: $QPAGE_API_KEY, else none)")
+                   help="require 'Authorization: Bearer KEY' (or 'X-API-Key: KEY') on every endpoint but "
+                        "/health (default: $QPAGE_API_KEY, else none)")
     s.add_argument("--served-model-name", action="append", default=None,
                    help="model name(s) clients send (default: the model folder's name)")
-    s.add_argument("--max-waiting", type=int, default=None,
-                   help="answer 503 when this many requests are already waiting (default: no bound)")
-    s.add_argument("--max-request-bytes", type=int, default=4 * 1024 * 1024, help="largest request body (413 past it)")
+    s.add_argument("--max-waiting", type=_positive_int, default=1024,
+                   help="most sequences (prompts x n) waiting for the engine: past it a request gets 503 with "
+                        "Retry-After, and a request larger than the whole bound 400 (default: 1024)")
+    s.add_argument("--max-n", type=_positive_int, default=16,
+                   help="most completions (n) one request may ask for; 400 past it (default: 16)")
+    s.add_argument("--max-request-bytes", type=_positive_int, default=4 * 1024 * 1024,
+                   help="largest request body (413 past it; default: 4 MiB)")
+    s.add_argument("--read-timeout", type=float, default=30.0,
+                   help="seconds a client has to send a request's head, and again its body; the connection "
+                        "is closed (head) or answered 408 (body) past it (default: 30)")
+    s.add_argument("--max-connections", type=_positive_int, default=512,
+                   help="most open connections; requests past it get 503 (default: 512)")
     s.add_argument("--chat-template", default=None, help="Jinja chat template file (default: the tokenizer's)")
     s.add_argument("--log-interval", type=float, default=5.0, help="seconds between stats log lines")
     s.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True)
@@ -77,12 +86,12 @@ def _serve(args: argparse.Namespace, build_engine_config: Any) -> int:
     from qpage.engine.engine import LLMEngine
     from qpage.server.app import ServerSettings, build_app
     from qpage.server.async_engine import AsyncEngine
+    from qpage.server.middleware import TimedH11Protocol
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.model_path is not None:
         args.model = args.model_path
     config = build_engine_config(args)
-    config.scheduler.max_waiting = args.max_waiting
     engine = LLMEngine(config)
     names = args.served_model_name or [_default_name(engine, args.model)]
     template = None
@@ -90,14 +99,23 @@ def _serve(args: argparse.Namespace, build_engine_config: Any) -> int:
         with open(args.chat_template, encoding="utf-8") as f:
             template = f.read()
     aengine = AsyncEngine(engine, args.max_waiting, args.log_interval)
-    app = build_app(aengine, ServerSettings(names, args.api_key, args.max_request_bytes, template))
+    app = build_app(aengine, ServerSettings(names, args.api_key, args.max_request_bytes, template, args.max_n,
+                                            args.read_timeout))
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         logging.getLogger("qpage.server").warning(
             "serving on %s without --api-key: anyone who can reach this port can use the model", args.host)
     logging.getLogger("qpage.server").info("serving %s on http://%s:%d/v1", ", ".join(names), args.host, args.port)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info", access_log=args.access_log,
-                timeout_graceful_shutdown=5)
+                timeout_graceful_shutdown=5, http=TimedH11Protocol.with_timeout(args.read_timeout),
+                limit_concurrency=args.max_connections)
     return 0
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
 
 
 def _default_name(engine: Any, model: str | None) -> str:

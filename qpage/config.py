@@ -125,8 +125,6 @@ class SchedulerConfig:
     """Most requests running in one step."""
     max_num_batched_tokens: int = 1024
     """Token budget of one step: decodes plus prefill chunks."""
-    max_waiting: int | None = None
-    """Bound on the waiting queue (None: unbounded); the server answers 503 past it."""
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

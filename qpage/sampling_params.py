@@ -2,9 +2,20 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5
+SEED_RANGE = (-(2**63), 2**63 - 1)
+"""Seeds are 64-bit signed integers, as in vLLM's server."""
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 @dataclass
@@ -24,7 +35,7 @@ class SamplingParams:
     top_p: float = 1.0
     """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p."""
     top_k: int = 0
-    """Keep the k most likely tokens; 0 or -1 keeps all."""
+    """Keep the k most likely tokens; 0 or -1 keeps all (as does any k >= the vocabulary)."""
     min_p: float = 0.0
     """Drop tokens whose probability is below min_p times the top token's."""
     seed: int | None = None
@@ -64,25 +75,33 @@ class SamplingParams:
         if any(s == "" for s in self._stop_list):
             raise ValueError("stop strings must not be empty; remove the empty string")
         if self.stop_token_ids is not None:
-            if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
+            if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
                 raise ValueError(
                     f"stop_token_ids={self.stop_token_ids!r} must be non-negative integers"
                 )
             self.stop_token_ids = list(self.stop_token_ids)
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError(f"seed={self.seed!r} must be an integer or None")
+        if self.seed is not None and (not _is_int(self.seed) or not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]):
+            raise ValueError(f"seed={self.seed!r} is invalid: it must be an integer in "
+                             f"[{SEED_RANGE[0]}, {SEED_RANGE[1]}] or None")
 
     def _check_numbers(self) -> None:
         def bad(name: str, rule: str) -> ValueError:
             return ValueError(f"{name}={getattr(self, name)!r} is invalid: {rule}")
 
-        if not isinstance(self.n, int) or self.n < 1:
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _is_number(v) or not math.isfinite(v):
+                raise bad(name, "it must be a finite number")
+        for name in ("n", "top_k", "min_tokens"):
+            if not _is_int(getattr(self, name)):
+                raise bad(name, "it must be an integer")
+        if self.n < 1:
             raise bad("n", "it must be an integer >= 1")
         if self.temperature < 0:
             raise bad("temperature", "it must be >= 0 (0 means greedy)")
         if not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", "it must be in (0, 1]; use 1.0 to disable")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
+        if self.top_k < -1:
             raise bad("top_k", "it must be an integer >= 1, or 0 / -1 to disable")
         if not 0.0 <= self.min_p <= 1.0:
             raise bad("min_p", "it must be in [0, 1]; use 0 to disable")
@@ -91,15 +110,15 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise bad(name, "it must be in [-2, 2]; use 0 to disable")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             raise bad("max_tokens", "it must be an integer >= 1 (or None for the context limit)")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+        if self.min_tokens < 0:
             raise bad("min_tokens", "it must be an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", f"it must not exceed max_tokens={self.max_tokens}")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
-            if v is not None and (not isinstance(v, int) or v < 0):
+            if v is not None and (not _is_int(v) or v < 0):
                 raise bad(name, "it must be an integer >= 0 or None")
 
     @property

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -22,10 +23,11 @@ from qpage.layers.kv_format import KVCacheSpec
 from qpage.models.arch import ArchConfig
 from qpage.models.loader import load_model, read_arch_config, resolve_dtype, resolve_model_dir
 from qpage.runner.model_runner import ModelRunner
-from qpage.runner.sampler import Sampler
+from qpage.runner.sampler import Sampler, SampleResult
 from qpage.sampling_params import SamplingParams
 
 PromptType = str | dict[str, Any]
+log = logging.getLogger("qpage.engine")
 
 
 def load_tokenizer(model_dir: Path) -> Any:
@@ -145,7 +147,10 @@ class LLMEngine:
         elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             ids, text = prompt["prompt_token_ids"], prompt.get("prompt")
             vocab = self.arch.vocab_size
-            if not isinstance(ids, list) or not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
+            if not isinstance(ids, list):
+                raise ValueError(f"prompt_token_ids must be a list of ints in [0, {vocab})")
+            self._check_length(len(ids))  # before the per-id check: a huge list fails at once
+            if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
                 raise ValueError(f"prompt_token_ids must be a list of ints in [0, {vocab})")
         elif isinstance(prompt, dict) and "prompt" in prompt:
             return self._prompt_ids(prompt["prompt"], add_special_tokens)
@@ -155,12 +160,15 @@ class LLMEngine:
             )
         if not ids:
             raise ValueError("the prompt is empty; give at least one token of text")
-        if len(ids) >= self.max_model_len:
+        self._check_length(len(ids))
+        return text, list(ids)
+
+    def _check_length(self, n: int) -> None:
+        if n >= self.max_model_len:
             raise ValueError(
-                f"the prompt has {len(ids)} tokens, but max_model_len is {self.max_model_len}: "
+                f"the prompt has {n} tokens, but max_model_len is {self.max_model_len}: "
                 "shorten the prompt or raise max_model_len (and kv_cache_memory)"
             )
-        return text, list(ids)
 
     def add_request(
         self, prompt: PromptType, params: SamplingParams | None = None,
@@ -220,28 +228,74 @@ class LLMEngine:
             self.update_gauges()
             return []
         step = self.runner.execute(sched)
+        failed: dict[str, str] = {}  # parent request id -> why it failed (it alone ends)
         for rid, (first, logits) in step.prompt_logits.items():
             req = next(s.request for s in sched.scheduled if s.request.request_id == rid)
-            self.outputs.add_prompt_logprobs(req, first, logits)
+            try:
+                self.outputs.add_prompt_logprobs(req, first, logits)
+            except Exception as e:
+                failed[req.parent_id] = f"computing its prompt logprobs failed: {type(e).__name__}: {e}"
         if step.logits is None:
             self.scheduler.update(sched, {})
-            self.update_gauges()
-            return []
-        res = self.sampler(step.logits, step.sample_requests)
+            return self._finish_step([], failed)
+        res, sample_failed = self._sample(step.logits, step.sample_requests)
+        failed.update(sample_failed)
         sampled = {r.request_id: t for r, t in zip(step.sample_requests, res.token_ids, strict=True)}
         self.scheduler.update(sched, sampled)
-        for req in self.outputs.add_tokens(step.sample_requests, res, time.monotonic()):
+        now = time.monotonic()
+        for i, req in enumerate(step.sample_requests):
+            if req.parent_id in failed:
+                continue
+            try:
+                stopped = self.outputs.add_token(req, res, i, now)
+            except Exception as e:
+                failed[req.parent_id] = f"processing its output failed: {type(e).__name__}: {e}"
+                continue
+            if not stopped:
+                continue
             if req.status.finished:  # ended by EOS/length on the same token: the stop string wins
                 req.status = RequestStatus.FINISHED_STOPPED
             else:
                 self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
-        touched = {r.parent_id for r in step.sample_requests}
-        outs = self.outputs.snapshot(touched)
+        touched = {r.parent_id for r in step.sample_requests} - failed.keys()
+        return self._finish_step(self.outputs.snapshot(touched), failed)
+
+    def _finish_step(self, outs: list[RequestOutput], failed: dict[str, str]) -> list[RequestOutput]:
+        """Add the failed requests' final outputs, forget finished requests, refresh gauges."""
+        for pid, msg in failed.items():
+            log.warning("qpage: request %s failed: %s", pid, msg)
+            for req in self._requests.get(pid, []):
+                self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+            out = self.outputs.failed(pid, msg)
+            if out is not None:
+                outs.append(out)
         for o in outs:
             if o.finished:
                 self._requests.pop(o.request_id, None)
         self.update_gauges()
         return outs
+
+    def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[SampleResult, dict[str, str]]:
+        """Sample every row; if the batch fails, retry row by row so that a row that still
+        fails fails its own request only: (result, {request id: error}). A failed row's
+        token is a placeholder; seeded streams are rewound before the retry."""
+        states = [(r, r.rng.getstate()) for r in reqs if r.rng is not None]
+        shared = self.sampler.rng.getstate()
+        try:
+            return self.sampler(logits, reqs), {}
+        except Exception:
+            log.warning("qpage: sampling a batch of %d failed; retrying row by row", len(reqs), exc_info=True)
+        for r, st in states:
+            r.rng.setstate(st)  # type: ignore[union-attr]
+        self.sampler.rng.setstate(shared)
+        parts, failed = [], {}
+        for i, r in enumerate(reqs):
+            try:
+                parts.append(self.sampler(logits[i : i + 1], [r]))
+            except Exception as e:
+                failed[r.parent_id] = f"sampling failed: {type(e).__name__}: {e}"
+                parts.append(SampleResult([0], [None], [None]))
+        return SampleResult.concat(parts), failed
 
     def update_gauges(self) -> None:
         """Refresh the running/waiting/KV-usage gauges from the scheduler (also called by the server)."""

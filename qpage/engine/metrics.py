@@ -55,6 +55,7 @@ COUNTERS = (
     "prompt_tokens_total",
     "generation_tokens_total",
     "request_success_total",
+    "request_failure_total",
 )
 GAUGES = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")
 

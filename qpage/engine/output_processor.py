@@ -65,33 +65,44 @@ class OutputProcessor:
             entry = top_logprobs(lp[r], parent.prompt_token_ids[pos], k)
             parent.prompt_logprobs[pos] = self._token_text(entry)
 
-    def add_tokens(self, reqs: list[Request], res: SampleResult, now: float) -> list[Request]:
-        """Record each request's new token; return those a stop string has ended."""
-        stopped = []
-        for i, req in enumerate(reqs):
-            parent = self.parents[req.parent_id]
-            comp = parent.completions[req.index]
-            tok = res.token_ids[i]
-            if req.first_token_time is None:
-                req.first_token_time = now
-                self.metrics.observe("time_to_first_token_seconds", now - req.arrival_time)
-            elif req.last_token_time is not None:
-                self.metrics.observe("inter_token_latency_seconds", now - req.last_token_time)
-            req.last_token_time = now
-            self.metrics.inc("generation_tokens_total")
-            if res.logprobs[i] is not None:
-                req.cumulative_logprob += res.logprobs[i]  # type: ignore[operator]
-                comp.cumulative_logprob = req.cumulative_logprob
-                assert comp.logprobs is not None
-                comp.logprobs.append(self._token_text(res.top_logprobs[i]))  # type: ignore[arg-type]
-            detok = parent.detoks[req.index]
-            if detok is not None:
-                stop = detok.add_token(tok, req.num_output_tokens >= req.params.min_tokens)
-                comp.text = detok.text
-                if stop is not None:
-                    req.stop_reason = stop
-                    stopped.append(req)
-        return stopped
+    def add_token(self, req: Request, res: SampleResult, i: int, now: float) -> bool:
+        """Record row ``i`` of ``res`` as ``req``'s new token; True when a stop string ends it."""
+        parent = self.parents[req.parent_id]
+        comp = parent.completions[req.index]
+        tok = res.token_ids[i]
+        if req.first_token_time is None:
+            req.first_token_time = now
+            self.metrics.observe("time_to_first_token_seconds", now - req.arrival_time)
+        elif req.last_token_time is not None:
+            self.metrics.observe("inter_token_latency_seconds", now - req.last_token_time)
+        req.last_token_time = now
+        self.metrics.inc("generation_tokens_total")
+        if res.logprobs[i] is not None:
+            req.cumulative_logprob += res.logprobs[i]  # type: ignore[operator]
+            comp.cumulative_logprob = req.cumulative_logprob
+            assert comp.logprobs is not None
+            comp.logprobs.append(self._token_text(res.top_logprobs[i]))  # type: ignore[arg-type]
+        detok = parent.detoks[req.index]
+        if detok is None:
+            return False
+        stop = detok.add_token(tok, req.num_output_tokens >= req.params.min_tokens)
+        comp.text = detok.text
+        if stop is None:
+            return False
+        req.stop_reason = stop
+        return True
+
+    def failed(self, request_id: str, error: str) -> RequestOutput | None:
+        """The final output of a request that failed (``finish_reason`` 'error'); drops its state."""
+        parent = self.parents.pop(request_id, None)
+        if parent is None:
+            return None
+        for comp in parent.completions:
+            comp.finish_reason = comp.finish_reason or "error"
+        self.metrics.inc("request_failure_total")
+        out = self._output(parent)
+        out.finished, out.error = True, error
+        return out
 
     def snapshot(self, parent_ids: set[str]) -> list[RequestOutput]:
         """RequestOutputs (cumulative) for the given parents; finished ones are dropped."""

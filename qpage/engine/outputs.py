@@ -28,7 +28,8 @@ class CompletionOutput:
     cumulative_logprob: float | None
     logprobs: SampleLogprobs | None
     finish_reason: str | None = None
-    """'stop' (EOS, stop string or stop token), 'length' (max_tokens or context), 'abort'."""
+    """'stop' (EOS, stop string or stop token), 'length' (max_tokens or context), 'abort', or
+    'error' (this request failed inside the engine; ``RequestOutput.error`` says why)."""
     stop_reason: int | str | None = None
     """The stop string or stop token id that ended the completion; None for EOS or length."""
 
@@ -47,3 +48,5 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: dict[str, float] = field(default_factory=dict)
+    error: str | None = None
+    """Why the request failed inside the engine (its completions end with 'error'); None if not."""

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import random
 import time
 from array import array
-
-import torch
 
 from qpage.config import BLOCK_SIZE
 from qpage.sampling_params import SamplingParams
@@ -68,9 +67,11 @@ class Request:
         self._salt = (cache_salt or "").encode()
         self.block_hashes: list[bytes] = []
         self._update_block_hashes()
-        self.generator: torch.Generator | None = None
+        # The request's own random stream when seeded. Seeding from the text of (seed, index)
+        # uses every bit of the 64-bit seed (torch's CPU generator keeps only the low 32).
+        self.rng: random.Random | None = None
         if params.seed is not None:
-            self.generator = torch.Generator().manual_seed(params.seed + 1_000_003 * index)
+            self.rng = random.Random(f"{params.seed}:{index}")
         # Sampling bookkeeping
         self.cumulative_logprob = 0.0
         # Timings (monotonic seconds)

@@ -3,12 +3,13 @@
 Order per row: raw log-probabilities (returned as ``logprobs``, as vLLM does by default)
 -> penalties -> min_tokens masking -> greedy argmax, or temperature, top-k, top-p, min-p
 and a draw. A draw inverts the row's CDF at one uniform number taken from the request's
-own generator when it has a seed, so a seed reproduces its output whatever else shares
+own random stream when it has a seed, so a seed reproduces its output whatever else shares
 the batch.
 """
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 
 import torch
@@ -25,10 +26,15 @@ class SampleResult:
     top_logprobs: list[dict[int, Logprob] | None]
     """Per row, the sampled token and the top ``logprobs`` tokens; None when not asked."""
 
+    @staticmethod
+    def concat(parts: list[SampleResult]) -> SampleResult:
+        return SampleResult([t for p in parts for t in p.token_ids], [x for p in parts for x in p.logprobs],
+                            [x for p in parts for x in p.top_logprobs])
+
 
 class Sampler:
     def __init__(self, seed: int) -> None:
-        self.generator = torch.Generator().manual_seed(seed)
+        self.rng = random.Random(seed)
 
     def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> SampleResult:
         want_lp = [r.params.logprobs is not None for r in reqs]
@@ -83,13 +89,15 @@ class Sampler:
         if bool((min_ps > 0).any()):
             floor = probs.max(dim=-1, keepdim=True).values * min_ps[:, None]
             probs = probs.masked_fill(probs < floor, 0.0)
-        # Inverse-CDF draw: one uniform per row (from the request's own generator when seeded)
+        # Inverse-CDF draw: one uniform per row (from the request's own stream when seeded)
         # instead of one exponential per vocabulary entry (a large vocabulary made that costly).
         cdf = probs.cumsum(dim=-1)
-        u = torch.stack([torch.rand((), generator=r.generator or self.generator) for r in reqs])
-        # side="right": the first index whose cdf exceeds u, never a zero-probability token.
-        idx = torch.searchsorted(cdf, (u.to(cdf.dtype) * cdf[:, -1])[:, None], right=True)
-        return idx.squeeze(1).clamp_(max=probs.shape[-1] - 1)
+        u = torch.tensor([(r.rng or self.rng).random() for r in reqs], dtype=torch.float64)
+        # side="right": the first index whose cdf exceeds u, never a zero-probability token;
+        # a product that rounds up to the total is held to the last token with mass.
+        idx = torch.searchsorted(cdf, (u.to(cdf.dtype) * cdf[:, -1])[:, None], right=True).squeeze(1)
+        last = probs.shape[-1] - 1 - (probs > 0).flip(-1).to(torch.int8).argmax(dim=-1)
+        return torch.minimum(idx, last)
 
 
 def _blocks_stop(r: Request) -> bool:
@@ -98,9 +106,10 @@ def _blocks_stop(r: Request) -> bool:
 
 
 def _top_k_top_p(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
-    ks = [r.params.top_k if r.params.top_k > 0 else logits.shape[-1] for r in reqs]
+    vocab = logits.shape[-1]
+    ks = [min(r.params.top_k, vocab) if r.params.top_k > 0 else vocab for r in reqs]
     ps = [r.params.top_p for r in reqs]
-    if all(k >= logits.shape[-1] for k in ks) and all(p >= 1.0 for p in ps):
+    if all(k >= vocab for k in ks) and all(p >= 1.0 for p in ps):
         return logits
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     rank = torch.arange(logits.shape[-1])[None, :]

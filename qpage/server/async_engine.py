@@ -1,11 +1,13 @@
 """One engine, many concurrent requests: the step loop on its own thread, asyncio in front.
 
 The engine is not thread-safe, so everything that touches it (adding and aborting requests,
-tokenizing, reading metrics) runs on the engine thread as a command between two steps; the
-asyncio side awaits the result. Each request gets a stream: the engine thread pushes a
-snapshot after every step that touched the request, the HTTP handler reads them. A stream
-closed early (client gone, handler cancelled) aborts its request at once, which frees its
-KV blocks before the next step.
+reading metrics) runs on the engine thread as a command between two steps; the asyncio side
+awaits the result. Prompts arrive already tokenized (``server.preprocess``), so the thread
+runs model work and per-token output processing only. Each request gets a stream: the
+engine thread pushes a snapshot after every step that touched the request, the HTTP handler
+reads them. A stream closed early (client gone, handler cancelled) aborts its request at
+once, which frees its KV blocks before the next step. A request the engine failed on alone
+gets ``RequestFailedError`` in its stream; the others go on.
 """
 
 from __future__ import annotations
@@ -30,7 +32,11 @@ T = TypeVar("T")
 
 
 class QueueFullError(RuntimeError):
-    """The waiting queue is at its configured bound (HTTP 503)."""
+    """The waiting queue has no room for the request's sequences now (HTTP 503, retry later)."""
+
+
+class RequestFailedError(RuntimeError):
+    """The engine failed on this request alone; the others went on (HTTP 500 for its client)."""
 
 
 class EngineDeadError(RuntimeError):
@@ -73,7 +79,7 @@ class RequestStream:
     def put_threadsafe(self, item: Snapshot | BaseException | None) -> None:
         self.loop.call_soon_threadsafe(self._queue.put_nowait, item)
 
-    def put(self, item: Snapshot) -> None:
+    def put(self, item: Snapshot | BaseException) -> None:
         """On the event loop."""
         self._queue.put_nowait(item)
 
@@ -157,24 +163,38 @@ class AsyncEngine:
         return await fut
 
     async def generate(
-        self, prompt: PromptType, params: SamplingParams, request_id: str, add_special_tokens: bool = True,
-    ) -> RequestStream:
-        """Queue a request; raise ValueError (bad input) or QueueFullError before it starts."""
-        stream = RequestStream(self, asyncio.get_running_loop())
+        self, prompts: list[PromptType], params: SamplingParams, request_id: str, add_special_tokens: bool = True,
+    ) -> list[RequestStream]:
+        """Queue one request's prompts together (ids ``request_id`` or ``request_id-i``), or none
+        of them: raise ValueError (bad input) or QueueFullError before any starts. The queue
+        bound counts sequences: every prompt runs ``params.n`` of them."""
+        loop = asyncio.get_running_loop()
+        streams = [RequestStream(self, loop) for _ in prompts]
+        seqs = len(prompts) * params.n
 
-        def add(engine: LLMEngine) -> str:
+        def add(engine: LLMEngine) -> list[str]:
             waiting = len(engine.scheduler.waiting)
-            if self.max_waiting is not None and waiting >= self.max_waiting:
+            if self.max_waiting is not None and waiting + seqs > self.max_waiting:
                 raise QueueFullError(
-                    f"the server is at capacity ({waiting} requests waiting, bound {self.max_waiting}); "
-                    "retry later"
+                    f"the server is at capacity ({waiting} sequences waiting, bound {self.max_waiting}; this "
+                    f"request adds {seqs}); retry later"
                 )
-            rid = engine.add_request(prompt, params, request_id=request_id, add_special_tokens=add_special_tokens)
-            self._streams[rid] = stream
-            return rid
+            rids: list[str] = []
+            try:
+                for i, p in enumerate(prompts):
+                    sid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+                    rids.append(engine.add_request(p, params, request_id=sid, add_special_tokens=add_special_tokens))
+            except BaseException:
+                for rid in rids:  # all or nothing
+                    engine.abort_request(rid)
+                raise
+            for rid, stream in zip(rids, streams, strict=True):
+                self._streams[rid] = stream
+            return rids
 
-        stream.request_id = await self.call(add)
-        return stream
+        for rid, stream in zip(await self.call(add), streams, strict=True):
+            stream.request_id = rid
+        return streams
 
     def abort(self, request_id: str) -> None:
         """Abort from any thread; takes effect before the next step."""
@@ -238,12 +258,14 @@ class AsyncEngine:
                 s.put_threadsafe(RuntimeError(f"the engine failed while running this request: {e}"))
             self._streams.clear()
             return
-        batch: list[tuple[RequestStream, Snapshot]] = []
+        batch: list[tuple[RequestStream, Snapshot | BaseException]] = []
         for out in outs:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue
-            batch.append((stream, self._snapshot(out)))
+            item = self._snapshot(out) if out.error is None else RequestFailedError(
+                f"the engine failed on this request (other requests were not affected): {out.error}")
+            batch.append((stream, item))
             if out.finished:
                 del self._streams[out.request_id]
         if batch:  # one wake-up of the event loop per step, not one per request
@@ -286,7 +308,7 @@ class AsyncEngine:
         )
 
 
-def _deliver(batch: list[tuple[RequestStream, Snapshot]]) -> None:
+def _deliver(batch: list[tuple[RequestStream, Snapshot | BaseException]]) -> None:
     for stream, snap in batch:
         stream.put(snap)
 

@@ -27,6 +27,7 @@ HELP = {
     "prompt_tokens_total": "Prompt tokens received.",
     "generation_tokens_total": "Tokens generated.",
     "request_success_total": "Requests finished (stop or length).",
+    "request_failure_total": "Requests that failed inside the engine (their client got the error).",
     "time_to_first_token_seconds": "Arrival to first generated token.",
     "inter_token_latency_seconds": "Time between two generated tokens of one sequence.",
     "e2e_request_latency_seconds": "Arrival to finish.",

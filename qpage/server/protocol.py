@@ -1,20 +1,52 @@
 """Request bodies of the OpenAI-compatible API (OpenAI's fields plus vLLM's extras).
 
-Pydantic checks types; ``SamplingParams`` checks ranges, so both the Python API and the
-server reject the same values with the same words. Unknown fields are ignored, as in
-OpenAI's and vLLM's servers; fields qpage does not implement are refused by name rather
-than silently dropped.
+Pydantic checks types strictly (a JSON boolean is not a number; text must be encodable as
+UTF-8, so a lone surrogate is refused by field); ``SamplingParams`` checks ranges, so both
+the Python API and the server reject the same values with the same words. Unknown fields
+are ignored, as in OpenAI's and vLLM's servers; fields qpage does not implement are refused
+by name rather than silently dropped.
 """
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, Strict
 
 from qpage.sampling_params import SamplingParams
 
+
+def _utf8(text: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"the text has a character that UTF-8 cannot encode ({e.reason} at index {e.start}); "
+                         "send valid Unicode (no lone surrogates)") from None
+    return text
+
+
+Int = Annotated[int, Strict()]
+Float = Annotated[float, Strict()]
+Bool = Annotated[bool, Strict()]
+Text = Annotated[str, Strict(), AfterValidator(_utf8)]
+# vLLM fields the server does not implement: refused by name instead of silently ignored.
+UNSUPPORTED = {
+    "prompt_logprobs": "prompt_logprobs is not supported by the server (the Python API has it); leave it out",
+    "use_beam_search": "beam search is not supported by qpage; leave use_beam_search out",
+    "guided_json": "guided decoding is not supported by qpage yet; leave guided_json out",
+    "guided_regex": "guided decoding is not supported by qpage yet; leave guided_regex out",
+    "guided_choice": "guided decoding is not supported by qpage yet; leave guided_choice out",
+    "guided_grammar": "guided decoding is not supported by qpage yet; leave guided_grammar out",
+    "allowed_token_ids": "allowed_token_ids is not supported by qpage; leave it out",
+    "bad_words": "bad_words is not supported by qpage; leave it out",
+    "truncate_prompt_tokens": "truncate_prompt_tokens is not supported by qpage; shorten the prompt instead",
+    "functions": "functions are not supported by qpage; leave them out",
+    "function_call": "function_call is not supported by qpage; leave it out",
+}
+
 MAX_LOGPROBS = 20
+MAX_STOP, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS = 16, 1000, 256
+"""Bounds on stop conditions: each is checked on every generated token, on the engine thread."""
 
 
 class APIError(Exception):
@@ -22,7 +54,8 @@ class APIError(Exception):
 
     TYPES: ClassVar[dict[int, str]] = {
         400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
-        413: "invalid_request_error", 500: "server_error", 503: "server_error",
+        408: "invalid_request_error", 413: "invalid_request_error", 415: "invalid_request_error",
+        500: "server_error", 503: "server_error",
     }
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
@@ -39,34 +72,47 @@ class _Body(BaseModel):
 
 
 class StreamOptions(_Body):
-    include_usage: bool = False
+    include_usage: Bool = False
 
 
 class _SamplingRequest(_Body):
-    model: str | None = None
-    max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    n: int = 1
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    user: str | None = None
-    logit_bias: dict[str, float] | None = None
-    # vLLM's extras
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    min_tokens: int = 0
-    ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
-    skip_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
+    model_config = ConfigDict(extra="allow")  # kept so that unimplemented fields are refused by name
 
-    def _check_common(self) -> None:
+    model: Text | None = None
+    max_tokens: Int | None = None
+    temperature: Float = 1.0
+    top_p: Float = 1.0
+    n: Int = 1
+    stop: Text | list[Text] | None = None
+    seed: Int | None = None
+    presence_penalty: Float = 0.0
+    frequency_penalty: Float = 0.0
+    stream: Bool = False
+    stream_options: StreamOptions | None = None
+    user: Text | None = None
+    logit_bias: dict[str, Any] | None = None
+    # vLLM's extras
+    top_k: Int = 0
+    min_p: Float = 0.0
+    repetition_penalty: Float = 1.0
+    min_tokens: Int = 0
+    ignore_eos: Bool = False
+    stop_token_ids: list[Int] | None = None
+    skip_special_tokens: Bool = True
+    include_stop_str_in_output: Bool = False
+
+    def _check_common(self, max_n: int) -> None:
+        for name in self.model_extra or {}:
+            if name in UNSUPPORTED:
+                raise APIError(400, UNSUPPORTED[name], name)
+        if self.n > max_n:
+            raise APIError(400, f"n={self.n} is over this server's limit of {max_n} completions per request; "
+                                "lower n, or start the server with a larger --max-n", "n")
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        if len(stops) > MAX_STOP or any(len(x) > MAX_STOP_CHARS for x in stops):
+            raise APIError(400, f"stop takes at most {MAX_STOP} strings of at most {MAX_STOP_CHARS} characters", "stop")
+        if len(self.stop_token_ids or ()) > MAX_STOP_TOKEN_IDS:
+            raise APIError(400, f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids", "stop_token_ids")
         if self.logit_bias:
             raise APIError(400, "logit_bias is not supported by qpage; remove it", "logit_bias")
         if self.stream_options is not None and not self.stream:
@@ -88,19 +134,19 @@ class _SamplingRequest(_Body):
             raise APIError(400, str(e), param) from None
 
 
-PromptField = str | list[str] | list[int] | list[list[int]]
+PromptField = Text | list[Text] | list[Int] | list[list[Int]]
 
 
 class CompletionRequest(_SamplingRequest):
     prompt: PromptField
-    max_tokens: int | None = 16
-    logprobs: int | None = None
-    echo: bool = False
-    suffix: str | None = None
-    best_of: int | None = None
+    max_tokens: Int | None = 16
+    logprobs: Int | None = None
+    echo: Bool = False
+    suffix: Text | None = None
+    best_of: Int | None = None
 
-    def check(self) -> None:
-        self._check_common()
+    def check(self, max_n: int) -> None:
+        self._check_common(max_n)
         if self.echo:
             raise APIError(400, "echo=true is not supported by qpage; leave it out", "echo")
         if self.suffix:
@@ -110,28 +156,28 @@ class CompletionRequest(_SamplingRequest):
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise APIError(400, f"logprobs={self.logprobs} must be in [0, {MAX_LOGPROBS}]", "logprobs")
 
-    def prompts(self) -> list[str | dict[str, Any]]:
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts as text or token ids: one string, a list of strings, one list of ids,
+        or a list of lists of ids."""
         p = self.prompt
         if isinstance(p, str):
             return [p]
         if not p:
             raise APIError(400, "prompt is empty; give a string, a list of strings or token ids", "prompt")
         if all(isinstance(x, int) for x in p):
-            return [{"prompt_token_ids": list(p)}]
-        if all(isinstance(x, str) for x in p):
-            return list(p)  # type: ignore[arg-type]
-        return [{"prompt_token_ids": list(x)} for x in p]  # type: ignore[arg-type]
+            return [list(p)]  # type: ignore[arg-type]
+        return list(p)  # type: ignore[arg-type]
 
 
 class ContentPart(_Body):
-    type: str
-    text: str | None = None
+    type: Text
+    text: Text | None = None
 
 
 class ChatMessage(_Body):
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[ContentPart] | None = None
-    name: str | None = None
+    content: Text | list[ContentPart] | None = None
+    name: Text | None = None
 
     def as_template_dict(self) -> dict[str, Any]:
         content = self.content
@@ -149,17 +195,17 @@ class ChatMessage(_Body):
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = None
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
+    max_completion_tokens: Int | None = None
+    logprobs: Bool = False
+    top_logprobs: Int | None = None
+    add_generation_prompt: Bool = True
+    continue_final_message: Bool = False
     tools: list[Any] | None = None
     tool_choice: Any = None
     response_format: dict[str, Any] | None = None
 
-    def check(self) -> None:
-        self._check_common()
+    def check(self, max_n: int) -> None:
+        self._check_common(max_n)
         if self.tools:
             raise APIError(400, "tools are not supported by qpage yet; leave them out", "tools")
         if self.response_format and self.response_format.get("type", "text") != "text":
@@ -179,13 +225,13 @@ class ChatCompletionRequest(_SamplingRequest):
 
 
 class TokenizeRequest(_Body):
-    model: str | None = None
-    prompt: str | None = None
+    model: Text | None = None
+    prompt: Text | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
-    add_generation_prompt: bool = True
+    add_special_tokens: Bool = True
+    add_generation_prompt: Bool = True
 
 
 class DetokenizeRequest(_Body):
-    model: str | None = None
-    tokens: list[int]
+    model: Text | None = None
+    tokens: list[Int]

@@ -11,20 +11,21 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from qpage.engine.engine import LLMEngine, PromptType
 from qpage.sampling_params import SamplingParams
 from qpage.server.async_engine import AsyncEngine, RequestStream, Snapshot
-from qpage.server.protocol import APIError, ChatCompletionRequest, ChatMessage, CompletionRequest
+from qpage.server.preprocess import Preprocessor, Prompt
+from qpage.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from qpage.server.responses import ChatBuilder, CompletionBuilder, sse, usage
 
 CLIENT_CLOSED = 499  # nginx's code for "client closed request"; nobody reads it
 
 
 class OpenAIServing:
-    def __init__(self, aengine: AsyncEngine, model_names: list[str], chat_template: str | None = None) -> None:
+    def __init__(self, aengine: AsyncEngine, pre: Preprocessor, model_names: list[str], max_n: int) -> None:
         self.aengine = aengine
+        self.pre = pre
         self.model_names = model_names
-        self.chat_template = chat_template
+        self.max_n = max_n
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name not in self.model_names:
@@ -32,27 +33,25 @@ class OpenAIServing:
                                 f"{', '.join(repr(n) for n in self.model_names)} (GET /v1/models)",
                            "model", "model_not_found")
 
-    async def _start(
-        self, prompts: list[PromptType], params: SamplingParams, rid: str, add_special_tokens: bool,
-    ) -> list[RequestStream]:
-        streams: list[RequestStream] = []
-        try:
-            for i, p in enumerate(prompts):
-                sid = rid if len(prompts) == 1 else f"{rid}-{i}"
-                streams.append(await self.aengine.generate(p, params, sid, add_special_tokens))
-        except BaseException:
-            for s in streams:  # leave nothing running for a request that failed to start
-                s.close()
-            raise
-        return streams
+    async def _start(self, prompts: list[Prompt], params: SamplingParams, rid: str, add_special_tokens: bool,
+                     max_tokens: int | None, param: str) -> list[RequestStream]:
+        """Tokenize (off the engine thread) and queue all of a request's prompts, or refuse it whole."""
+        seqs, bound = len(prompts) * params.n, self.aengine.max_waiting
+        if bound is not None and seqs > bound:
+            raise APIError(400, f"this request has {seqs} sequences ({len(prompts)} prompts x n={params.n}), more "
+                                f"than this server ever queues (--max-waiting {bound}); split it into smaller requests",
+                           param if len(prompts) > 1 else "n")
+        ready = await self.pre.prompts(prompts, add_special_tokens, max_tokens, param)
+        return await self.aengine.generate(ready, params, rid)  # type: ignore[arg-type]
 
     # ------------------------------------------------------------------ completions
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
-        body.check()
+        body.check(self.max_n)
         self.check_model(body.model)
         params = body.sampling_params(body.max_tokens, body.logprobs)
         rid = f"cmpl-{uuid.uuid4().hex}"
-        streams = await self._start(body.prompts(), params, rid, add_special_tokens=True)
+        explicit = body.max_tokens if "max_tokens" in body.model_fields_set else None
+        streams = await self._start(body.prompts(), params, rid, True, explicit, "prompt")
         builder = CompletionBuilder(rid, self.model_names[0], body.n, body.logprobs is not None)
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
@@ -88,13 +87,14 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------ chat
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
-        body.check()
+        body.check(self.max_n)
         self.check_model(body.model)
         params = body.sampling_params(body.requested_max_tokens(), body.logprobs_k())
-        prompt = await self.render_chat(body.messages, body.add_generation_prompt and not body.continue_final_message,
-                                        body.continue_final_message)
+        prompt = await self.pre.render_chat([m.as_template_dict() for m in body.messages],
+                                            body.add_generation_prompt and not body.continue_final_message,
+                                            body.continue_final_message)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        streams = await self._start([prompt], params, rid, add_special_tokens=False)
+        streams = await self._start([prompt], params, rid, False, body.requested_max_tokens(), "messages")
         builder = ChatBuilder(rid, self.model_names[0], body.logprobs_k())
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
@@ -103,25 +103,6 @@ class OpenAIServing:
         if finals is None:
             return Response(status_code=CLIENT_CLOSED)
         return JSONResponse(builder.full(finals[0].outputs, _usage(finals)))
-
-    async def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool,
-                          continue_final: bool = False) -> str:
-        conv = [m.as_template_dict() for m in messages]
-        template = self.chat_template
-
-        def render(engine: LLMEngine) -> str:
-            tok = engine.tokenizer
-            if template is None and not getattr(tok, "chat_template", None):
-                raise APIError(400, "this model has no chat template; use /v1/completions, or start the "
-                                    "server with --chat-template FILE")
-            try:
-                return tok.apply_chat_template(conv, chat_template=template, tokenize=False,
-                                               add_generation_prompt=add_generation_prompt,
-                                               continue_final_message=continue_final)
-            except Exception as e:
-                raise APIError(400, f"the chat template failed on these messages: {e}", "messages") from None
-
-        return await self.aengine.call(render)
 
     async def _stream_chat(
         self, stream: RequestStream, builder: ChatBuilder, n: int, include_usage: bool,
@@ -221,8 +202,9 @@ def _sse_response(gen: AsyncIterator[str], streams: list[RequestStream], request
         try:
             async for event in gen:
                 yield event
-        except Exception as e:  # the engine failed mid-stream: tell the client in the stream
+        except Exception as e:  # the engine failed on this request mid-stream: say so, then end
             yield sse(APIError(500, str(e)).body())
+            yield sse("[DONE]")
         finally:
             watcher.cancel()
             for s in streams:

@@ -26,6 +26,16 @@ from qpage import LLM, SamplingParams
     ({"logprobs": -1}, r"logprobs=-1 is invalid"),
     ({"stop": [""]}, r"stop strings must not be empty"),
     ({"stop": 5}, r"stop=5 must be a string or a list of strings"),
+    # Non-finite numbers, booleans as numbers and out-of-range seeds are refused by field.
+    ({"temperature": float("nan")}, r"temperature=nan is invalid: it must be a finite number"),
+    ({"temperature": float("inf")}, r"temperature=inf is invalid: it must be a finite number"),
+    ({"repetition_penalty": float("nan")}, r"repetition_penalty=nan is invalid: it must be a finite number"),
+    ({"top_p": float("nan")}, r"top_p=nan is invalid"),
+    ({"min_p": float("-inf")}, r"min_p=-inf is invalid"),
+    ({"max_tokens": True}, r"max_tokens=True is invalid"),
+    ({"n": True}, r"n=True is invalid: it must be an integer"),
+    ({"seed": 2**64}, r"seed=18446744073709551616 is invalid: it must be an integer in"),
+    ({"seed": -(2**63) - 1}, r"seed=-9223372036854775809 is invalid"),
 ])
 def test_invalid_sampling_values(kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):

@@ -17,10 +17,13 @@ import pytest
 API_KEY = "test-key-123"
 MODEL = "SmolLM2-135M-Instruct"
 # A small cache (45 blocks = 720 tokens at max_model_len 512) so concurrent long requests
-# preempt; 4 running and 8 waiting at most, so the queue bound is reachable and a full queue
-# stays partly waiting (not all admitted by the next step) while the test scrapes it.
+# preempt; 4 running and 8 waiting sequences at most, so the queue bound is reachable and a
+# full queue stays partly waiting (not all admitted by the next step) while the test scrapes
+# it. Short read timeout and connection bound, so the tests of both finish quickly.
+READ_TIMEOUT, MAX_CONNECTIONS = 4, 64
 SERVER_ARGS = ["--max-model-len", "512", "--kv-cache-memory", "32MiB", "--max-num-seqs", "4",
-               "--max-waiting", "8", "--api-key", API_KEY, "--log-interval", "1", "--no-access-log"]
+               "--max-waiting", "8", "--api-key", API_KEY, "--log-interval", "1", "--no-access-log",
+               "--read-timeout", str(READ_TIMEOUT), "--max-connections", str(MAX_CONNECTIONS)]
 
 
 @dataclass

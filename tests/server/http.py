@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import http.client
 import json
 import urllib.error
 import urllib.request
@@ -49,3 +50,23 @@ def assert_openai_error(status: int, body: Any, want: int) -> None:
     err = body["error"]
     assert {"message", "type", "param", "code"} <= set(err), err
     assert isinstance(err["message"], str) and len(err["message"]) > 10, err
+
+
+def call(url: str, path: str, body: bytes | dict[str, Any] | None = None, key: str | None = API_KEY,
+         method: str | None = None, headers: dict[str, str] | None = None,
+         conn: http.client.HTTPConnection | None = None) -> tuple[int, dict[str, str], Any]:
+    """One request on ``conn`` (a new connection if None): (status, lower-cased headers, body)."""
+    data = json.dumps(body).encode() if isinstance(body, dict) else body
+    if conn is None:
+        host, port = url.removeprefix("http://").split(":")
+        conn = http.client.HTTPConnection(host, int(port), timeout=120)
+    head = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {}),
+            **(headers or {})}
+    conn.request(method or ("POST" if data is not None else "GET"), path, body=data, headers=head)
+    r = conn.getresponse()
+    text = r.read().decode()
+    try:
+        parsed: Any = json.loads(text)
+    except json.JSONDecodeError:
+        parsed = text
+    return r.status, {k.lower(): v for k, v in r.getheaders()}, parsed

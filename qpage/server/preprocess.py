@@ -1,0 +1,99 @@
+"""Request text to token ids, on the server's side of the engine.
+
+The server keeps its own copy of the tokenizer and runs it on one worker thread: prompts
+are tokenized, chat templates rendered and ``/tokenize`` and ``/detokenize`` answered there,
+so a large prompt neither stalls the engine's step loop (which every client shares) nor
+the event loop. A prompt too long for the context, or a ``max_tokens`` that does not fit
+beside it, is refused here with the field it concerns, before the engine sees it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+from qpage.server.protocol import APIError
+
+T = TypeVar("T")
+Prompt = str | list[int]
+
+
+class Preprocessor:
+    def __init__(self, tokenizer: Any, max_model_len: int, vocab_size: int, chat_template: str | None = None) -> None:
+        self.tokenizer = copy.deepcopy(tokenizer)  # not shared with the engine thread's detokenizers
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.chat_template = chat_template
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qpage-tokenize")
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    async def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        return await self._run(self._encode, text, add_special_tokens)
+
+    async def decode(self, ids: list[int]) -> str:
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise APIError(400, f"token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})", "tokens")
+        return await self._run(self.tokenizer.decode, ids)
+
+    async def render_chat(self, conv: list[dict[str, Any]], add_generation_prompt: bool,
+                          continue_final: bool = False) -> str:
+        return await self._run(self._render, conv, add_generation_prompt, continue_final)
+
+    async def prompts(self, prompts: list[Prompt], add_special_tokens: bool, max_tokens: int | None,
+                      param: str) -> list[dict[str, Any]]:
+        """Each prompt as ``{"prompt_token_ids", "prompt"}``, checked against the context.
+        ``max_tokens`` is the client's explicit value (None: fill the context); ``param``
+        names the field the prompts came from, for errors."""
+        return await self._run(self._prompts, prompts, add_special_tokens, max_tokens, param)
+
+    # ------------------------------------------------------------------ worker thread
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def _render(self, conv: list[dict[str, Any]], add_generation_prompt: bool, continue_final: bool) -> str:
+        tok = self.tokenizer
+        if self.chat_template is None and not getattr(tok, "chat_template", None):
+            raise APIError(400, "this model has no chat template; use /v1/completions, or start the "
+                                "server with --chat-template FILE")
+        try:
+            return tok.apply_chat_template(conv, chat_template=self.chat_template, tokenize=False,
+                                           add_generation_prompt=add_generation_prompt,
+                                           continue_final_message=continue_final)
+        except Exception as e:
+            raise APIError(400, f"the chat template failed on these messages: {e}", "messages") from None
+
+    def _prompts(self, prompts: list[Prompt], add_special_tokens: bool, max_tokens: int | None,
+                 param: str) -> list[dict[str, Any]]:
+        out = []
+        for p in prompts:
+            if isinstance(p, str):
+                ids, text = self._encode(p, add_special_tokens), p
+            else:
+                ids, text = p, None
+            self._check(ids, max_tokens, param)
+            out.append({"prompt_token_ids": ids, "prompt": text})
+        return out
+
+    def _check(self, ids: list[int], max_tokens: int | None, param: str) -> None:
+        n, limit = len(ids), self.max_model_len
+        if n == 0:
+            raise APIError(400, "the prompt is empty; give at least one token of text", param)
+        if n >= limit:
+            raise APIError(400, f"the prompt has {n} tokens, but this server's context (max_model_len) is {limit}: "
+                                "shorten the prompt", param)
+        if max_tokens is not None and n + max_tokens > limit:
+            raise APIError(400, f"max_tokens={max_tokens} does not fit: the prompt has {n} tokens and the context "
+                                f"(max_model_len) is {limit}; ask for at most {limit - n}, or leave max_tokens out "
+                                "to fill the context", "max_tokens")
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise APIError(400, f"token id {bad} is outside the vocabulary [0, {self.vocab_size})", param)
