@@ -24,6 +24,24 @@ SAMPLING_FIELDS = (
     "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
     "presence_penalty", "frequency_penalty", "stop", "ignore_eos", "n", "logprobs",
 )
+# At a prompt people expect a whole answer (as from ollama, llama-cli or a chat endpoint), so
+# the CLI runs to the end-of-sequence token, with ollama's repetition penalty so that greedy
+# decoding of a small model does not loop until the context is full. The Python API keeps
+# vLLM's defaults (16 tokens, no penalty).
+CLI_SAMPLING = {
+    "max_tokens": (None, "until the end-of-sequence token, at most max_model_len; 16 in the Python API"),
+    "repetition_penalty": (1.1, "1.1 against repetition loops, as ollama; 1.0 in the Python API"),
+}
+
+
+class VersionAction(argparse.Action):
+    """``--version``: the version and what this machine can run, then exit."""
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: Any) -> None:
+        from qpage.sysinfo import report
+
+        print(report())
+        parser.exit()
 
 
 def _base_type(tp: Any) -> Any:
@@ -38,13 +56,19 @@ def _base_type(tp: Any) -> Any:
     return tp
 
 
-def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, names: Sequence[str]) -> None:
+def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, names: Sequence[str],
+                       overrides: dict[str, tuple[Any, str]] | None = None) -> None:
+    """One option per field, its default and help read off ``cls``; ``overrides`` maps a field
+    to (default, how the help states it) where a command differs from the dataclass."""
     hints = {f.name: f for f in dataclasses.fields(cls)}
     for name in names:
         f = hints[name]
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        shown = str(default)
+        if overrides and name in overrides:
+            default, shown = overrides[name]
         flag = "--" + name.replace("_", "-")
-        help_ = f"{field_doc(cls, name)} (default: {default})"
+        help_ = f"{field_doc(cls, name)} (default: {shown})"
         tp = _base_type(f.type)
         if tp is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_)
@@ -84,7 +108,10 @@ def _parser() -> argparse.ArgumentParser:
     from qpage.sampling_params import SamplingParams
 
     p = argparse.ArgumentParser(prog="qpage", description="Quantization-first, low-memory LLM inference")
+    p.add_argument("--version", action=VersionAction, nargs=0,
+                   help="print the version, torch, the CPU's features and the kernel paths this machine runs")
     sub = p.add_subparsers(dest="command", required=True)
+    sub.add_parser("version", help="same as --version")
     gen = sub.add_parser("generate", help="complete prompts (offline batch) and print the text")
     gen.add_argument("prompts", nargs="*", help="prompts; read from stdin, one per line, if none")
     gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
@@ -92,7 +119,7 @@ def _parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", default=None, help="system prompt")
     for sp in (gen, chat):
         add_engine_args(sp)
-        add_dataclass_args(sp, SamplingParams, SAMPLING_FIELDS)
+        add_dataclass_args(sp, SamplingParams, SAMPLING_FIELDS, CLI_SAMPLING)
     from qpage import cli_quant, cli_serve
 
     cli_quant.add_parsers(sub)
@@ -128,7 +155,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
     engine = llm.llm_engine
     params = sampling_from_args(args)
     messages: list[dict[str, str]] = [{"role": "system", "content": args.system}] if args.system else []
-    print("qpage chat: type a message; /reset clears the history, /exit or Ctrl-D quits.", file=sys.stderr)
+    print("qpage chat: type a message; Ctrl-C stops an answer, /reset clears the history, /exit or Ctrl-D "
+          "quits.", file=sys.stderr)
     while True:
         try:
             line = input("> ")
@@ -179,6 +207,11 @@ def _stream(engine: Any, rid: str) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "version":
+        from qpage.sysinfo import report
+
+        print(report())
+        return 0
     if args.command in ("quantize", "inspect", "eval"):
         from qpage import cli_quant
 

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from qpage.inspect_model import describe, table
 from qpage.quantizers.scheme import SCHEMES
 
 
@@ -33,8 +34,15 @@ def add_parsers(sub: Any) -> None:
     q.add_argument("--eval-text", default=None, help="text file for the perplexity report (source vs result)")
     q.add_argument("--eval-windows", type=int, default=4)
     q.add_argument("--seq-len", type=int, default=512)
-    i = sub.add_parser("inspect", help="describe a checkpoint: format, scheme, bits per weight, size, layers")
-    i.add_argument("model")
+    i = sub.add_parser("inspect", help="describe a checkpoint: format, scheme, bits per weight, size on disk and "
+                                       "in memory here, and the kernel path of its layers")
+    i.add_argument("model", nargs="?", default=None,
+                   help="model folder or .gguf file (default: the default model)")
+    i.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    i.add_argument("--no-load", dest="load", action="store_false",
+                   help="read the files only (no memory or kernel-path rows)")
+    i.add_argument("--device", default="cpu", help="device to load on for the memory and paths (default: cpu)")
+    i.add_argument("--dtype", default="auto", help="activation dtype, as for generate (default: auto)")
     e = sub.add_parser("eval", help="perplexity (and KL against a reference model) on a text file")
     e.add_argument("model", nargs="?", default=None, help="model folder (default: the default model)")
     e.set_defaults(model=None)
@@ -106,51 +114,9 @@ def cmd_quantize(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from qpage.models.loader import read_arch_config, resolve_model_dir, weight_files
-
-    path = resolve_model_dir(None if args.model == "default" else args.model)
-    arch = read_arch_config(path)
-    files = weight_files(path, allow_pickle=False)
-    size = sum(f.stat().st_size for f in files)
-    qc = arch.quantization
-    info: dict[str, Any] = {"model": str(path), "architecture": arch.architecture, "layers": arch.num_layers,
-                            "hidden_size": arch.hidden_size, "files": len(files), "size_bytes": size}
-    if qc:
-        info.update(_describe_quant(qc, arch.hidden_size))
-    else:
-        info.update(format="dense", dtype=arch.torch_dtype)
-    print(json.dumps(info, indent=1))
+    info = describe(args.model, args.load, args.device, args.dtype)
+    print(json.dumps(info, indent=1) if args.json else table(info))
     return 0
-
-
-def _describe_quant(qc: dict[str, Any], in_features: int) -> dict[str, Any]:
-    from qpage.formats.awq import AwqConfig
-    from qpage.formats.detect import linear_config
-    from qpage.formats.fp8 import Fp8Config
-
-    cfg = linear_config(qc, "config.json")
-    if isinstance(cfg, Fp8Config):
-        per_scale = cfg.block * cfg.block if cfg.block else in_features
-        return {"format": cfg.source, "weights": "fp8 e4m3", "scales": f"{cfg.block}x{cfg.block} block" if cfg.block
-                else "per channel", "bits_per_weight": 8 + 32 / per_scale}
-    from qpage.formats.compressed_tensors import CtIntConfig
-
-    g = cfg.group_size or in_features
-    if isinstance(cfg, AwqConfig):
-        fmt = "awq (gemm)"
-    elif isinstance(cfg, CtIntConfig):
-        fmt = "compressed-tensors (pack-quantized)"
-    else:
-        fmt = f"gptq ({qc.get('checkpoint_format', 'gptq')})"
-    sym = cfg.sym and not isinstance(cfg, AwqConfig)
-    info = {"format": fmt, "bits": cfg.bits, "group_size": cfg.group_size, "sym": sym, "desc_act": cfg.desc_act,
-            "bits_per_weight": cfg.bits + (16 + (0 if sym else cfg.bits)) / g}
-    actorder = next(iter(qc.get("config_groups", {}).values()), {}).get("weights", {}).get("actorder")
-    if isinstance(cfg, CtIntConfig) and actorder:
-        info["actorder"] = actorder  # "weight": act-order with static groups (no g_idx)
-    elif qc.get("static_groups"):
-        info["static_groups"] = True
-    return info
 
 
 def cmd_eval(args: argparse.Namespace) -> int:

@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -46,10 +47,57 @@ def test_cli_defaults_come_from_the_dataclasses() -> None:
     from qpage.sampling_params import SamplingParams
 
     args = _parser().parse_args(["generate", "x"])
-    assert args.max_tokens == SamplingParams().max_tokens
+    assert args.max_tokens is None  # the CLI runs to EOS; SamplingParams keeps vLLM's 16
+    assert _parser().parse_args(["chat"]).max_tokens is None
+    assert args.repetition_penalty == 1.1 and SamplingParams().repetition_penalty == 1.0
     assert args.temperature == SamplingParams().temperature
     assert args.max_num_batched_tokens == SchedulerConfig().max_num_batched_tokens
     assert args.kv_cache_memory == CacheConfig.__dataclass_fields__["kv_cache_memory"].default
+
+
+@pytest.mark.slow
+def test_generate_chat_runs_to_eos_by_default() -> None:
+    r = qpage("generate", "--chat", "Name the three primary colors and say why they are called primary.",
+              "--temperature", "0", "--kv-cache-memory", "64MiB")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.rstrip().endswith("(stop)"), r.stdout[-500:]
+    tokens = int(r.stderr.split(" tokens in ")[0].rsplit(" ", 1)[1])
+    assert tokens > 16, r.stderr  # past SamplingParams' default, ended by EOS
+
+
+def test_version_reports_the_machine() -> None:
+    import torch
+
+    from qpage import __version__
+    from qpage.layers.backends import select_attention_backend
+    from qpage.layers.kv_format import KVCacheSpec
+
+    r = qpage("--version")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith(f"qpage {__version__}\n") and f"torch {torch.__version__}" in r.stdout
+    attn = select_attention_backend(torch.device("cpu"), KVCacheSpec.from_config("auto", "auto", torch.float32), 64)
+    assert f"paths on cpu with float32: attention {attn.name};" in r.stdout
+    assert "C kernels (cpu-native): " in r.stdout and "cuda: " in r.stdout and "triton: " in r.stdout
+    assert qpage("version").stdout == r.stdout
+
+
+@pytest.mark.slow
+def test_inspect_default_gguf(hf_model: Any) -> None:
+    from qpage.formats.gguf import default_gguf_path
+
+    r = qpage("inspect", "--json")
+    assert r.returncode == 0, r.stderr
+    info = json.loads(r.stdout)
+    n_params = sum(p.numel() for p in hf_model.parameters())  # tied head counted once
+    size = default_gguf_path().stat().st_size
+    assert info["format"] == "gguf" and info["scheme"] == "Q4_1" and info["size_bytes"] == size
+    assert 0.95 * size <= info["bits_per_weight"] * n_params / 8 <= size  # tensor bytes within the file
+    loaded = info["loaded"]
+    assert loaded["dtype"] == "float32" and abs(loaded["memory_bytes"] / (4 * n_params) - 1) < 0.01
+    # qkv, o, gate_up and down per decoder layer (q/k/v and gate/up fused)
+    assert sum(v["layers"] for v in loaded["linear_paths"].values()) == 4 * info["layers"]
+    table = qpage("inspect").stdout
+    assert "Q4_1" in table and "bits per weight" in table and "in memory (cpu, float32)" in table, table
 
 
 @pytest.mark.slow
@@ -59,10 +107,14 @@ def test_quantize_and_inspect_commands(tmp_path: Path) -> None:
                         "--group-size", "64"], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "int4 rtn g64 sym (gptq format), 210 linears" in r.stdout
-    r = subprocess.run([sys.executable, "-m", "qpage.cli", "inspect", str(out)], capture_output=True, text=True,
-                       timeout=300)
-    info = json.loads(r.stdout)
+    info = json.loads(qpage("inspect", str(out), "--json", "--dtype", "bfloat16").stdout)
     assert info["bits"] == 4 and info["group_size"] == 64 and info["bits_per_weight"] == 4.25
+    assert info["scheme"] == "int4 g64 sym" and info["format"].startswith("gptq")
+    paths = info["loaded"]["linear_paths"]
+    assert sum(v["layers"] for v in paths.values()) == 4 * info["layers"] and info["loaded"]["dtype"] == "bfloat16"
+    table = qpage("inspect", str(out), "--dtype", "bfloat16").stdout
+    assert "int4 g64 sym" in table and "4.25" in table and "linear layers" in table, table
+    assert all(f"on {p} " in table for p in paths), table
     r = subprocess.run([sys.executable, "-m", "qpage.cli", "quantize", "default", str(out), "--scheme", "int4-rtn"],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and "already exists; choose a new output folder" in r.stderr

@@ -154,9 +154,9 @@ def test_qpage_writes_pack_quantized(tmp_path: Path, name: str, sym: bool, act_o
                             calib=calib if scheme.method == "gptq" else None)
     qc = json.loads((outs["compressed-tensors"] / "config.json").read_text())["quantization_config"]
     assert qc["format"] == "pack-quantized"
-    from qpage.cli_quant import _describe_quant
+    from qpage.inspect_model import quant_info
 
-    described = _describe_quant(qc, 128)  # what `qpage inspect` prints
+    described = quant_info(qc, 128)  # what `qpage inspect` prints
     assert described["format"] == "compressed-tensors (pack-quantized)" and described["bits"] == scheme.bits
     assert described.get("actorder") == ("weight" if act_order else None)
     cfg_group = QuantizationConfig.model_validate(qc).config_groups["group_0"]  # the package parses it

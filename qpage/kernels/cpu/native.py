@@ -59,14 +59,19 @@ def _compiler() -> str | None:
     return cc if cc and shutil.which(cc) else None
 
 
-def _build(cc: str) -> Path:
+def _library_path(cc: str) -> Path:
+    """Where the build for these sources, this compiler and this CPU is cached."""
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True, timeout=30).stdout
     texts = [p.read_text() for p in (*SOURCES, *HEADERS)]
     key = hashlib.sha256("\n".join([*texts, version, " ".join(FLAGS), _cpu_key()]).encode())
-    out_dir = cache_root() / "native"
-    lib = out_dir / f"qpage_cpu-{key.hexdigest()[:16]}.so"
+    return cache_root() / "native" / f"qpage_cpu-{key.hexdigest()[:16]}.so"
+
+
+def _build(cc: str) -> Path:
+    lib = _library_path(cc)
     if lib.is_file():
         return lib
+    out_dir = lib.parent
     out_dir.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=out_dir)
     os.close(fd)
@@ -127,6 +132,24 @@ def no_compiler_or_disabled() -> bool:
     """True when the kernels are off by choice (``QPAGE_NATIVE=0``) or for want of a compiler,
     False when they loaded or a compiler failed to build them."""
     return load() is None and (_why_not.startswith("disabled") or _why_not.startswith("no C compiler"))
+
+
+def build_status() -> str:
+    """One line on the C kernels without building them: loaded, built, to be built, or why not."""
+    if _lib is not None:
+        return "loaded"
+    if _tried:
+        return f"unavailable: {_why_not}"
+    if os.environ.get("QPAGE_NATIVE", "1") == "0":
+        return "disabled by QPAGE_NATIVE=0"
+    cc = _compiler()
+    if cc is None:
+        return "unavailable: no C compiler found (install gcc or set CC)"
+    try:
+        built = _library_path(cc).is_file()
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"unavailable: {cc} --version failed ({e})"
+    return f"built with {cc}" if built else f"built with {cc} on first use (a few seconds, then cached)"
 
 
 def unavailable_reason() -> str | None:

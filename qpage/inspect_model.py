@@ -1,0 +1,139 @@
+"""``qpage inspect``: what a checkpoint is and what it becomes here.
+
+From the files: format, scheme, bits per weight, size on disk, architecture. From loading
+it on the chosen device (``load=True``, the default of the command): the weights' size in
+memory on their kernel paths and how many linear layers run on each path, which is what
+the engine would do with it.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from qpage.formats.awq import AwqConfig
+from qpage.formats.compressed_tensors import CtIntConfig
+from qpage.formats.detect import linear_config
+from qpage.formats.fp8 import Fp8Config
+from qpage.formats.gguf import default_gguf_path
+from qpage.models.loader import load_model, read_arch_config, resolve_dtype, resolve_model_dir, weight_files
+
+MAX_POSITIONS = 2048
+"""Rotary table length for the load (only the weights are reported)."""
+
+
+def gguf_info(path: Path) -> dict[str, Any]:
+    """Tensor types, sizes and bits per weight of a GGUF file, read from its header."""
+    try:
+        from gguf import GGUFReader  # the optional 'gguf' extra: only GGUF files need it
+    except ImportError as e:
+        raise ValueError(f"reading {path.name} needs the gguf package: pip install 'qpage[gguf]' ({e})") from None
+    reader = GGUFReader(str(path))
+    types: Counter[str] = Counter()
+    elements = nbytes = 0
+    for t in reader.tensors:
+        types[t.tensor_type.name] += 1
+        elements += int(t.n_elements)
+        nbytes += int(t.n_bytes)
+    main = max(types, key=lambda k: types[k]) if types else "?"
+    return {"format": "gguf", "scheme": main, "tensor_types": dict(types.most_common()),
+            "bits_per_weight": 8 * nbytes / max(elements, 1), "size_bytes": path.stat().st_size,
+            "loaded_as": "converted once to a float32 safetensors folder (dense)"}
+
+
+def quant_info(qc: dict[str, Any], in_features: int) -> dict[str, Any]:
+    """Format, scheme and bits per weight from a checkpoint's ``quantization_config``."""
+    cfg = linear_config(qc, "config.json")
+    if isinstance(cfg, Fp8Config):
+        per_scale = cfg.block * cfg.block if cfg.block else in_features
+        scales = f"{cfg.block}x{cfg.block} block scales" if cfg.block else "per-channel scales"
+        return {"format": cfg.source, "scheme": f"fp8 e4m3, {scales}", "bits_per_weight": 8 + 32 / per_scale}
+    g = cfg.group_size or in_features
+    if isinstance(cfg, AwqConfig):
+        fmt = "awq (gemm)"
+    elif isinstance(cfg, CtIntConfig):
+        fmt = "compressed-tensors (pack-quantized)"
+    else:
+        fmt = f"gptq ({qc.get('checkpoint_format', 'gptq')})"
+    sym = cfg.sym and not isinstance(cfg, AwqConfig)
+    group = f"g{cfg.group_size}" if cfg.group_size else "per channel"
+    info: dict[str, Any] = {
+        "format": fmt, "scheme": f"int{cfg.bits} {group} {'sym' if sym else 'asym'}" + (" act-order" if
+                                                                                        cfg.desc_act else ""),
+        "bits": cfg.bits, "group_size": cfg.group_size, "sym": sym, "desc_act": cfg.desc_act,
+        "bits_per_weight": cfg.bits + (16 + (0 if sym else cfg.bits)) / g,
+    }
+    actorder = next(iter(qc.get("config_groups", {}).values()), {}).get("weights", {}).get("actorder")
+    if isinstance(cfg, CtIntConfig) and actorder:
+        info["actorder"] = actorder  # "weight": act-order with static groups (no g_idx)
+    elif qc.get("static_groups"):
+        info["static_groups"] = True
+    return info
+
+
+def loaded_info(model_dir: Path, arch: Any, device: str, dtype: str) -> dict[str, Any]:
+    """Load the weights as the engine would; bytes in memory and layers per kernel path."""
+    dev = torch.device(device)
+    dt = resolve_dtype(dtype, arch, dev)
+    model = load_model(model_dir, arch, dt, dev, min(arch.max_position_embeddings, MAX_POSITIONS))
+    paths: Counter[str] = Counter()
+    path_bytes: Counter[str] = Counter()
+    other = 0
+    for mod in model.modules():
+        if hasattr(mod, "kernel_path"):
+            paths[mod.kernel_path] += 1
+            path_bytes[mod.kernel_path] += mod.weight_bytes
+        elif not any(hasattr(m, "kernel_path") for m in mod.modules() if m is not mod):
+            other += sum(p.numel() * p.element_size() for p in mod.parameters(recurse=False))
+    return {"device": dev.type, "dtype": str(dt).removeprefix("torch."),
+            "memory_bytes": sum(path_bytes.values()) + other,
+            "linear_paths": {p: {"layers": n, "bytes": path_bytes[p]} for p, n in paths.most_common()}}
+
+
+def describe(model: str | None, load: bool = True, device: str = "cpu", dtype: str = "auto") -> dict[str, Any]:
+    """Everything ``qpage inspect`` shows, as a dict (its ``--json`` output)."""
+    default = model in (None, "default")
+    gguf = default_gguf_path() if default else Path(model)  # type: ignore[arg-type]
+    gguf = gguf if gguf.suffix == ".gguf" and gguf.is_file() else None
+    model_dir = resolve_model_dir(None if default else model)
+    arch = read_arch_config(model_dir)
+    info: dict[str, Any] = {"model": str(gguf or model_dir), "architecture": arch.architecture,
+                            "layers": arch.num_layers, "hidden_size": arch.hidden_size}
+    if gguf is not None:
+        info.update(gguf_info(gguf))
+    else:
+        files = weight_files(model_dir, allow_pickle=False)
+        info.update(files=len(files), size_bytes=sum(f.stat().st_size for f in files))
+        qc = arch.quantization
+        info.update(quant_info(qc, arch.hidden_size) if qc else {"format": "safetensors (dense)",
+                                                                  "scheme": str(arch.torch_dtype)})
+    if load:
+        info["loaded"] = loaded_info(model_dir, arch, device, dtype)
+    return info
+
+
+def mib(n: int) -> str:
+    return f"{n / 2**20:,.1f} MiB"
+
+
+def table(info: dict[str, Any]) -> str:
+    """The readable form: one line per property."""
+    rows = [("model", info["model"]), ("format", info["format"]), ("scheme", info["scheme"])]
+    if "tensor_types" in info:
+        rows.append(("tensor types", ", ".join(f"{k} x{v}" for k, v in info["tensor_types"].items())))
+    if "bits_per_weight" in info:
+        rows.append(("bits per weight", f"{info['bits_per_weight']:.2f}"))
+    rows += [("architecture", f"{info['architecture']}, {info['layers']} layers, hidden {info['hidden_size']}"),
+             ("size on disk", mib(info["size_bytes"]))]
+    if "loaded_as" in info:
+        rows.append(("loaded as", info["loaded_as"]))
+    loaded = info.get("loaded")
+    if loaded:
+        rows.append((f"in memory ({loaded['device']}, {loaded['dtype']})", mib(loaded["memory_bytes"])))
+        for path, v in loaded["linear_paths"].items():
+            rows.append(("linear layers", f"{v['layers']} on {path} ({mib(v['bytes'])})"))
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
