@@ -198,10 +198,12 @@ def _stream(engine: Any, rid: str) -> str:
                 printed = len(stable)
                 if out.finished:
                     sys.stdout.write(text[printed:] + "\n")
+                    if out.outputs[0].finish_reason == "length":
+                        print("(cut: --max-tokens or the context is reached)", file=sys.stderr)
                     return text
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # stops this answer, not the chat
         engine.abort_request(rid)
-        print()
+        print("\n(stopped)", file=sys.stderr)
     return text
 
 

@@ -65,6 +65,32 @@ def test_generate_chat_runs_to_eos_by_default() -> None:
     assert tokens > 16, r.stderr  # past SamplingParams' default, ended by EOS
 
 
+@pytest.mark.slow
+def test_chat_answers_whole_and_ctrl_c_stops_only_the_answer(tokenizer: Any) -> None:
+    import signal
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "qpage.cli", "chat", "--temperature", "0", "--kv-cache-memory",
+                             "64MiB"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, bufsize=1)
+    try:
+        assert proc.stdin is not None and proc.stdout is not None
+        proc.stdin.write("Tell me a story about a dragon.\n")
+        proc.stdin.flush()
+        first = proc.stdout.read(40)  # the answer is streaming
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
+        proc.stdin.write("Name the three primary colors and say why they are called primary.\n/exit\n")
+        proc.stdin.flush()
+        out, err = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err
+    assert "(stopped)" in err and "(cut:" not in err, err  # one answer stopped, the next one whole
+    second = (first + out).split("\n> ")[-2]  # the answer before the prompt for /exit
+    assert len(tokenizer.encode(second)) > 16, second
+
+
 def test_version_reports_the_machine() -> None:
     import torch
 
