@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import signal
 import sys
 import time
 import types
@@ -25,12 +26,14 @@ SAMPLING_FIELDS = (
     "presence_penalty", "frequency_penalty", "stop", "ignore_eos", "n", "logprobs",
 )
 # At a prompt people expect a whole answer (as from ollama, llama-cli or a chat endpoint), so
-# the CLI runs to the end-of-sequence token, with ollama's repetition penalty so that greedy
-# decoding of a small model does not loop until the context is full. The Python API keeps
-# vLLM's defaults (16 tokens, no penalty).
+# the CLI runs to the end-of-sequence token, with ollama's repetition penalty of 1.1 so that
+# greedy decoding of a small model does not loop until the context is full. The penalty has
+# vLLM's meaning (every prompt and output token, where ollama takes the last 64). The Python
+# API keeps vLLM's defaults (16 tokens, no penalty).
 CLI_SAMPLING = {
     "max_tokens": (None, "until the end-of-sequence token, at most max_model_len; 16 in the Python API"),
-    "repetition_penalty": (1.1, "1.1 against repetition loops, as ollama; 1.0 in the Python API"),
+    "repetition_penalty": (1.1, "1.1 against repetition loops (ollama's value, applied as vLLM does to every "
+                                "prompt and output token); 1.0 in the Python API"),
 }
 
 
@@ -183,16 +186,23 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def _stream(engine: Any, rid: str) -> str:
-    printed = 0
-    text = ""
+    """Print the answer as it comes; Ctrl-C stops it between two engine steps (a step is never
+    cut in the middle, so the KV cache and the prefix cache stay whole) and the chat goes on."""
+    printed, text, interrupted = 0, "", []
+    previous = signal.signal(signal.SIGINT, lambda *_: interrupted.append(True))
     try:
         while engine.has_unfinished_requests():
+            if interrupted:
+                engine.abort_request(rid)
+                sys.stdout.write(text[printed:] + "\n")
+                print("(stopped)", file=sys.stderr)
+                return text
             for out in engine.step():
                 if out.request_id != rid:
                     continue
-                detok = engine.outputs.parents.get(rid)
+                parent = engine.outputs.parents.get(rid)
                 text = out.outputs[0].text
-                stable = detok.detoks[0].stable_text(out.finished) if detok and detok.detoks[0] else text
+                stable = parent.detoks[0].stable_text(out.finished) if parent and parent.detoks[0] else text
                 sys.stdout.write(stable[printed:])
                 sys.stdout.flush()
                 printed = len(stable)
@@ -201,9 +211,8 @@ def _stream(engine: Any, rid: str) -> str:
                     if out.outputs[0].finish_reason == "length":
                         print("(cut: --max-tokens or the context is reached)", file=sys.stderr)
                     return text
-    except KeyboardInterrupt:  # stops this answer, not the chat
-        engine.abort_request(rid)
-        print("\n(stopped)", file=sys.stderr)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     return text
 
 

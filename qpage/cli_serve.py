@@ -36,7 +36,7 @@ def add_parsers(sub: Any, engine_args: Any) -> None:
                    help="most completions (n) one request may ask for; 400 past it (default: 16)")
     s.add_argument("--max-request-bytes", type=_positive_int, default=4 * 1024 * 1024,
                    help="largest request body (413 past it; default: 4 MiB)")
-    s.add_argument("--read-timeout", type=float, default=30.0,
+    s.add_argument("--read-timeout", type=_positive_seconds, default=30.0,
                    help="seconds a client has to send a request's head, and again its body; the connection "
                         "is closed (head) or answered 408 (body) past it (default: 30)")
     s.add_argument("--max-connections", type=_positive_int, default=512,
@@ -115,6 +115,13 @@ def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
+
+
+def _positive_seconds(text: str) -> float:
+    value = float(text)
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} must be a positive number of seconds")
     return value
 
 

@@ -39,7 +39,15 @@ def gguf_info(path: Path) -> dict[str, Any]:
         elements += int(t.n_elements)
         nbytes += int(t.n_bytes)
     main = max(types, key=lambda k: types[k]) if types else "?"
-    return {"format": "gguf", "scheme": main, "tensor_types": dict(types.most_common()),
+
+    def field(name: str) -> Any:
+        f = reader.fields.get(name)
+        return f.contents() if f is not None else None
+
+    arch = field("general.architecture") or "?"
+    return {"architecture": f"{arch} (gguf)", "layers": field(f"{arch}.block_count"),
+            "hidden_size": field(f"{arch}.embedding_length"),
+            "format": "gguf", "scheme": main, "tensor_types": dict(types.most_common()),
             "bits_per_weight": 8 * nbytes / max(elements, 1), "size_bytes": path.stat().st_size,
             "loaded_as": "converted once to a float32 safetensors folder (dense)"}
 
@@ -96,14 +104,16 @@ def loaded_info(model_dir: Path, arch: Any, device: str, dtype: str) -> dict[str
 def describe(model: str | None, load: bool = True, device: str = "cpu", dtype: str = "auto") -> dict[str, Any]:
     """Everything ``qpage inspect`` shows, as a dict (its ``--json`` output)."""
     default = model in (None, "default")
-    gguf = default_gguf_path() if default else Path(model)  # type: ignore[arg-type]
-    gguf = gguf if gguf.suffix == ".gguf" and gguf.is_file() else None
-    model_dir = resolve_model_dir(None if default else model)
+    path = default_gguf_path() if default else Path(model).expanduser()  # type: ignore[arg-type]
+    gguf = path if path.suffix == ".gguf" and path.is_file() else None
+    if gguf is not None and not load:  # the header says it all; no conversion
+        return {"model": str(gguf), **gguf_info(gguf)}
+    model_dir = resolve_model_dir(None if default else str(path))
     arch = read_arch_config(model_dir)
     info: dict[str, Any] = {"model": str(gguf or model_dir), "architecture": arch.architecture,
                             "layers": arch.num_layers, "hidden_size": arch.hidden_size}
     if gguf is not None:
-        info.update(gguf_info(gguf))
+        info.update({k: v for k, v in gguf_info(gguf).items() if k not in info})
     else:
         files = weight_files(model_dir, allow_pickle=False)
         info.update(files=len(files), size_bytes=sum(f.stat().st_size for f in files))

@@ -90,7 +90,7 @@ class SamplingParams:
 
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
-            if not _is_number(v) or not math.isfinite(v):
+            if not _is_number(v) or (isinstance(v, float) and not math.isfinite(v)):
                 raise bad(name, "it must be a finite number")
         for name in ("n", "top_k", "min_tokens"):
             if not _is_int(getattr(self, name)):

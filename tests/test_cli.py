@@ -87,8 +87,12 @@ def test_chat_answers_whole_and_ctrl_c_stops_only_the_answer(tokenizer: Any) -> 
         proc.kill()
     assert proc.returncode == 0, err
     assert "(stopped)" in err and "(cut:" not in err, err  # one answer stopped, the next one whole
-    second = (first + out).split("\n> ")[-2]  # the answer before the prompt for /exit
-    assert len(tokenizer.encode(second)) > 16, second
+    answers = (first + out).split("\n> ")  # "> story...\n> colors...\n> " (the prompt for /exit)
+    assert len(answers) == 3 and answers[-1] == "", answers
+    assert "primary" in answers[1].lower() and len(tokenizer.encode(answers[1])) > 16, answers[1]
+    cut = qpage("chat", "--temperature", "0", "--max-tokens", "3", "--kv-cache-memory", "64MiB",
+                stdin="Tell me a story about a dragon.\n/exit\n")
+    assert cut.returncode == 0 and "(cut: --max-tokens" in cut.stderr, cut.stderr
 
 
 def test_version_reports_the_machine() -> None:

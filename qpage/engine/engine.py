@@ -59,6 +59,20 @@ def plan_capacity(arch: ArchConfig, spec: KVCacheSpec, budget: int) -> tuple[int
     return budget // block_bytes, block_bytes
 
 
+def check_prompt_ids(ids: object, max_model_len: int, vocab_size: int) -> None:
+    """Raise ValueError unless ``ids`` is a non-empty list of token ids that leaves room in the
+    context for at least one new token (the one rule for the engine and the server)."""
+    if not isinstance(ids, list):
+        raise ValueError(f"prompt_token_ids must be a list of ints in [0, {vocab_size})")
+    if not ids:
+        raise ValueError("the prompt is empty; give at least one token of text")
+    if len(ids) >= max_model_len:  # before the per-id check: a huge list fails at once
+        raise ValueError(f"the prompt has {len(ids)} tokens, but max_model_len is {max_model_len}: "
+                         "shorten the prompt or raise max_model_len (and kv_cache_memory)")
+    if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in ids):
+        raise ValueError(f"prompt_token_ids must be a list of ints in [0, {vocab_size})")
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -146,29 +160,14 @@ class LLMEngine:
             text: str | None = prompt
         elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             ids, text = prompt["prompt_token_ids"], prompt.get("prompt")
-            vocab = self.arch.vocab_size
-            if not isinstance(ids, list):
-                raise ValueError(f"prompt_token_ids must be a list of ints in [0, {vocab})")
-            self._check_length(len(ids))  # before the per-id check: a huge list fails at once
-            if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
-                raise ValueError(f"prompt_token_ids must be a list of ints in [0, {vocab})")
         elif isinstance(prompt, dict) and "prompt" in prompt:
             return self._prompt_ids(prompt["prompt"], add_special_tokens)
         else:
             raise ValueError(
                 f"a prompt must be a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}"
             )
-        if not ids:
-            raise ValueError("the prompt is empty; give at least one token of text")
-        self._check_length(len(ids))
+        check_prompt_ids(ids, self.max_model_len, self.arch.vocab_size)
         return text, list(ids)
-
-    def _check_length(self, n: int) -> None:
-        if n >= self.max_model_len:
-            raise ValueError(
-                f"the prompt has {n} tokens, but max_model_len is {self.max_model_len}: "
-                "shorten the prompt or raise max_model_len (and kv_cache_memory)"
-            )
 
     def add_request(
         self, prompt: PromptType, params: SamplingParams | None = None,
@@ -258,7 +257,7 @@ class LLMEngine:
             else:
                 self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
         touched = {r.parent_id for r in step.sample_requests} - failed.keys()
-        return self._finish_step(self.outputs.snapshot(touched), failed)
+        return self._finish_step(self.outputs.snapshot(touched, failed), failed)
 
     def _finish_step(self, outs: list[RequestOutput], failed: dict[str, str]) -> list[RequestOutput]:
         """Add the failed requests' final outputs, forget finished requests, refresh gauges."""

@@ -104,29 +104,37 @@ class OutputProcessor:
         out.finished, out.error = True, error
         return out
 
-    def snapshot(self, parent_ids: set[str]) -> list[RequestOutput]:
-        """RequestOutputs (cumulative) for the given parents; finished ones are dropped."""
+    def snapshot(self, parent_ids: set[str], failed: dict[str, str]) -> list[RequestOutput]:
+        """RequestOutputs (cumulative) for the given parents; finished ones are dropped. A parent
+        whose finishing fails (the final detokenizer flush) goes into ``failed`` instead."""
         outs = []
         for pid in parent_ids:
             parent = self.parents.get(pid)
             if parent is None:
                 continue
-            for i, req in enumerate(parent.children):
-                comp = parent.completions[i]
-                comp.token_ids = list(req.output_token_ids)
-                if req.status.finished and not parent.done[i]:
-                    parent.done[i] = True
-                    detok = parent.detoks[i]
-                    if detok is not None:
-                        detok.flush()
-                        comp.text = detok.text
-                    comp.finish_reason = req.status.value
-                    comp.stop_reason = req.stop_reason
-                    self._finish_metrics(req)
+            try:
+                self._update(parent)
+            except Exception as e:
+                failed[pid] = f"finishing its output failed: {type(e).__name__}: {e}"
+                continue
             outs.append(self._output(parent))
             if parent.finished:
                 del self.parents[pid]
         return outs
+
+    def _update(self, parent: ParentState) -> None:
+        for i, req in enumerate(parent.children):
+            comp = parent.completions[i]
+            comp.token_ids = list(req.output_token_ids)
+            if req.status.finished and not parent.done[i]:
+                detok = parent.detoks[i]
+                if detok is not None:
+                    detok.flush()
+                    comp.text = detok.text
+                parent.done[i] = True
+                comp.finish_reason = req.status.value
+                comp.stop_reason = req.stop_reason
+                self._finish_metrics(req)
 
     def _finish_metrics(self, req: Request) -> None:
         now = time.monotonic()

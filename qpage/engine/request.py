@@ -68,7 +68,8 @@ class Request:
         self.block_hashes: list[bytes] = []
         self._update_block_hashes()
         # The request's own random stream when seeded. Seeding from the text of (seed, index)
-        # uses every bit of the 64-bit seed (torch's CPU generator keeps only the low 32).
+        # uses every bit of the 64-bit seed (a 32-bit seeding, as torch's CPU generator does,
+        # would give seeds equal modulo 2**32 the same output).
         self.rng: random.Random | None = None
         if params.seed is not None:
             self.rng = random.Random(f"{params.seed}:{index}")

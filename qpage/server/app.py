@@ -106,38 +106,11 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(APIError(500, f"internal error: {type(exc).__name__}: {exc}"), close=True)
 
 
-def build_app(aengine: AsyncEngine, settings: ServerSettings) -> Any:
-    engine: LLMEngine = aengine.engine
-    pre = Preprocessor(engine.tokenizer, engine.max_model_len, engine.arch.vocab_size, settings.chat_template)
-    serving = OpenAIServing(aengine, pre, settings.model_names, settings.max_n)
-    created = int(time.time())
-    name = settings.model_names[0]
-    cfg = engine.config
-    config_info = {"max_num_seqs": cfg.scheduler.max_num_seqs, "max_num_batched_tokens":
-                   cfg.scheduler.max_num_batched_tokens, "kv_cache_dtype": cfg.cache.kv_cache_dtype,
-                   "max_model_len": engine.max_model_len}
-
-    @asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        aengine.start()
-        yield
-        aengine.shutdown()
-        pre.shutdown()
-
-    app = FastAPI(title="qpage", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    install_error_handlers(app)
-
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request) -> Response:
-        return await serving.completions(body, request)
-
-    @app.post("/v1/chat/completions")
-    async def chat(body: ChatCompletionRequest, request: Request) -> Response:
-        return await serving.chat(body, request)
-
-    @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [model_card(n, engine.max_model_len, created) for n in settings.model_names]}
+def _add_info_routes(app: FastAPI, aengine: AsyncEngine, pre: Preprocessor, serving: OpenAIServing,
+                     config_info: dict[str, Any]) -> None:
+    """/health, /metrics, /tokenize and /detokenize."""
+    engine = aengine.engine
+    name = serving.model_names[0]
 
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health(verbose: int = 0) -> Response:
@@ -174,5 +147,39 @@ def build_app(aengine: AsyncEngine, settings: ServerSettings) -> Any:
         serving.check_model(body.model)
         return {"prompt": await pre.decode(body.tokens)}
 
+
+def build_app(aengine: AsyncEngine, settings: ServerSettings) -> Any:
+    engine: LLMEngine = aengine.engine
+    pre = Preprocessor(engine.tokenizer, engine.max_model_len, engine.arch.vocab_size, settings.chat_template)
+    serving = OpenAIServing(aengine, pre, settings.model_names, settings.max_n)
+    created = int(time.time())
+    cfg = engine.config
+    config_info = {"max_num_seqs": cfg.scheduler.max_num_seqs, "max_num_batched_tokens":
+                   cfg.scheduler.max_num_batched_tokens, "kv_cache_dtype": cfg.cache.kv_cache_dtype,
+                   "max_model_len": engine.max_model_len}
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        aengine.start()
+        yield
+        aengine.shutdown()
+        pre.shutdown()
+
+    app = FastAPI(title="qpage", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    install_error_handlers(app)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await serving.completions(body, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, request: Request) -> Response:
+        return await serving.chat(body, request)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [model_card(n, engine.max_model_len, created) for n in settings.model_names]}
+
+    _add_info_routes(app, aengine, pre, serving, config_info)
     wrapped: Any = RequestReader(ErrorBoundary(app), settings.max_request_bytes, settings.read_timeout)
     return ApiKeyAuth(wrapped, settings.api_key) if settings.api_key else wrapped

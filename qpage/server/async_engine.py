@@ -169,31 +169,36 @@ class AsyncEngine:
         of them: raise ValueError (bad input) or QueueFullError before any starts. The queue
         bound counts sequences: every prompt runs ``params.n`` of them."""
         loop = asyncio.get_running_loop()
+        rids = [request_id if len(prompts) == 1 else f"{request_id}-{i}" for i in range(len(prompts))]
         streams = [RequestStream(self, loop) for _ in prompts]
+        for rid, stream in zip(rids, streams, strict=True):
+            stream.request_id = rid
         seqs = len(prompts) * params.n
 
-        def add(engine: LLMEngine) -> list[str]:
+        def add(engine: LLMEngine) -> None:
             waiting = len(engine.scheduler.waiting)
             if self.max_waiting is not None and waiting + seqs > self.max_waiting:
                 raise QueueFullError(
                     f"the server is at capacity ({waiting} sequences waiting, bound {self.max_waiting}; this "
                     f"request adds {seqs}); retry later"
                 )
-            rids: list[str] = []
+            added: list[str] = []
             try:
-                for i, p in enumerate(prompts):
-                    sid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-                    rids.append(engine.add_request(p, params, request_id=sid, add_special_tokens=add_special_tokens))
+                for rid, p in zip(rids, prompts, strict=True):
+                    added.append(engine.add_request(p, params, request_id=rid, add_special_tokens=add_special_tokens))
             except BaseException:
-                for rid in rids:  # all or nothing
+                for rid in added:  # all or nothing
                     engine.abort_request(rid)
                 raise
             for rid, stream in zip(rids, streams, strict=True):
                 self._streams[rid] = stream
-            return rids
 
-        for rid, stream in zip(await self.call(add), streams, strict=True):
-            stream.request_id = rid
+        try:
+            await self.call(add)
+        except asyncio.CancelledError:  # the handler went away: whatever was added is aborted
+            for stream in streams:
+                stream.close()
+            raise
         return streams
 
     def abort(self, request_id: str) -> None:
@@ -249,14 +254,17 @@ class AsyncEngine:
         try:
             outs = self.engine.step()
         except Exception as e:
-            # A failed step fails the requests in it, not the server: abort them all, report
-            # the error to their clients and go on with the next arrivals.
+            # A step that failed outside any one request's part (the model forward) is not any
+            # request's fault, and its state is unknown: end every request with the error, drop
+            # the prefix cache (blocks it allocated may be half written) and go on with new ones.
             log.error("qpage: engine step failed; aborting %d requests:\n%s", len(self._streams),
                       traceback.format_exc())
             for rid, s in list(self._streams.items()):
                 self.engine.abort_request(rid)
-                s.put_threadsafe(RuntimeError(f"the engine failed while running this request: {e}"))
+                s.put_threadsafe(RequestFailedError(f"the engine failed while running this request: {e}"))
             self._streams.clear()
+            if not self.engine.kv.reset_prefix_cache():
+                log.error("qpage: blocks still in use after a failed step; the prefix cache was kept")
             return
         batch: list[tuple[RequestStream, Snapshot | BaseException]] = []
         for out in outs:

@@ -90,7 +90,7 @@ class RequestReader:
                      "body as is"))
         try:
             body = await asyncio.wait_for(self._read(receive), self.timeout)
-        except TimeoutError:
+        except asyncio.TimeoutError:  # TimeoutError from 3.11 on; a distinct class on 3.10
             return await send_error(send, APIError(
                 408, f"the request body did not arrive within {self.timeout:g} s; send it at once, or start the "
                      "server with a larger --read-timeout"), close=True)

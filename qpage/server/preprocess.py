@@ -3,8 +3,9 @@
 The server keeps its own copy of the tokenizer and runs it on one worker thread: prompts
 are tokenized, chat templates rendered and ``/tokenize`` and ``/detokenize`` answered there,
 so a large prompt neither stalls the engine's step loop (which every client shares) nor
-the event loop. A prompt too long for the context, or a ``max_tokens`` that does not fit
-beside it, is refused here with the field it concerns, before the engine sees it.
+the event loop. A prompt the engine would refuse (``check_prompt_ids``), or a ``max_tokens``
+that does not fit beside it, is refused here with the field it concerns; the tokenizer work
+is one queue, in arrival order, for all clients.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+from qpage.engine.engine import check_prompt_ids
 from qpage.server.protocol import APIError
 
 T = TypeVar("T")
@@ -84,16 +86,12 @@ class Preprocessor:
         return out
 
     def _check(self, ids: list[int], max_tokens: int | None, param: str) -> None:
+        try:
+            check_prompt_ids(ids, self.max_model_len, self.vocab_size)
+        except ValueError as e:
+            raise APIError(400, str(e), param) from None
         n, limit = len(ids), self.max_model_len
-        if n == 0:
-            raise APIError(400, "the prompt is empty; give at least one token of text", param)
-        if n >= limit:
-            raise APIError(400, f"the prompt has {n} tokens, but this server's context (max_model_len) is {limit}: "
-                                "shorten the prompt", param)
         if max_tokens is not None and n + max_tokens > limit:
             raise APIError(400, f"max_tokens={max_tokens} does not fit: the prompt has {n} tokens and the context "
                                 f"(max_model_len) is {limit}; ask for at most {limit - n}, or leave max_tokens out "
                                 "to fill the context", "max_tokens")
-        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise APIError(400, f"token id {bad} is outside the vocabulary [0, {self.vocab_size})", param)

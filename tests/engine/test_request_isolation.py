@@ -65,11 +65,12 @@ def test_output_fault_fails_only_its_request(llm: Any, monkeypatch: pytest.Monke
     done = run_all(engine)
     assert done[good].outputs[0].token_ids == alone
     assert "injected detokenizer fault" in done["victim"].error
+    assert done["victim"].outputs[0].finish_reason == "error" and done[good].error is None
     assert engine.kv.usage() == 0.0
 
 
 def test_seed_uses_all_64_bits() -> None:
-    """Seeds equal modulo 2**32 draw different numbers (torch's CPU generator kept 32 bits)."""
+    """Every bit of a 64-bit seed counts: seeds equal modulo 2**32 draw different numbers."""
 
     def first_draws(seed: int) -> list[float]:
         r = Request("r", [1], SamplingParams(seed=seed), 4, set())

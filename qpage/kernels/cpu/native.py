@@ -87,16 +87,23 @@ def _build(cc: str) -> Path:
     return lib
 
 
+def _toolchain() -> tuple[str | None, str]:
+    """(the C compiler to build with, "") or (None, why the kernels are off)."""
+    if os.environ.get("QPAGE_NATIVE", "1") == "0":
+        return None, "disabled by QPAGE_NATIVE=0"
+    cc = _compiler()
+    return (cc, "") if cc is not None else (None, "no C compiler found (install gcc or set CC)")
+
+
 def load() -> ctypes.CDLL | None:
     """The compiled kernels, or None (the reason is logged once; see ``unavailable_reason``)."""
     global _lib, _tried, _why_not
     if _tried:
         return _lib
     _tried = True
-    if os.environ.get("QPAGE_NATIVE", "1") == "0":
-        _why_not = "disabled by QPAGE_NATIVE=0"
-    elif (cc := _compiler()) is None:
-        _why_not = "no C compiler found (install gcc or set CC)"
+    cc, why = _toolchain()
+    if cc is None:
+        _why_not = why
     else:
         try:
             lib = ctypes.CDLL(str(_build(cc)))
@@ -140,11 +147,9 @@ def build_status() -> str:
         return "loaded"
     if _tried:
         return f"unavailable: {_why_not}"
-    if os.environ.get("QPAGE_NATIVE", "1") == "0":
-        return "disabled by QPAGE_NATIVE=0"
-    cc = _compiler()
+    cc, why = _toolchain()
     if cc is None:
-        return "unavailable: no C compiler found (install gcc or set CC)"
+        return f"unavailable: {why}"
     try:
         built = _library_path(cc).is_file()
     except (OSError, subprocess.SubprocessError) as e:
