@@ -23,7 +23,7 @@ from qpage.layers.kv_format import KVCacheSpec
 from qpage.models.arch import ArchConfig
 from qpage.models.loader import load_model, read_arch_config, resolve_dtype, resolve_model_dir
 from qpage.runner.model_runner import ModelRunner
-from qpage.runner.sampler import Sampler, SampleResult
+from qpage.runner.sampler import Sampler
 from qpage.sampling_params import SamplingParams
 
 PromptType = str | dict[str, Any]
@@ -237,8 +237,8 @@ class LLMEngine:
         if step.logits is None:
             self.scheduler.update(sched, {})
             return self._finish_step([], failed)
-        res, sample_failed = self._sample(step.logits, step.sample_requests)
-        failed.update(sample_failed)
+        res, bad_rows = self.sampler.sample(step.logits, step.sample_requests)
+        failed.update({step.sample_requests[i].parent_id: why for i, why in bad_rows.items()})
         sampled = {r.request_id: t for r, t in zip(step.sample_requests, res.token_ids, strict=True)}
         self.scheduler.update(sched, sampled)
         now = time.monotonic()
@@ -273,28 +273,6 @@ class LLMEngine:
                 self._requests.pop(o.request_id, None)
         self.update_gauges()
         return outs
-
-    def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[SampleResult, dict[str, str]]:
-        """Sample every row; if the batch fails, retry row by row so that a row that still
-        fails fails its own request only: (result, {request id: error}). A failed row's
-        token is a placeholder; seeded streams are rewound before the retry."""
-        states = [(r, r.rng.getstate()) for r in reqs if r.rng is not None]
-        shared = self.sampler.rng.getstate()
-        try:
-            return self.sampler(logits, reqs), {}
-        except Exception:
-            log.warning("qpage: sampling a batch of %d failed; retrying row by row", len(reqs), exc_info=True)
-        for r, st in states:
-            r.rng.setstate(st)  # type: ignore[union-attr]
-        self.sampler.rng.setstate(shared)
-        parts, failed = [], {}
-        for i, r in enumerate(reqs):
-            try:
-                parts.append(self.sampler(logits[i : i + 1], [r]))
-            except Exception as e:
-                failed[r.parent_id] = f"sampling failed: {type(e).__name__}: {e}"
-                parts.append(SampleResult([0], [None], [None]))
-        return SampleResult.concat(parts), failed
 
     def update_gauges(self) -> None:
         """Refresh the running/waiting/KV-usage gauges from the scheduler (also called by the server)."""

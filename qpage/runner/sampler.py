@@ -4,11 +4,13 @@ Order per row: raw log-probabilities (returned as ``logprobs``, as vLLM does by 
 -> penalties -> min_tokens masking -> greedy argmax, or temperature, top-k, top-p, min-p
 and a draw. A draw inverts the row's CDF at one uniform number taken from the request's
 own random stream when it has a seed, so a seed reproduces its output whatever else shares
-the batch.
+the batch. ``sample`` keeps one row's failure its own: the uniforms are drawn once, before
+anything can fail, and a batch that raises is sampled again row by row with the same ones.
 """
 
 from __future__ import annotations
 
+import logging
 import random
 from dataclasses import dataclass
 
@@ -17,6 +19,7 @@ import torch
 from qpage.engine.outputs import Logprob
 from qpage.engine.request import Request
 
+log = logging.getLogger("qpage.engine")
 
 @dataclass(slots=True)
 class SampleResult:
@@ -36,7 +39,32 @@ class Sampler:
     def __init__(self, seed: int) -> None:
         self.rng = random.Random(seed)
 
-    def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> SampleResult:
+    def uniforms(self, reqs: list[Request]) -> list[float | None]:
+        """Each random row's uniform (None for greedy rows), from its own stream when seeded."""
+        return [None if r.params.greedy else (r.rng or self.rng).random() for r in reqs]
+
+    def sample(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[SampleResult, dict[int, str]]:
+        """Sample every row: (result, {row: error}). If the batch raises, each row is sampled
+        alone with the uniform it had, so a row that still fails fails alone (its token is a
+        placeholder) and the others get what the batch would have given them."""
+        u = self.uniforms(reqs)
+        try:
+            return self(logits, reqs, u), {}
+        except Exception:
+            log.warning("qpage: sampling a batch of %d failed; sampling it row by row", len(reqs), exc_info=True)
+        parts, failed = [], {}
+        for i, r in enumerate(reqs):
+            try:
+                parts.append(self(logits[i : i + 1], [r], u[i : i + 1]))
+            except Exception as e:
+                failed[i] = f"sampling failed: {type(e).__name__}: {e}"
+                parts.append(SampleResult([0], [None], [None]))
+        return SampleResult.concat(parts), failed
+
+    def __call__(self, logits: torch.Tensor, reqs: list[Request],
+                 uniforms: list[float | None] | None = None) -> SampleResult:
+        """One batch; ``uniforms`` as from ``uniforms(reqs)`` (drawn here when None)."""
+        uniforms = self.uniforms(reqs) if uniforms is None else uniforms
         want_lp = [r.params.logprobs is not None for r in reqs]
         raw_lp = torch.log_softmax(logits, dim=-1) if any(want_lp) else None
         logits = self._penalize(logits, reqs)
@@ -44,7 +72,7 @@ class Sampler:
         rand_rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
         if rand_rows:
             idx = torch.tensor(rand_rows, dtype=torch.long)
-            tokens[idx] = self._draw(logits[idx], [reqs[i] for i in rand_rows])
+            tokens[idx] = self._draw(logits[idx], [reqs[i] for i in rand_rows], [uniforms[i] for i in rand_rows])
         token_list = tokens.tolist()
         lps: list[float | None] = [None] * len(reqs)
         tops: list[dict[int, Logprob] | None] = [None] * len(reqs)
@@ -80,7 +108,8 @@ class Sampler:
                     row[banned] = float("-inf")
         return logits
 
-    def _draw(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+    @staticmethod
+    def _draw(logits: torch.Tensor, reqs: list[Request], uniforms: list[float | None]) -> torch.Tensor:
         temps = torch.tensor([r.params.temperature for r in reqs], dtype=logits.dtype)
         logits = logits / temps[:, None]
         logits = _top_k_top_p(logits, reqs)
@@ -92,7 +121,7 @@ class Sampler:
         # Inverse-CDF draw: one uniform per row (from the request's own stream when seeded)
         # instead of one exponential per vocabulary entry (a large vocabulary made that costly).
         cdf = probs.cumsum(dim=-1)
-        u = torch.tensor([(r.rng or self.rng).random() for r in reqs], dtype=torch.float64)
+        u = torch.tensor(uniforms, dtype=torch.float64)
         # side="right": the first index whose cdf exceeds u, never a zero-probability token;
         # a product that rounds up to the total is held to the last token with mass.
         idx = torch.searchsorted(cdf, (u.to(cdf.dtype) * cdf[:, -1])[:, None], right=True).squeeze(1)

@@ -19,10 +19,10 @@ POISON_K = 4242  # the top_k that marks the request the faulty sampler fails on
 class FaultySampler(Sampler):
     """Fails any batch that holds a request with top_k == POISON_K."""
 
-    def __call__(self, logits: Any, reqs: list[Request]) -> Any:
+    def __call__(self, logits: Any, reqs: list[Request], uniforms: Any = None) -> Any:
         if any(r.params.top_k == POISON_K for r in reqs):
             raise RuntimeError("injected sampling fault")
-        return super().__call__(logits, reqs)
+        return super().__call__(logits, reqs, uniforms)
 
 
 def run_all(engine: Any) -> dict[str, Any]:
