@@ -24,7 +24,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
-MODES = ("fp32", "fp8_e4m3 per-token", "fp8_e4m3 per-tensor", "fp8_e5m2 per-token", "fp8_e5m2 per-tensor")
+MODES = ("fp32", "fp8_e4m3 per-token", "fp8_e4m3 per-tensor", "fp8_e5m2 per-token", "fp8_e5m2 per-tensor", "int8",
+         "int4")
 
 
 def make_calls(n: int, ctx: int) -> dict[str, Callable[[], Any]]:
@@ -33,6 +34,8 @@ def make_calls(n: int, ctx: int) -> dict[str, Callable[[], Any]]:
 
     from qpage.kernels.cpu import native as cpu_native
     from qpage.kernels.cpu.native_fp8 import paged_decode_fp8, write_kv_fp8
+    from qpage.kernels.cpu.native_int import paged_decode_int, write_kv_int
+    from qpage.kernels.kv_int import PARAMS, code_width
 
     g = torch.Generator().manual_seed(0)
     per_seq = math.ceil(ctx / BLOCK)
@@ -63,6 +66,15 @@ def make_calls(n: int, ctx: int) -> dict[str, Callable[[], Any]]:
             name = f"fp8_{fmt} {'per-token' if per_token else 'per-tensor'}"
             calls[name] = (lambda k8=k8, v8=v8, ks=ks, vs=vs, fmt=fmt:
                            paged_decode_fp8(q, k8, v8, ks, vs, fmt, table, lens, scale))
+    for bits in (8, 4):
+        shape = (nb, BLOCK, KV_HEADS, code_width(bits, HEAD_DIM))
+        ki = torch.zeros(shape, dtype=torch.int8 if bits == 8 else torch.uint8)
+        vi = torch.zeros_like(ki)
+        kp = torch.zeros(nb, BLOCK, KV_HEADS, PARAMS[bits], dtype=torch.float16)
+        vp = torch.zeros_like(kp)
+        write_kv_int(k, v, ki, vi, kp, vp, slots, bits)
+        calls[f"int{bits}"] = (lambda ki=ki, vi=vi, kp=kp, vp=vp, bits=bits:
+                               paged_decode_int(q, ki, vi, kp, vp, bits, table, lens, scale))
     return calls
 
 

@@ -3,7 +3,7 @@
 Modes: ``auto`` (the model dtype: fp32 on CPU), ``fp8_e4m3`` with per-token scales
 (qpage's default FP8), ``fp8_e4m3`` with one per-tensor scale (vLLM style: the checkpoint's
 ``k_scale``/``v_scale``, 1.0 when it has none, as here), ``fp8_e5m2`` with per-token scales,
-and ``fp8_e5m2`` per-tensor.
+``fp8_e5m2`` per-tensor, and ``int8`` / ``int4`` with and without the Hadamard rotation.
 
 Method: the default model scores non-overlapping windows of ``--window`` tokens from
 wikitext-2 ``test.txt``, teacher-forced, with chunked prefill of ``--chunk`` tokens: every
@@ -14,11 +14,13 @@ distributions. Bytes per token count K and V of all layers plus the FP8 scales, 
 compared with an fp16 cache's (the usual GPU baseline) and the ``auto`` cache's.
 
     python benchmarks/kv_cache.py [--windows 16] [--window 512] [--chunk 128]
-    python benchmarks/kv_cache.py --speed     # decode tokens/s of each mode instead
+    python benchmarks/kv_cache.py --speed [--context 512 2048] [--tokens 128]   # decode tokens/s instead
 
-``--speed``: greedy decode of 256 tokens at batch 1 (best of 2) and batch 8, each mode on
-its default backend (``cpu-native`` on CPU), plus the FP8 per-token cache on ``cpu-blas``
-(the path without the C cache kernels), one engine after the other in one process.
+``--speed``: greedy decode of ``--tokens`` tokens after a prompt of ``--context`` tokens
+(default 512 and 2048), at batch 1 (best of 2) and batch 8, for the fp32, FP8 per-token,
+int8 and int4 caches on their default backend (``cpu-native`` on CPU), plus the FP8
+per-token cache on ``cpu-blas`` (the path without the C cache kernels), one engine after the
+other in one process.
 """
 
 from __future__ import annotations
@@ -32,13 +34,18 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT.parent / "shared" / "data" / "wikitext2" / "test.txt"
-MODES = [
-    ("auto", "auto", "per_token"),
-    ("fp8_e4m3 per-token", "fp8_e4m3", "per_token"),
-    ("fp8_e4m3 per-tensor", "fp8_e4m3", "per_tensor"),
-    ("fp8_e5m2 per-token", "fp8_e5m2", "per_token"),
-    ("fp8_e5m2 per-tensor", "fp8_e5m2", "per_tensor"),
+MODES: list[tuple[str, dict[str, Any]]] = [
+    ("auto", dict(kv_cache_dtype="auto")),
+    ("fp8_e4m3 per-token", dict(kv_cache_dtype="fp8_e4m3", kv_cache_scales="per_token")),
+    ("fp8_e4m3 per-tensor", dict(kv_cache_dtype="fp8_e4m3", kv_cache_scales="per_tensor")),
+    ("fp8_e5m2 per-token", dict(kv_cache_dtype="fp8_e5m2", kv_cache_scales="per_token")),
+    ("fp8_e5m2 per-tensor", dict(kv_cache_dtype="fp8_e5m2", kv_cache_scales="per_tensor")),
+    ("int8 rotated", dict(kv_cache_dtype="int8")),
+    ("int8 not rotated", dict(kv_cache_dtype="int8", kv_cache_rotation=False)),
+    ("int4 rotated", dict(kv_cache_dtype="int4")),
+    ("int4 not rotated", dict(kv_cache_dtype="int4", kv_cache_rotation=False)),
 ]
+SPEED_MODES = ("auto", "fp8_e4m3 per-token", "int8 rotated", "int4 rotated")
 
 
 def parse_args() -> argparse.Namespace:
@@ -50,7 +57,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--chunk", type=int, default=128, help="prefill chunk: context beyond it comes from the cache")
     p.add_argument("--out", default=None, help="default: benchmarks/results/kv_cache.json (kv_cache_speed.json)")
     p.add_argument("--speed", action="store_true", help="measure decode speed per mode instead of quality")
-    p.add_argument("--tokens", type=int, default=256, help="--speed: tokens generated per request")
+    p.add_argument("--tokens", type=int, default=128, help="--speed: tokens generated per request")
+    p.add_argument("--context", type=int, nargs="+", default=[512, 2048],
+                   help="--speed: prompt lengths in tokens (taken from --data)")
     return p.parse_args()
 
 
@@ -62,32 +71,42 @@ def write_json(result: dict[str, Any], out: Path) -> None:
 
 
 def speed(args: argparse.Namespace) -> None:
+    """Decode tokens/s per mode and context length (module docstring)."""
     from qpage import LLM, SamplingParams
 
     p = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
-    one = ["Write a long story about a dragon who learns to code."]
-    eight = [f"Prompt {i}: tell me about the history of computing." for i in range(8)]
+    text = Path(args.data).read_text(encoding="utf-8")[: 20 * max(args.context)]
     rows = []
-    for label, dtype, scales, backend in [(*m, "auto") for m in MODES] + [(*MODES[1], "cpu-blas")]:
-        llm = LLM(model=args.model, kv_cache_dtype=dtype, kv_cache_scales=scales, attention_backend=backend,
-                  log_stats=False)
-        llm.generate(one, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)  # warm-up
-        b1 = 0.0
-        for _ in range(2):
+    runs = [(label, kw, "auto") for label, kw in MODES if label in SPEED_MODES] + [(*MODES[1], "cpu-blas")]
+    for ctx in args.context:
+        for label, kwargs, backend in runs:
+            llm = LLM(model=args.model, attention_backend=backend, log_stats=False, **kwargs)
+            ids = llm.get_tokenizer().encode(text, add_special_tokens=False)[: ctx - 1]
+            if len(ids) < ctx - 1:
+                raise SystemExit(f"{args.data}: fewer than {ctx} tokens for --context {ctx}")
+            # One shared context (a prefix hit after the warm-up), a different last token each.
+            prompts = [{"prompt_token_ids": [*ids, 100 + i]} for i in range(8)]
+            llm.generate(prompts, SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)  # warm-up, prefill
+            b1 = 0.0
+            for _ in range(2):
+                t = time.perf_counter()
+                llm.generate(prompts[:1], p, use_tqdm=False)
+                b1 = max(b1, args.tokens / (time.perf_counter() - t))
             t = time.perf_counter()
-            llm.generate(one, p, use_tqdm=False)
-            b1 = max(b1, args.tokens / (time.perf_counter() - t))
-        t = time.perf_counter()
-        llm.generate(eight, p, use_tqdm=False)
-        b8 = 8 * args.tokens / (time.perf_counter() - t)
-        name = llm.llm_engine.runner.backend.name
-        rows.append(dict(mode=label, attention_backend=name, batch1_tok_s=b1, batch8_tok_s=b8))
-        print(f"{label:<24} {name:<11} batch 1 {b1:6.1f} tok/s   batch 8 {b8:6.1f} tok/s", flush=True)
-        del llm
-    auto, tok, blas = rows[0], rows[1], rows[-1]
-    for key in ("batch1_tok_s", "batch8_tok_s"):
-        print(f"{key}: fp8 per-token on {tok['attention_backend']} / on cpu-blas {tok[key] / blas[key]:.2f}x, "
-              f"/ auto {tok[key] / auto[key]:.2f}x")
+            llm.generate(prompts, p, use_tqdm=False)
+            b8 = 8 * args.tokens / (time.perf_counter() - t)
+            name = llm.llm_engine.runner.backend.name
+            rows.append(dict(context=ctx, mode=label, attention_backend=name, batch1_tok_s=b1, batch8_tok_s=b8))
+            print(f"context {ctx:>5} {label:<24} {name:<11} batch 1 {b1:6.1f} tok/s   batch 8 {b8:6.1f} tok/s",
+                  flush=True)
+            del llm
+    print("\nvs the fp32 cache (auto), same context:")
+    for r in rows:
+        auto = next(a for a in rows if a["context"] == r["context"] and a["mode"] == "auto")
+        r["batch1_vs_auto"], r["batch8_vs_auto"] = (r["batch1_tok_s"] / auto["batch1_tok_s"],
+                                                    r["batch8_tok_s"] / auto["batch8_tok_s"])
+        print(f"context {r['context']:>5} {r['mode']:<24} {r['attention_backend']:<11} batch 1 "
+              f"{r['batch1_vs_auto']:.2f}x   batch 8 {r['batch8_vs_auto']:.2f}x")
     write_json(dict(tokens=args.tokens, modes=rows), Path(args.out or ROOT / "benchmarks" / "results" /
                                                           "kv_cache_speed.json"))
 
@@ -106,9 +125,9 @@ def main() -> None:
     from qpage.layers.kv_format import KVCacheSpec
 
     engines = {}
-    for label, dtype, scales in MODES:
-        llm = LLM(model=args.model, kv_cache_dtype=dtype, kv_cache_scales=scales, kv_cache_memory="64MiB",
-                  enable_prefix_caching=False, max_model_len=max(args.window, 16), log_stats=False)
+    for label, kwargs in MODES:
+        llm = LLM(model=args.model, kv_cache_memory="64MiB", enable_prefix_caching=False,
+                  max_model_len=max(args.window, 16), log_stats=False, **kwargs)
         engines[label] = llm.llm_engine
     ref = engines["auto"]
     arch = ref.arch
@@ -146,7 +165,8 @@ def main() -> None:
                              perplexity=ppl, ppl_delta_pct=100 * (ppl / ppl_auto - 1),
                              mean_kl=kl[label] / count if label != "auto" else 0.0,
                              max_kl=kl_max[label]))
-    result = dict(model=ref.model_dir.name, model_dtype=str(ref.dtype), windows=len(windows), window=args.window,
+    result = dict(model=ref.model_dir.name, model_dtype=str(ref.dtype), data=Path(args.data).name,
+                  windows=len(windows), window=args.window,
                   chunk=args.chunk, tokens_scored=count, fp16_bytes_per_token=fp16_bytes, modes=rows_out)
     out = Path(args.out or ROOT / "benchmarks" / "results" / "kv_cache.json")
     write_json(result, out)

@@ -2,9 +2,10 @@
 
 Weights: every linear of the decoder at the scheme's bits plus its scales (and zeros,
 ``g_idx``) in the layout qpage loads; embeddings, the LM head, norms and biases in FP16.
-KV bytes per token: the engine's own formula (``KVCacheSpec.bytes_per_token``), FP8 per-token
-scales included. Token capacity: what is left of the card after the weights and a fixed
-allowance for activations and the runtime, in whole 16-token blocks.
+KV bytes per token: the engine's own formula (``KVCacheSpec.bytes_per_token``), the FP8, int8
+and int4 caches' per-token scales (and int4's zeros) included. Token capacity: what is left
+of the card after the weights and a fixed allowance for activations and the runtime, in
+whole 16-token blocks.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ WEIGHT_SCHEMES = (
     WeightScheme("INT4 g128", 4, 128, 2, 4, True),
     WeightScheme("FP8", 8, None, 4, 0, False),
 )
-KV_DTYPES = (("FP16", "auto"), ("FP8", "fp8"))
+KV_DTYPES = (("FP16", "auto"), ("FP8", "fp8"), ("INT8", "int8"), ("INT4", "int4"))
 
 
 def bundled_configs() -> list[str]:

@@ -84,7 +84,7 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(self.model_dir)
         self.eos_token_ids = eos_token_ids(self.model_dir, self.tokenizer)
         cc = config.cache
-        self.kv_spec = KVCacheSpec.from_config(cc.kv_cache_dtype, cc.kv_cache_scales, self.dtype)
+        self.kv_spec = KVCacheSpec.from_config(cc.kv_cache_dtype, cc.kv_cache_scales, self.dtype, cc.kv_cache_rotation)
         num_blocks, block_bytes = plan_capacity(self.arch, self.kv_spec, int(cc.kv_cache_memory))
         self.max_model_len = self._decide_max_model_len(num_blocks * BLOCK_SIZE, block_bytes)
         self.model = load_model(
@@ -96,7 +96,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
         self.runner = ModelRunner(self.model, self.arch, self.kv, self.dtype, self.device,
                                   kv_spec=self.kv_spec, attention_backend=mc.attention_backend)
-        if self.kv_spec.fp8_format is not None and self.kv_spec.per_token:
+        if self.kv_spec.centered:
             from qpage.layers.kv_calibration import CALIBRATION_TEXT
 
             ids = self.tokenizer.encode(CALIBRATION_TEXT, add_special_tokens=False)

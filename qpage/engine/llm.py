@@ -33,6 +33,7 @@ class LLM:
         log_stats: bool = field_default(EngineConfig, "log_stats"),
         kv_cache_dtype: str = field_default(CacheConfig, "kv_cache_dtype"),
         kv_cache_scales: str = field_default(CacheConfig, "kv_cache_scales"),
+        kv_cache_rotation: bool = field_default(CacheConfig, "kv_cache_rotation"),
         attention_backend: str = field_default(ModelConfig, "attention_backend"),
     ) -> None:
         config = EngineConfig(
@@ -40,7 +41,8 @@ class LLM:
                               allow_pickle=allow_pickle, trust_remote_code=trust_remote_code,
                               device=device, attention_backend=attention_backend),
             cache=CacheConfig(kv_cache_memory=kv_cache_memory, enable_prefix_caching=enable_prefix_caching,
-                              kv_cache_dtype=kv_cache_dtype, kv_cache_scales=kv_cache_scales),
+                              kv_cache_dtype=kv_cache_dtype, kv_cache_scales=kv_cache_scales,
+                              kv_cache_rotation=kv_cache_rotation),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
             seed=seed,
             log_stats=log_stats,

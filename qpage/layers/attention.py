@@ -16,7 +16,7 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
-from qpage.kernels.cpu import blas_attention, native, native_fp8
+from qpage.kernels.cpu import blas_attention, native, native_fp8, native_int
 from qpage.layers.attention_metadata import (
     AttentionBatch,
     AttentionMetadata,
@@ -61,12 +61,12 @@ class TorchPagedAttention:
     ) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, KVH, D] (this step's, already written). Returns [T, H, D].
 
-        With an FP8 cache every key and value is read back from the cache, this step's
+        With a quantized cache every key and value is read back from the cache, this step's
         included, so all paths (and the Triton kernels) attend to the same quantized K/V.
         """
         outs = [self._decode(q[d.start : d.end], cache, d, scale) for d in meta.decode_groups]
         for p in meta.prefills:
-            if cache.fp8_format is not None and p.mask is None:
+            if cache.quantized and p.mask is None:
                 outs.append(self._prefill_from_cache(q, cache, p, scale))
             else:
                 outs.append(self._prefill(q, k, v, cache, p, scale))
@@ -74,7 +74,7 @@ class TorchPagedAttention:
 
     def _prefill_from_cache(self, q: torch.Tensor, cache: LayerKV, p: PrefillSeq, scale: float) -> torch.Tensor:
         """A chunk with no earlier context, its K/V read back from the (FP8) cache."""
-        keys, values = gather_kv(cache, p.block_ids[None], p.context_len)
+        keys, values = self._gather(cache, p.block_ids[None], p.context_len)
         return self._prefill(q, keys[0], values[0], cache, PrefillSeq(0, p.end - p.start, p.context_len,
                                                                       p.block_ids, None), scale, q_offset=p.start)
 
@@ -88,8 +88,12 @@ class TorchPagedAttention:
         return out.squeeze(2)
 
     @staticmethod
+    def _gather(cache: LayerKV, block_table: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of a prefill's context (``gather_kv``); a backend may read the cache its own way."""
+        return gather_kv(cache, block_table, length)
+
     def _prefill(
-        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKV, p: PrefillSeq, scale: float,
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKV, p: PrefillSeq, scale: float,
         q_offset: int = 0,
     ) -> torch.Tensor:
         """``k``/``v`` rows p.start:p.end are the chunk's own K/V (used when it has no context);
@@ -103,7 +107,7 @@ class TorchPagedAttention:
                 qs, keys, values, is_causal=True, scale=scale, enable_gqa=True
             )
         else:
-            keys, values = gather_kv(cache, p.block_ids[None], p.context_len)
+            keys, values = self._gather(cache, p.block_ids[None], p.context_len)
             out = F.scaled_dot_product_attention(
                 qs, keys[0].transpose(0, 1), values[0].transpose(0, 1), attn_mask=p.mask, scale=scale,
                 enable_gqa=True,
@@ -126,7 +130,7 @@ class CpuBlasPagedAttention(TorchPagedAttention):
             # One sequence, no padding: SDPA with the query heads grouped under their kv head
             # (no mask, no GQA expansion) beats the BLAS path at this size.
             if d.first_block is not None:
-                kvh, hd = cache.k.shape[2], cache.k.shape[3]
+                kvh, hd = cache.k.shape[2], q.shape[-1]
                 keys, values = cache.read_span(d.first_block, bt.shape[1])
                 keys = keys.reshape(1, -1, kvh, hd)[:, : d.max_seq_len]
                 values = values.reshape(1, -1, kvh, hd)[:, : d.max_seq_len]
@@ -141,23 +145,23 @@ class CpuBlasPagedAttention(TorchPagedAttention):
         keys, values = gather_kv(cache, bt)
         return blas_attention.decode_attention(q, keys, values, bias, scale)
 
-    @staticmethod
     def _prefill(
-        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKV, p: PrefillSeq, scale: float,
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKV, p: PrefillSeq, scale: float,
         q_offset: int = 0,
     ) -> torch.Tensor:
         if p.mask is None:
             keys, values = k[p.start : p.end], v[p.start : p.end]
         else:
-            keys, values = gather_kv(cache, p.block_ids[None], p.context_len)
+            keys, values = self._gather(cache, p.block_ids[None], p.context_len)
             keys, values = keys[0], values[0]
         return blas_attention.prefill_attention(q[q_offset + p.start : q_offset + p.end], keys, values, scale)
 
 
 class CpuNativePagedAttention(CpuBlasPagedAttention):
     """fp32 on CPU: decode attention and the cache write in C, reading and writing the cache
-    blocks in place (``kernels.cpu.native`` for an fp32 cache, ``kernels.cpu.native_fp8`` for
-    FP8 codes); prefill as ``CpuBlasPagedAttention``."""
+    blocks in place (``kernels.cpu.native`` for an fp32 cache, ``native_fp8`` for FP8 codes,
+    ``native_int`` for int8/int4 codes); prefill as ``CpuBlasPagedAttention``, with an integer
+    cache's context dequantized by ``native_int``."""
 
     name = "cpu-native"
 
@@ -165,7 +169,11 @@ class CpuNativePagedAttention(CpuBlasPagedAttention):
         return build_torch_metadata(batch, device)  # the C decode reads seq_lens, not a bias
 
     def write_cache(self, k: torch.Tensor, v: torch.Tensor, cache: LayerKV, slot_mapping: torch.Tensor) -> None:
-        if cache.fp8_format is None:
+        if cache.int_bits is not None:
+            assert cache.k_scale is not None and cache.v_scale is not None
+            native_int.write_kv_int(k, v, cache.k, cache.v, cache.k_scale, cache.v_scale, slot_mapping,
+                                    cache.int_bits)
+        elif cache.fp8_format is None:
             native.write_kv(k, v, cache.k, cache.v, slot_mapping)
         else:
             assert cache.k_scale is not None and cache.v_scale is not None
@@ -175,8 +183,23 @@ class CpuNativePagedAttention(CpuBlasPagedAttention):
     @staticmethod
     def _decode(q: torch.Tensor, cache: LayerKV, d: DecodeGroup, scale: float) -> torch.Tensor:
         seq_lens = d.seq_lens if d.seq_lens is not None else d.mask.view(d.mask.shape[0], -1).sum(-1)
+        if cache.int_bits is not None:
+            assert cache.k_scale is not None and cache.v_scale is not None
+            return native_int.paged_decode_int(q, cache.k, cache.v, cache.k_scale, cache.v_scale, cache.int_bits,
+                                               d.block_table, seq_lens, scale)
         if cache.fp8_format is None:
             return native.paged_decode(q, cache.k, cache.v, d.block_table, seq_lens, scale)
         assert cache.k_scale is not None and cache.v_scale is not None
         return native_fp8.paged_decode_fp8(q, cache.k, cache.v, cache.k_scale, cache.v_scale, cache.fp8_format,
                                                d.block_table, seq_lens, scale)
+
+    @staticmethod
+    def _gather(cache: LayerKV, block_table: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if cache.int_bits is None:
+            return gather_kv(cache, block_table, length)
+        assert cache.k_scale is not None and cache.v_scale is not None
+        rows, hd, ids = block_table.shape[0], cache.head_dim, block_table.flatten()
+        keys = native_int.read_blocks_int(cache.k, cache.k_scale, cache.int_bits, ids, hd)
+        values = native_int.read_blocks_int(cache.v, cache.v_scale, cache.int_bits, ids, hd)
+        kvh = keys.shape[2]
+        return keys.view(rows, -1, kvh, hd)[:, :length], values.view(rows, -1, kvh, hd)[:, :length]

@@ -30,7 +30,7 @@ class AttentionCapabilities:
     """torch device types it runs on."""
     dtypes: tuple[torch.dtype, ...]
     kv_formats: tuple[str | None, ...]
-    """Cache formats: None (model dtype), "e4m3", "e5m2"."""
+    """Cache formats: None (model dtype), "e4m3", "e5m2", "int8", "int4" (``KVCacheSpec.format``)."""
     max_head_dim: int
     needs_triton: bool
     auto: bool
@@ -49,7 +49,7 @@ class AttentionCapabilities:
             return f"runs on {'/'.join(self.devices)}, not {device.type}{hint}"
         if spec.dtype not in self.dtypes:
             return f"supports dtypes {', '.join(str(d).removeprefix('torch.') for d in self.dtypes)}, not {spec.dtype}"
-        if spec.fp8_format not in self.kv_formats:
+        if spec.format not in self.kv_formats:
             return f"does not read a kv cache of {spec.describe()}"
         if head_dim > self.max_head_dim:
             return f"head_dim {head_dim} > {self.max_head_dim}"
@@ -58,7 +58,7 @@ class AttentionCapabilities:
         return self.unavailable() if self.unavailable is not None else None
 
 
-ALL_KV = (None, "e4m3", "e5m2")
+ALL_KV = (None, "e4m3", "e5m2", "int8", "int4")
 ATTENTION_CAPABILITIES = (
     AttentionCapabilities("triton", ("cuda",), (torch.float16, torch.bfloat16, torch.float32), ALL_KV, 256,
                           needs_triton=True, auto=True, make=TritonPagedAttention),

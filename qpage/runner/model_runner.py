@@ -18,6 +18,7 @@ from qpage.config import BLOCK_SIZE
 from qpage.engine.kv_cache import KVCacheManager
 from qpage.engine.request import Request
 from qpage.engine.scheduler import ScheduledRequest, SchedulerOutput
+from qpage.kernels.kv_int import hadamard
 from qpage.layers.attention_metadata import AttentionBatch, SeqSpan
 from qpage.layers.backends import select_attention_backend
 from qpage.layers.kv_format import KVCacheSpec, make_layer_kv
@@ -61,6 +62,10 @@ class ModelRunner:
             logger.warning("kv_cache_scales=per_tensor: the checkpoint has no k_scale/v_scale for %d of %d "
                            "layers; using 1.0 there (vLLM's default)", arch.num_layers - len(scales),
                            arch.num_layers)
+        block = hadamard(arch.head_dim)[1]
+        if spec.int_bits is not None and spec.rotate and block < arch.head_dim:
+            logger.info("head_dim %d is not a power of two: the int%d cache rotates K/V by a block-diagonal "
+                        "Hadamard matrix of %d-wide blocks", arch.head_dim, spec.int_bits, block)
         self.caches = [
             make_layer_kv(spec, kv.num_blocks, arch.num_kv_heads, arch.head_dim, device, scales.get(i))
             for i in range(arch.num_layers)

@@ -20,6 +20,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from qpage.config import BLOCK_SIZE
 from qpage.engine.engine import LLMEngine
 from qpage.server import doctor
 from qpage.server.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestFailedError
@@ -156,6 +157,7 @@ def build_app(aengine: AsyncEngine, settings: ServerSettings) -> Any:
     cfg = engine.config
     config_info = {"max_num_seqs": cfg.scheduler.max_num_seqs, "max_num_batched_tokens":
                    cfg.scheduler.max_num_batched_tokens, "kv_cache_dtype": cfg.cache.kv_cache_dtype,
+                   "kv_cache": engine.kv_spec.describe(), "kv_cache_tokens": engine.kv.num_blocks * BLOCK_SIZE,
                    "max_model_len": engine.max_model_len}
 
     @asynccontextmanager

@@ -75,16 +75,25 @@ def _kv_pressure(before: Snap, after: Snap, seconds: float, info: Snap) -> Findi
     kv = after[PREFIX + "kv_cache_usage_perc"]
     if pre <= 0 and kv < 0.95:
         return None
-    fp8 = "" if str(info.get("kv_cache_dtype", "auto")).startswith("fp8") else \
-        "--kv-cache-dtype fp8 (half the bytes per token), "
+    smaller = _smaller_kv_dtype(str(info.get("kv_cache_dtype", "auto")))
     return Finding(
         "kv_cache_full", "warn",
         f"KV cache {100 * kv:.1f}% used and {pre:.0f} preemptions in {seconds:.0f}s: preempted requests "
         "lose their blocks and recompute their prompts",
-        f"give the cache more room: raise --kv-cache-memory, {fp8}serve an INT4/FP8 checkpoint to free "
+        f"give the cache more room: raise --kv-cache-memory, {smaller}serve an INT4/FP8 checkpoint to free "
         "weight memory for KV (`qpage plan` shows the capacity), or lower --max-num-seqs "
         f"(now {info.get('max_num_seqs', '?')}) so fewer requests share the cache",
     )
+
+
+def _smaller_kv_dtype(current: str) -> str:
+    """A suggestion of a KV cache dtype with fewer bytes per token than ``current`` ("" if none)."""
+    if current.startswith("int4"):
+        return ""
+    if current.startswith(("fp8", "int8")):
+        return "--kv-cache-dtype int4 (about 0.28x the bytes of fp16 per token; more quality loss: docs/kv-cache.md), "
+    return ("--kv-cache-dtype int8 (about half the bytes of fp16 per token, near-lossless) or int4 (about "
+            "0.28x; more loss: docs/kv-cache.md), ")
 
 
 def _queue_growth(before: Snap, after: Snap, seconds: float, info: Snap) -> Finding | None:

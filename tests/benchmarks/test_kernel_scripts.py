@@ -92,25 +92,30 @@ def test_kv_cache_benchmark_smoke(tmp_path: Path) -> None:
     res = json.loads(out.read_text())
     modes = {m["mode"]: m for m in res["modes"]}
     assert set(modes) == {"auto", "fp8_e4m3 per-token", "fp8_e4m3 per-tensor", "fp8_e5m2 per-token",
-                          "fp8_e5m2 per-tensor"}
-    assert modes["fp8_e4m3 per-token"]["vs_fp16"] <= 0.53
+                          "fp8_e5m2 per-tensor", "int8 rotated", "int8 not rotated", "int4 rotated", "int4 not rotated"}
+    assert modes["fp8_e4m3 per-token"]["vs_fp16"] <= 0.53 and modes["int8 rotated"]["vs_fp16"] <= 0.53
+    assert modes["int4 rotated"]["vs_fp16"] <= 0.30
     assert all(m["perplexity"] > 1 for m in modes.values())
     assert all(m["mean_kl"] >= 0 for m in modes.values())
 
 
 def test_kv_cache_speed_smoke(tmp_path: Path) -> None:
-    """--speed runs every mode on its default backend (the C kernels read FP8 caches too) and
-    the FP8 per-token cache on cpu-blas for comparison."""
+    """--speed runs the fp32, FP8, int8 and int4 caches on their default backend (the C kernels
+    read them all) and the FP8 per-token cache on cpu-blas for comparison, per context length."""
     from qpage.kernels.cpu import native as cpu_native
 
     out = tmp_path / "speed.json"
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kv_cache.py"), "--speed", "--tokens", "4",
-                        "--out", str(out)], capture_output=True, text=True, timeout=900)
+                        "--context", "40", "--data", str(ROOT / "README.md"), "--out", str(out)],
+                       capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     rows = json.loads(out.read_text())["modes"]
     want = "cpu-native" if cpu_native.load() is not None else "cpu-blas"
-    assert [row["attention_backend"] for row in rows] == [want] * 5 + ["cpu-blas"]
-    assert all(row["batch1_tok_s"] > 0 and row["batch8_tok_s"] > 0 for row in rows)
+    assert [row["attention_backend"] for row in rows] == [want] * 4 + ["cpu-blas"]
+    assert [row["mode"] for row in rows] == ["auto", "fp8_e4m3 per-token", "int8 rotated", "int4 rotated",
+                                             "fp8_e4m3 per-token"]
+    assert all(row["batch1_tok_s"] > 0 and row["batch8_tok_s"] > 0 and row["context"] == 40 for row in rows)
+    assert rows[0]["batch8_vs_auto"] == 1.0
 
 
 def test_cpu_paths_benchmark_smoke(tmp_path: Path) -> None:
@@ -137,7 +142,7 @@ def test_cpu_attention_kernels_benchmark_smoke(tmp_path: Path) -> None:
     rows = json.loads(out.read_text())["rows"]
     assert [(row["context"], row["batch"]) for row in rows] == [(40, 1), (40, 2)]
     for row in rows:
-        assert len(row["us"]) == 5 and all(t > 0 for t in row["us"].values())
+        assert len(row["us"]) == 7 and all(t > 0 for t in row["us"].values())
         assert row["vs_fp32"]["fp32"] == 1.0
 
 

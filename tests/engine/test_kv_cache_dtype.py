@@ -107,7 +107,7 @@ def test_static_scales_from_checkpoint(default_model_dir: Path, tmp_path: Path) 
 
 
 @pytest.mark.parametrize(("kwargs", "match"), [
-    ({"kv_cache_dtype": "int4"}, "kv_cache_dtype='int4' is not supported; choose one of auto, fp8"),
+    ({"kv_cache_dtype": "int3"}, "kv_cache_dtype=.int3. is not supported; choose one of auto, fp8"),
     ({"kv_cache_scales": "per_block"}, "kv_cache_scales='per_block' is not supported"),
     ({"attention_backend": "flash"}, "attention_backend='flash' is not supported"),
 ])

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.slow  # see pyproject.toml's markers
 PROMPTS = ["The capital of France is", "Write a haiku about the sea:"]
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8", "int8", "int4"])
 def test_triton_backend_matches_cpu_path(llm_factory: Any, kv_cache_dtype: str) -> None:
     # Chunks of 6 tokens: the prefill kernel reads earlier chunks from the paged cache.
     p = SamplingParams(temperature=0, max_tokens=4, logprobs=0, prompt_logprobs=0)
@@ -25,8 +25,8 @@ def test_triton_backend_matches_cpu_path(llm_factory: Any, kv_cache_dtype: str) 
         assert llm.llm_engine.runner.backend.name == backend
         # The FP8 cache write searches 8 scales per head: slow in the interpreter, so one prompt.
         runs[backend] = llm.generate(PROMPTS if kv_cache_dtype == "auto" else PROMPTS[:1], p, use_tqdm=False)
-    # auto: same math up to float rounding. fp8: a 1e-6 difference can move a value across an
-    # FP8 rounding boundary and change a code, so logprobs agree only to quantization noise.
+    # auto: same math up to float rounding. Quantized caches: a 1e-6 difference can move a value
+    # across a rounding boundary and change a code, so logprobs agree only to quantization noise.
     tol = 2e-4 if kv_cache_dtype == "auto" else 0.1
     for a, b in zip(runs["cpu-blas"], runs["triton"], strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids

@@ -36,7 +36,12 @@ def test_kv_full_and_preemptions() -> None:
     m.inc("num_preemptions_total", 4)
     f = checks(diagnose(before, m.snapshot(), 10, INFO))["kv_cache_full"]
     assert f.status == "warn" and "4 preemptions" in f.evidence
-    assert "--kv-cache-memory" in f.fix and "--kv-cache-dtype fp8" in f.fix
+    assert "--kv-cache-memory" in f.fix and "--kv-cache-dtype int8" in f.fix
+    # A smaller KV dtype is suggested while there is one.
+    for current, suggested in (("fp8", "--kv-cache-dtype int4"), ("int8_per_token_head", "--kv-cache-dtype int4"),
+                               ("int4", None)):
+        fix = checks(diagnose(before, m.snapshot(), 10, {**INFO, "kv_cache_dtype": current}))["kv_cache_full"].fix
+        assert (suggested in fix) if suggested else ("--kv-cache-dtype" not in fix), (current, fix)
 
 
 def test_waiting_queue_growing_at_max_num_seqs() -> None:

@@ -1,7 +1,8 @@
 """The fp32 CPU kernels in C (``csrc/``), compiled once with the system C compiler and
 called through ctypes: paged decode attention and the cache write (``cpu_attention.c``),
 RMSNorm with the residual add, SiLU-and-mul and rotary embedding (``cpu_ops.c``), and the
-same two cache kernels for the FP8 cache (``cpu_fp8.c``; wrappers in ``native_fp8``).
+same two cache kernels for the FP8 cache (``cpu_fp8.c``; wrappers in ``native_fp8``) and for
+the int8/int4 cache (``cpu_int.c``; wrappers in ``native_int``).
 
 Why: at batch 1 the torch path spends most of its attention time gathering the sequence's
 blocks into one tensor and dispatching ops, and each norm and activation is several small
@@ -35,8 +36,8 @@ from qpage.config import cache_root
 logger = logging.getLogger("qpage")
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = (CSRC / "cpu_attention.c", CSRC / "cpu_ops.c", CSRC / "cpu_fp8.c")
-HEADERS = (CSRC / "qp_math.h",)
+SOURCES = (CSRC / "cpu_attention.c", CSRC / "cpu_ops.c", CSRC / "cpu_fp8.c", CSRC / "cpu_int.c")
+HEADERS = (CSRC / "qp_math.h", CSRC / "qp_half.h")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-std=c11", "-shared", "-fPIC")
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -126,6 +127,14 @@ def load() -> ctypes.CDLL | None:
             lib.qp_paged_decode_fp8.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _float, _float, _ptr, _int, _ptr,
                                                 _i64, _i64, _ptr, _ptr, _int, _int, _int, _int, _int, _float, _i64]
             lib.qp_paged_decode_fp8.restype = _int
+            lib.qp_write_kv_int.argtypes = [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _int, _int, _int,
+                                            _i64, _int]
+            lib.qp_write_kv_int.restype = _int
+            lib.qp_paged_decode_int.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _int, _ptr, _i64, _i64, _ptr,
+                                                _ptr, _int, _int, _int, _int, _int, _float, _i64]
+            lib.qp_paged_decode_int.restype = _int
+            lib.qp_read_blocks_int.argtypes = [_ptr, _ptr, _int, _ptr, _i64, _int, _int, _int, _i64, _ptr]
+            lib.qp_read_blocks_int.restype = _int
             _lib = lib
         except (OSError, RuntimeError, subprocess.SubprocessError) as e:
             _why_not = f"building the C kernels in {CSRC} failed: {e}"

@@ -1,0 +1,87 @@
+"""The int8/int4 KV cache kernels in C (``csrc/cpu_int.c``): the cache write, bit-exact with
+``kv_int.write_int_cache_ref``; paged decode attention reading the codes in place, as
+``TorchPagedAttention._decode`` computes it on the dequantized cache; and a block
+dequantizer that feeds prefill over the paged context. Layout: ``kernels.kv_int``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from qpage.kernels.cpu.native import as_i64, load
+from qpage.kernels.kv_int import PARAMS, code_width
+
+
+def _check_cache(cache: torch.Tensor, params: torch.Tensor, bits: int, head_dim: int) -> None:
+    nb, bs, kvh, width = cache.shape
+    want = torch.int8 if bits == 8 else torch.uint8
+    if (bits not in PARAMS or cache.dtype != want or width != code_width(bits, head_dim) or not cache.is_contiguous()
+            or params.dtype != torch.float16 or tuple(params.shape) != (nb, bs, kvh, PARAMS[bits])
+            or not params.is_contiguous() or head_dim % 2 or head_dim > 256):
+        raise ValueError(
+            f"int{bits} cache: expected contiguous {want} codes [.., {code_width(bits, head_dim)}] and fp16 "
+            f"parameters [{nb}, {bs}, {kvh}, {PARAMS.get(bits)}] for an even head_dim <= 256, got {cache.dtype} "
+            f"{tuple(cache.shape)}, {params.dtype} {tuple(params.shape)}, head_dim {head_dim}")
+
+
+def write_kv_int(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 k_params: torch.Tensor, v_params: torch.Tensor, slot_mapping: torch.Tensor, bits: int) -> None:
+    """``write_int_cache_ref``: k, v fp32 [T, kvh, hd] (heads contiguous)."""
+    lib = load()
+    assert lib is not None, "write_kv_int needs the native kernels; check load() first"
+    t, kvh, hd = k.shape
+    for cache, params in ((k_cache, k_params), (v_cache, v_params)):
+        _check_cache(cache, params, bits, hd)
+    ok = all(x.dtype == torch.float32 and x.stride(2) == 1 and x.stride(1) == hd for x in (k, v))
+    if not ok or k.shape != v.shape or k_cache.shape[2] != kvh:
+        raise ValueError(f"write_kv_int: unsupported k/v {tuple(k.shape)} {k.dtype} for cache {tuple(k_cache.shape)}")
+    slots = as_i64(slot_mapping)
+    num_slots = k_cache.shape[0] * k_cache.shape[1]
+    rc = lib.qp_write_kv_int(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k_cache.data_ptr(),
+                             v_cache.data_ptr(), k_params.data_ptr(), v_params.data_ptr(), slots.data_ptr(), t, kvh,
+                             hd, num_slots, bits)
+    if rc != 0:
+        raise ValueError(f"write_kv_int: a slot outside [-1, {num_slots}) in slot_mapping")
+
+
+def paged_decode_int(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_params: torch.Tensor, v_params: torch.Tensor,
+    bits: int, block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+) -> torch.Tensor:
+    """Decode attention over integer codes; q fp32 [n, H, hd] (heads contiguous) -> fp32 [n, H, hd]."""
+    lib = load()
+    assert lib is not None, "paged_decode_int needs the native kernels; check load() first"
+    n, h, hd = q.shape
+    for cache, params in ((k_cache, k_params), (v_cache, v_params)):
+        _check_cache(cache, params, bits, hd)
+    nb, bs, kvh = k_cache.shape[:3]
+    if (q.device.type != "cpu" or q.dtype != torch.float32 or q.stride(2) != 1 or q.stride(1) != hd or h % kvh
+            or block_table.shape[0] != n):
+        raise ValueError(f"paged_decode_int: unsupported layout q {tuple(q.shape)}/{q.stride()} {q.dtype}, "
+                         f"cache {tuple(k_cache.shape)}")
+    bt, lens = as_i64(block_table), as_i64(seq_lens)
+    out = torch.empty(n, h, hd, dtype=torch.float32)
+    rc = lib.qp_paged_decode_int(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+                                 k_params.data_ptr(), v_params.data_ptr(), bits, bt.data_ptr(), bt.stride(0),
+                                 bt.shape[1], lens.data_ptr(), out.data_ptr(), n, h, kvh, hd, bs, scale, nb)
+    if rc == -2:
+        raise ValueError(f"paged_decode_int: a seq_len < 1 or a block id outside [0, {nb}) in the block table")
+    if rc != 0:
+        raise MemoryError("paged_decode_int: could not allocate the score scratch")
+    return out
+
+
+def read_blocks_int(cache: torch.Tensor, params: torch.Tensor, bits: int, block_ids: torch.Tensor,
+                    head_dim: int) -> torch.Tensor:
+    """fp32 [len(block_ids), BLOCK, kvh, head_dim]: whole blocks dequantized (``kv_int.dequantize_ref``
+    up to the rounding of a fused multiply-add)."""
+    lib = load()
+    assert lib is not None, "read_blocks_int needs the native kernels; check load() first"
+    _check_cache(cache, params, bits, head_dim)
+    nb, bs, kvh = cache.shape[:3]
+    ids = as_i64(block_ids)
+    out = torch.empty(ids.numel(), bs, kvh, head_dim, dtype=torch.float32)
+    if lib.qp_read_blocks_int(cache.data_ptr(), params.data_ptr(), bits, ids.data_ptr(), ids.numel(), bs, kvh,
+                              head_dim, nb, out.data_ptr()) != 0:
+        raise ValueError(f"read_blocks_int: a block id outside [0, {nb})")
+    return out
