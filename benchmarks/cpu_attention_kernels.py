@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 MODES = ("fp32", "fp8_e4m3 per-token", "fp8_e4m3 per-tensor", "fp8_e5m2 per-token", "fp8_e5m2 per-tensor", "int8",
-         "int4")
+         "k8v4", "int4")
 
 
 def make_calls(n: int, ctx: int) -> dict[str, Callable[[], Any]]:
@@ -34,7 +34,7 @@ def make_calls(n: int, ctx: int) -> dict[str, Callable[[], Any]]:
 
     from qpage.kernels.cpu import native as cpu_native
     from qpage.kernels.cpu.native_fp8 import paged_decode_fp8, write_kv_fp8
-    from qpage.kernels.cpu.native_int import paged_decode_int, write_kv_int
+    from qpage.kernels.cpu.native_int import paged_decode_int, write_int
     from qpage.kernels.kv_int import PARAMS, code_width
 
     g = torch.Generator().manual_seed(0)
@@ -66,15 +66,20 @@ def make_calls(n: int, ctx: int) -> dict[str, Callable[[], Any]]:
             name = f"fp8_{fmt} {'per-token' if per_token else 'per-tensor'}"
             calls[name] = (lambda k8=k8, v8=v8, ks=ks, vs=vs, fmt=fmt:
                            paged_decode_fp8(q, k8, v8, ks, vs, fmt, table, lens, scale))
+    int_caches = {}
     for bits in (8, 4):
-        shape = (nb, BLOCK, KV_HEADS, code_width(bits, HEAD_DIM))
-        ki = torch.zeros(shape, dtype=torch.int8 if bits == 8 else torch.uint8)
-        vi = torch.zeros_like(ki)
+        codes = torch.zeros(nb, BLOCK, KV_HEADS, code_width(bits, HEAD_DIM), dtype=torch.int8 if bits == 8
+                            else torch.uint8)
+        ki, vi = codes, torch.zeros_like(codes)
         kp = torch.zeros(nb, BLOCK, KV_HEADS, PARAMS[bits], dtype=torch.float16)
         vp = torch.zeros_like(kp)
-        write_kv_int(k, v, ki, vi, kp, vp, slots, bits)
-        calls[f"int{bits}"] = (lambda ki=ki, vi=vi, kp=kp, vp=vp, bits=bits:
-                               paged_decode_int(q, ki, vi, kp, vp, bits, table, lens, scale))
+        write_int(k, ki, kp, slots, bits)
+        write_int(v, vi, vp, slots, bits)
+        int_caches[bits] = (ki, kp), (vi, vp)
+    for name, (kb, vb) in (("int8", (8, 8)), ("k8v4", (8, 4)), ("int4", (4, 4))):
+        (ki, kp), (vi, vp) = int_caches[kb][0], int_caches[vb][1]
+        calls[name] = (lambda ki=ki, vi=vi, kp=kp, vp=vp, kb=kb, vb=vb:
+                       paged_decode_int(q, ki, vi, kp, vp, kb, vb, table, lens, scale))
     return calls
 
 

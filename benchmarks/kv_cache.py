@@ -3,7 +3,8 @@
 Modes: ``auto`` (the model dtype: fp32 on CPU), ``fp8_e4m3`` with per-token scales
 (qpage's default FP8), ``fp8_e4m3`` with one per-tensor scale (vLLM style: the checkpoint's
 ``k_scale``/``v_scale``, 1.0 when it has none, as here), ``fp8_e5m2`` with per-token scales,
-``fp8_e5m2`` per-tensor, and ``int8`` / ``int4`` with and without the Hadamard rotation.
+``fp8_e5m2`` per-tensor, ``int8`` / ``int4`` with and without the Hadamard rotation, and
+``k8v4`` (int8 keys, int4 values).
 
 Method: the default model scores non-overlapping windows of ``--window`` tokens from
 wikitext-2 ``test.txt``, teacher-forced, with chunked prefill of ``--chunk`` tokens: every
@@ -18,7 +19,7 @@ compared with an fp16 cache's (the usual GPU baseline) and the ``auto`` cache's.
 
 ``--speed``: greedy decode of ``--tokens`` tokens after a prompt of ``--context`` tokens
 (default 512 and 2048), at batch 1 (best of 2) and batch 8, for the fp32, FP8 per-token,
-int8 and int4 caches on their default backend (``cpu-native`` on CPU), plus the FP8
+int8, k8v4 and int4 caches on their default backend (``cpu-native`` on CPU), plus the FP8
 per-token cache on ``cpu-blas`` (the path without the C cache kernels), one engine after the
 other in one process.
 """
@@ -42,10 +43,11 @@ MODES: list[tuple[str, dict[str, Any]]] = [
     ("fp8_e5m2 per-tensor", dict(kv_cache_dtype="fp8_e5m2", kv_cache_scales="per_tensor")),
     ("int8 rotated", dict(kv_cache_dtype="int8")),
     ("int8 not rotated", dict(kv_cache_dtype="int8", kv_cache_rotation=False)),
+    ("k8v4 rotated", dict(kv_cache_dtype="k8v4")),
     ("int4 rotated", dict(kv_cache_dtype="int4")),
     ("int4 not rotated", dict(kv_cache_dtype="int4", kv_cache_rotation=False)),
 ]
-SPEED_MODES = ("auto", "fp8_e4m3 per-token", "int8 rotated", "int4 rotated")
+SPEED_MODES = ("auto", "fp8_e4m3 per-token", "int8 rotated", "k8v4 rotated", "int4 rotated")
 
 
 def parse_args() -> argparse.Namespace:

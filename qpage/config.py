@@ -50,7 +50,8 @@ def parse_size(value: int | float | str, what: str = "size") -> int:
 
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8", "int4", "int8_per_token_head", "int4_per_token_head")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8", "int4", "k8v4", "int8_per_token_head",
+                   "int4_per_token_head")
 KV_CACHE_SCALES = ("per_token", "per_tensor")
 ATTENTION_BACKENDS = ("auto", "triton", "cpu-native", "cpu-blas", "torch")
 
@@ -101,8 +102,9 @@ class CacheConfig:
     block_size: int = BLOCK_SIZE
     """Tokens per block."""
     kv_cache_dtype: str = "auto"
-    """KV storage: auto (the model dtype); fp8 (= fp8_e4m3) or fp8_e5m2, int8: about half the bytes of fp16;
-    int4: about 0.28x (int8/int4 Hadamard-rotated, vLLM's *_per_token_head names accepted)."""
+    """KV storage: auto (the model dtype); fp8 (= fp8_e4m3), fp8_e5m2 or int8: about half the bytes of fp16;
+    k8v4 (int8 keys, int4 values): about 0.4x; int4: about 0.28x (integer caches are Hadamard-rotated;
+    vLLM's int8_per_token_head / int4_per_token_head accepted)."""
     kv_cache_scales: str = "per_token"
     """FP8 scales: per_token (per token and kv head, set at write) or per_tensor (checkpoint k/v_scale, else 1)."""
     kv_cache_rotation: bool = True

@@ -41,7 +41,7 @@ WEIGHT_SCHEMES = (
     WeightScheme("INT4 g128", 4, 128, 2, 4, True),
     WeightScheme("FP8", 8, None, 4, 0, False),
 )
-KV_DTYPES = (("FP16", "auto"), ("FP8", "fp8"), ("INT8", "int8"), ("INT4", "int4"))
+KV_DTYPES = (("FP16", "auto"), ("FP8", "fp8"), ("INT8", "int8"), ("K8V4", "k8v4"), ("INT4", "int4"))
 
 
 def bundled_configs() -> list[str]:

@@ -43,6 +43,7 @@ def test_llama3_8b_matches_the_worked_example() -> None:
     # int8 KV: codes + an fp16 scale per head (as FP8); int4: half-byte codes + fp16 scale and zero.
     assert rows[("FP16", "INT8")].kv_bytes_per_token == 2 * 32 * 8 * (128 + 2)
     assert rows[("FP16", "INT4")].kv_bytes_per_token == 2 * 32 * 8 * (64 + 4)
+    assert rows[("FP16", "K8V4")].kv_bytes_per_token == 32 * 8 * (128 + 2 + 64 + 4)
     int4 = rows[("INT4 g128", "INT4")]
     assert int4.tokens / rows[("INT4 g128", "FP16")].tokens >= 3.4
 
@@ -59,7 +60,7 @@ def test_cli_table_and_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert "| INT4 g128 | FP8 | 5.73 |" in table and "| 276,832 |" in table
     assert main(["plan", "Qwen2.5-7B", "--json", "--context-len", "4096"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert data["context_len"] == 4096 and len(data["rows"]) == 16
+    assert data["context_len"] == 4096 and len(data["rows"]) == 20
 
 
 def test_plan_reads_a_local_config(tmp_path: Path) -> None:

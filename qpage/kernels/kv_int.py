@@ -70,20 +70,17 @@ def dequantize_ref(codes: torch.Tensor, params: torch.Tensor, bits: int) -> torc
     return unpack_int4(codes).float() * p[..., :1] + p[..., 1:]
 
 
-def write_int_cache_ref(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_params: torch.Tensor,
-    v_params: torch.Tensor, slot_mapping: torch.Tensor, bits: int,
-) -> None:
-    """Quantize k, v [T, kvh, hd] into the slots ``slot_mapping`` (-1 skips a token)."""
+def write_int_cache_ref(x: torch.Tensor, cache: torch.Tensor, params: torch.Tensor, slot_mapping: torch.Tensor,
+                        bits: int) -> None:
+    """Quantize K or V rows x [T, kvh, hd] into the slots ``slot_mapping`` (-1 skips a token)."""
     slots = slot_mapping.long()
     if slots.numel() and int(slots.min()) < 0:
         keep = slots >= 0
-        slots, k, v = slots[keep], k[keep], v[keep]
-    kvh = k.shape[1]
-    for x, cache, params in ((k, k_cache, k_params), (v, v_cache, v_params)):
-        codes, p = quantize_ref(x, bits)
-        cache.view(-1, kvh, cache.shape[-1]).index_copy_(0, slots, codes)
-        params.view(-1, kvh, params.shape[-1]).index_copy_(0, slots, p)
+        slots, x = slots[keep], x[keep]
+    kvh = x.shape[1]
+    codes, p = quantize_ref(x, bits)
+    cache.view(-1, kvh, cache.shape[-1]).index_copy_(0, slots, codes)
+    params.view(-1, kvh, params.shape[-1]).index_copy_(0, slots, p)
 
 
 @functools.cache

@@ -169,10 +169,10 @@ class CpuNativePagedAttention(CpuBlasPagedAttention):
         return build_torch_metadata(batch, device)  # the C decode reads seq_lens, not a bias
 
     def write_cache(self, k: torch.Tensor, v: torch.Tensor, cache: LayerKV, slot_mapping: torch.Tensor) -> None:
-        if cache.int_bits is not None:
+        if cache.k_bits is not None and cache.v_bits is not None:
             assert cache.k_scale is not None and cache.v_scale is not None
-            native_int.write_kv_int(k, v, cache.k, cache.v, cache.k_scale, cache.v_scale, slot_mapping,
-                                    cache.int_bits)
+            native_int.write_int(k, cache.k, cache.k_scale, slot_mapping, cache.k_bits)
+            native_int.write_int(v, cache.v, cache.v_scale, slot_mapping, cache.v_bits)
         elif cache.fp8_format is None:
             native.write_kv(k, v, cache.k, cache.v, slot_mapping)
         else:
@@ -183,10 +183,10 @@ class CpuNativePagedAttention(CpuBlasPagedAttention):
     @staticmethod
     def _decode(q: torch.Tensor, cache: LayerKV, d: DecodeGroup, scale: float) -> torch.Tensor:
         seq_lens = d.seq_lens if d.seq_lens is not None else d.mask.view(d.mask.shape[0], -1).sum(-1)
-        if cache.int_bits is not None:
+        if cache.k_bits is not None and cache.v_bits is not None:
             assert cache.k_scale is not None and cache.v_scale is not None
-            return native_int.paged_decode_int(q, cache.k, cache.v, cache.k_scale, cache.v_scale, cache.int_bits,
-                                               d.block_table, seq_lens, scale)
+            return native_int.paged_decode_int(q, cache.k, cache.v, cache.k_scale, cache.v_scale, cache.k_bits,
+                                               cache.v_bits, d.block_table, seq_lens, scale)
         if cache.fp8_format is None:
             return native.paged_decode(q, cache.k, cache.v, d.block_table, seq_lens, scale)
         assert cache.k_scale is not None and cache.v_scale is not None
@@ -195,11 +195,11 @@ class CpuNativePagedAttention(CpuBlasPagedAttention):
 
     @staticmethod
     def _gather(cache: LayerKV, block_table: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if cache.int_bits is None:
+        if cache.k_bits is None or cache.v_bits is None:
             return gather_kv(cache, block_table, length)
         assert cache.k_scale is not None and cache.v_scale is not None
         rows, hd, ids = block_table.shape[0], cache.head_dim, block_table.flatten()
-        keys = native_int.read_blocks_int(cache.k, cache.k_scale, cache.int_bits, ids, hd)
-        values = native_int.read_blocks_int(cache.v, cache.v_scale, cache.int_bits, ids, hd)
+        keys = native_int.read_blocks_int(cache.k, cache.k_scale, cache.k_bits, ids, hd)
+        values = native_int.read_blocks_int(cache.v, cache.v_scale, cache.v_bits, ids, hd)
         kvh = keys.shape[2]
         return keys.view(rows, -1, kvh, hd)[:, :length], values.view(rows, -1, kvh, hd)[:, :length]

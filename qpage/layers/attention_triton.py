@@ -83,15 +83,16 @@ class TritonPagedAttention:
         return TritonMetadata(batch.slot_mapping, decodes, prefill)
 
     def write_cache(self, k: torch.Tensor, v: torch.Tensor, cache: LayerKV, slot_mapping: torch.Tensor) -> None:
-        if cache.int_bits is not None:
+        if cache.k_bits is not None and cache.v_bits is not None:
             assert cache.k_scale is not None and cache.v_scale is not None
-            write_int_cache(k, v, cache.k, cache.v, cache.k_scale, cache.v_scale, slot_mapping, cache.int_bits)
+            write_int_cache(k, cache.k, cache.k_scale, slot_mapping, cache.k_bits)
+            write_int_cache(v, cache.v, cache.v_scale, slot_mapping, cache.v_bits)
             return
         write_kv_cache(k, v, cache.k, cache.v, slot_mapping, cache.k_scale, cache.v_scale, cache.fp8_format)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKV, meta: TritonMetadata,
                scale: float) -> torch.Tensor:
-        if cache.int_bits is not None:
+        if cache.k_bits is not None:
             return self._attend_int(q, cache, meta, scale)
         kw = dict(k_scale=cache.k_scale, v_scale=cache.v_scale, fp8_format=cache.fp8_format)
         outs = []
@@ -107,15 +108,16 @@ class TritonPagedAttention:
     def _attend_int(q: torch.Tensor, cache: LayerKV, meta: TritonMetadata, scale: float) -> torch.Tensor:
         """An int8/int4 cache: decode reads the codes in place; prefill dequantizes the blocks its
         chunks use (padding entries included) and runs the model-dtype prefill kernel on them."""
-        assert cache.int_bits is not None and cache.k_scale is not None and cache.v_scale is not None
-        bits, outs = cache.int_bits, []
+        kb, vb = cache.k_bits, cache.v_bits
+        assert kb is not None and vb is not None and cache.k_scale is not None and cache.v_scale is not None
+        outs = []
         for d in meta.decodes:
-            outs.append(paged_decode_int(q[d.start : d.end], cache.k, cache.v, cache.k_scale, cache.v_scale, bits,
+            outs.append(paged_decode_int(q[d.start : d.end], cache.k, cache.v, cache.k_scale, cache.v_scale, kb, vb,
                                          d.block_tables, d.seq_lens, scale))
         if (p := meta.prefill) is not None:
             ids = p.block_tables.flatten()
-            keys = dequantize_blocks(cache.k, cache.k_scale, bits, ids, cache.head_dim, q.dtype)
-            values = dequantize_blocks(cache.v, cache.v_scale, bits, ids, cache.head_dim, q.dtype)
+            keys = dequantize_blocks(cache.k, cache.k_scale, kb, ids, cache.head_dim, q.dtype)
+            values = dequantize_blocks(cache.v, cache.v_scale, vb, ids, cache.head_dim, q.dtype)
             tables = torch.arange(ids.numel(), dtype=torch.int32, device=q.device).view(p.block_tables.shape)
             outs.append(paged_attention_prefill(q[p.start :], keys, values, tables, p.cu_seqlens_q, p.context_lens,
                                                 p.max_q_len, scale))

@@ -30,7 +30,7 @@ class AttentionCapabilities:
     """torch device types it runs on."""
     dtypes: tuple[torch.dtype, ...]
     kv_formats: tuple[str | None, ...]
-    """Cache formats: None (model dtype), "e4m3", "e5m2", "int8", "int4" (``KVCacheSpec.format``)."""
+    """Cache formats: None (model dtype), "e4m3", "e5m2", "int8", "int4", "k8v4" (``KVCacheSpec.format``)."""
     max_head_dim: int
     needs_triton: bool
     auto: bool
@@ -58,7 +58,7 @@ class AttentionCapabilities:
         return self.unavailable() if self.unavailable is not None else None
 
 
-ALL_KV = (None, "e4m3", "e5m2", "int8", "int4")
+ALL_KV = (None, "e4m3", "e5m2", "int8", "int4", "k8v4")
 ATTENTION_CAPABILITIES = (
     AttentionCapabilities("triton", ("cuda",), (torch.float16, torch.bfloat16, torch.float32), ALL_KV, 256,
                           needs_triton=True, auto=True, make=TritonPagedAttention),

@@ -15,12 +15,12 @@ slot ``s`` is block ``s // BLOCK_SIZE``, offset ``s % BLOCK_SIZE``.
   - ``per_tensor`` (vLLM-compatible): one fp32 scale per layer for K and one for V, read
     from the checkpoint's ``self_attn.k_scale`` / ``v_scale`` tensors, else 1.0 (vLLM's
     default). Cheaper, but one outlier-heavy head sets the precision of all.
-- ``int8`` / ``int4`` (vLLM's ``int8_per_token_head`` / ``int4_per_token_head``): integer
-  codes with fp16 parameters per (token, kv head) in ``k_scale``/``v_scale`` (layout:
-  ``kernels.kv_int``). K and V are centered as above and rotated by an orthonormal Hadamard
-  matrix over head_dim (``LayerKV.rotation``) before they are quantized, so one outlier
-  channel no longer sets a row's scale; the query is rotated the same way (scores are
-  unchanged) and the attention output rotated back.
+- ``int8`` / ``int4`` (vLLM's ``int8_per_token_head`` / ``int4_per_token_head``), and
+  ``k8v4`` (int8 keys, int4 values): integer codes with fp16 parameters per (token, kv head)
+  in ``k_scale``/``v_scale`` (layout: ``kernels.kv_int``). K and V are centered as above and
+  rotated by an orthonormal Hadamard matrix over head_dim (``LayerKV.rotation``) before they
+  are quantized, so one outlier channel no longer sets a row's scale; the query is rotated
+  the same way (scores are unchanged) and the attention output rotated back.
 """
 
 from __future__ import annotations
@@ -35,8 +35,10 @@ from qpage.kernels.kv_int import PARAMS, code_width, dequantize_ref, hadamard, w
 from qpage.kernels.kv_quant import write_kv_cache_ref
 
 KV_CACHE_DTYPES = {"auto": None, "fp8": "e4m3", "fp8_e4m3": "e4m3", "fp8_e5m2": "e5m2", "int8": "int8",
-                   "int8_per_token_head": "int8", "int4": "int4", "int4_per_token_head": "int4"}
+                   "int8_per_token_head": "int8", "int4": "int4", "int4_per_token_head": "int4", "k8v4": "k8v4"}
 """kv_cache_dtype -> the stored format (None: the model dtype)."""
+INT_BITS = {"int8": (8, 8), "int4": (4, 4), "k8v4": (8, 4)}
+"""Integer formats -> (K bits, V bits)."""
 KV_SCALE_MODES = ("per_token", "per_tensor")
 
 
@@ -49,21 +51,34 @@ class KVCacheSpec:
     per_token: bool = True
     """FP8 scale per (token, kv head); else one static scale per layer and tensor."""
     int_bits: int | None = None
-    """8 or 4 for an integer cache (then ``fp8_format`` is None)."""
+    """8 or 4: K's bits in an integer cache (then ``fp8_format`` is None)."""
+    v_bits: int | None = None
+    """V's bits when they differ from K's (``k8v4``), else None."""
     rotate: bool = True
     """Integer caches: Hadamard-rotate K and V before quantizing (``LayerKV.rotation``)."""
 
     @classmethod
     def from_config(cls, kv_cache_dtype: str, scales: str, dtype: torch.dtype, rotate: bool = True) -> KVCacheSpec:
         fmt = KV_CACHE_DTYPES[kv_cache_dtype]
-        if fmt is not None and fmt.startswith("int"):
-            return cls(dtype, None, True, int(fmt[3:]), rotate)
+        if fmt in INT_BITS:
+            kb, vb = INT_BITS[fmt]
+            return cls(dtype, None, True, kb, vb if vb != kb else None, rotate)
         return cls(dtype, fmt, scales == "per_token")
 
     @property
+    def kv_bits(self) -> tuple[int, int] | None:
+        """(K bits, V bits) of an integer cache, else None."""
+        if self.int_bits is None:
+            return None
+        return self.int_bits, self.v_bits or self.int_bits
+
+    @property
     def format(self) -> str | None:
-        """What the cache stores: None (the model dtype), "e4m3", "e5m2", "int8" or "int4"."""
-        return f"int{self.int_bits}" if self.int_bits else self.fp8_format
+        """What the cache stores: None (the model dtype), "e4m3", "e5m2", "int8", "int4" or "k8v4"."""
+        if self.kv_bits is None:
+            return self.fp8_format
+        kb, vb = self.kv_bits
+        return f"int{kb}" if kb == vb else f"k{kb}v{vb}"
 
     @property
     def centered(self) -> bool:
@@ -72,18 +87,19 @@ class KVCacheSpec:
 
     def bytes_per_token(self, num_layers: int, kv_heads: int, head_dim: int) -> int:
         """K and V bytes of one token over all layers, scales included."""
-        if self.int_bits is not None:
-            per_head = code_width(self.int_bits, head_dim) + 2 * PARAMS[self.int_bits]
-        elif self.fp8_format is None:
+        if self.kv_bits is not None:
+            both = sum(code_width(b, head_dim) + 2 * PARAMS[b] for b in self.kv_bits)
+            return num_layers * kv_heads * both
+        if self.fp8_format is None:
             per_head = head_dim * torch.empty((), dtype=self.dtype).element_size()
         else:
             per_head = head_dim + (2 if self.per_token else 0)
         return 2 * num_layers * kv_heads * per_head
 
     def describe(self) -> str:
-        if self.int_bits is not None:
-            params = "scales" if self.int_bits == 8 else "scales and zeros"
-            return f"int{self.int_bits} (per-token-head {params}{', Hadamard-rotated' if self.rotate else ''})"
+        if self.kv_bits is not None:
+            params = "scales" if self.kv_bits == (8, 8) else "scales and zeros"
+            return f"{self.format} (per-token-head {params}{', Hadamard-rotated' if self.rotate else ''})"
         if self.fp8_format is None:
             return f"{str(self.dtype).removeprefix('torch.')}"
         return f"fp8_{self.fp8_format} ({'per-token' if self.per_token else 'per-tensor'} scales)"
@@ -105,8 +121,10 @@ class LayerKV:
     per-token mode). Exact: a query's scores all move by q . k_shift, which softmax ignores."""
     v_shift: torch.Tensor | None = None
     """Likewise for V; attention adds it back to the output (the probabilities sum to 1)."""
-    int_bits: int | None = None
-    """8 or 4 for an integer cache: codes in ``k``/``v``, parameters in ``k_scale``/``v_scale``."""
+    k_bits: int | None = None
+    """8 or 4 for an integer cache: codes in ``k``, parameters in ``k_scale``."""
+    v_bits: int | None = None
+    """Likewise for V (``v``, ``v_scale``); set exactly when ``k_bits`` is."""
     rotation: torch.Tensor | None = None
     """[head_dim, head_dim] orthonormal and symmetric (``kernels.kv_int.hadamard``), integer
     caches only: K and V are stored times it, the query is multiplied by it before attention
@@ -114,11 +132,11 @@ class LayerKV:
 
     @property
     def head_dim(self) -> int:
-        return self.k.shape[3] * (2 if self.int_bits == 4 else 1)
+        return self.k.shape[3] * (2 if self.k_bits == 4 else 1)
 
     @property
     def quantized(self) -> bool:
-        return self.fp8_format is not None or self.int_bits is not None
+        return self.fp8_format is not None or self.k_bits is not None
 
     def set_shifts(self, k_shift: torch.Tensor, v_shift: torch.Tensor) -> None:
         self.k_shift = k_shift.to(self.dtype)
@@ -126,9 +144,10 @@ class LayerKV:
 
     def write_ref(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Store this step's K and V (quantizing when FP8 or integer) in plain torch."""
-        if self.int_bits is not None:
+        if self.k_bits is not None and self.v_bits is not None:
             assert self.k_scale is not None and self.v_scale is not None
-            write_int_cache_ref(k, v, self.k, self.v, self.k_scale, self.v_scale, slot_mapping, self.int_bits)
+            write_int_cache_ref(k, self.k, self.k_scale, slot_mapping, self.k_bits)
+            write_int_cache_ref(v, self.v, self.v_scale, slot_mapping, self.v_bits)
             return
         write_kv_cache_ref(k, v, self.k, self.v, slot_mapping, self.k_scale, self.v_scale, self.fp8_format)
 
@@ -140,8 +159,8 @@ class LayerKV:
         ks = vs = None
         if self.k_scale is not None and self.k_scale.dim() >= 3:
             ks, vs = gather_blocks(self.k_scale, block_ids), gather_blocks(self.v_scale, block_ids)  # type: ignore[arg-type]
-        return self._decode(keys, ks if ks is not None else self.k_scale), self._decode(
-            values, vs if vs is not None else self.v_scale)
+        return self._decode(keys, ks if ks is not None else self.k_scale, self.k_bits), self._decode(
+            values, vs if vs is not None else self.v_scale, self.v_bits)
 
     def read_span(self, first: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of ``count`` consecutive blocks from ``first`` (a view when not quantized)."""
@@ -151,12 +170,12 @@ class LayerKV:
         per_token = self.k_scale is not None and self.k_scale.dim() >= 3
         ks = self.k_scale[span] if per_token else self.k_scale  # type: ignore[index]
         vs = self.v_scale[span] if per_token else self.v_scale  # type: ignore[index]
-        return self._decode(self.k[span], ks), self._decode(self.v[span], vs)
+        return self._decode(self.k[span], ks, self.k_bits), self._decode(self.v[span], vs, self.v_bits)
 
-    def _decode(self, codes: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    def _decode(self, codes: torch.Tensor, scale: torch.Tensor | None, bits: int | None) -> torch.Tensor:
         assert scale is not None
-        if self.int_bits is not None:
-            return dequantize_ref(codes, scale, self.int_bits).to(self.dtype)
+        if bits is not None:
+            return dequantize_ref(codes, scale, bits).to(self.dtype)
         assert self.fp8_format is not None
         x = decode_fp8_ref(codes, self.fp8_format)
         x = x * (scale.float()[..., None] if scale.dim() == codes.dim() - 1 else scale.float())
@@ -168,15 +187,9 @@ def make_layer_kv(
     static_scales: tuple[float, float] | None = None,
 ) -> LayerKV:
     shape = (num_blocks, BLOCK_SIZE, kv_heads, head_dim)
-    if spec.int_bits is not None:
-        bits = spec.int_bits
-        codes = (*shape[:3], code_width(bits, head_dim))
-        params = (*shape[:3], PARAMS[bits])
-        code_dtype = torch.int8 if bits == 8 else torch.uint8
-        return LayerKV(torch.zeros(codes, dtype=code_dtype, device=device),
-                       torch.zeros(codes, dtype=code_dtype, device=device),
-                       torch.zeros(params, dtype=torch.float16, device=device),
-                       torch.zeros(params, dtype=torch.float16, device=device), dtype=spec.dtype, int_bits=bits,
+    if spec.kv_bits is not None:
+        (k, ks), (v, vs) = (_int_tensors(shape, bits, device) for bits in spec.kv_bits)
+        return LayerKV(k, v, ks, vs, dtype=spec.dtype, k_bits=spec.kv_bits[0], v_bits=spec.kv_bits[1],
                        rotation=hadamard(head_dim)[0].to(device=device, dtype=spec.dtype) if spec.rotate else None)
     if spec.fp8_format is None:
         return LayerKV(torch.zeros(shape, dtype=spec.dtype, device=device),
@@ -191,6 +204,14 @@ def make_layer_kv(
         ks = torch.tensor([kf], dtype=torch.float32, device=device)
         vs = torch.tensor([vf], dtype=torch.float32, device=device)
     return LayerKV(k, v, ks, vs, spec.fp8_format, spec.dtype)
+
+
+def _int_tensors(shape: tuple[int, int, int, int], bits: int, device: torch.device
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zeroed codes and fp16 parameters of one integer cache tensor (layout: ``kernels.kv_int``)."""
+    codes = torch.zeros((*shape[:3], code_width(bits, shape[3])), dtype=torch.int8 if bits == 8 else torch.uint8,
+                        device=device)
+    return codes, torch.zeros((*shape[:3], PARAMS[bits]), dtype=torch.float16, device=device)
 
 
 def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:

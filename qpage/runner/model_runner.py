@@ -63,9 +63,9 @@ class ModelRunner:
                            "layers; using 1.0 there (vLLM's default)", arch.num_layers - len(scales),
                            arch.num_layers)
         block = hadamard(arch.head_dim)[1]
-        if spec.int_bits is not None and spec.rotate and block < arch.head_dim:
-            logger.info("head_dim %d is not a power of two: the int%d cache rotates K/V by a block-diagonal "
-                        "Hadamard matrix of %d-wide blocks", arch.head_dim, spec.int_bits, block)
+        if spec.kv_bits is not None and spec.rotate and block < arch.head_dim:
+            logger.info("head_dim %d is not a power of two: the %s cache rotates K/V by a block-diagonal "
+                        "Hadamard matrix of %d-wide blocks", arch.head_dim, spec.format, block)
         self.caches = [
             make_layer_kv(spec, kv.num_blocks, arch.num_kv_heads, arch.head_dim, device, scales.get(i))
             for i in range(arch.num_layers)

@@ -90,7 +90,7 @@ def _smaller_kv_dtype(current: str) -> str:
     """A suggestion of a KV cache dtype with fewer bytes per token than ``current`` ("" if none)."""
     if current.startswith("int4"):
         return ""
-    if current.startswith(("fp8", "int8")):
+    if current.startswith(("fp8", "int8", "k8v4")):
         return "--kv-cache-dtype int4 (about 0.28x the bytes of fp16 per token; more quality loss: docs/kv-cache.md), "
     return ("--kv-cache-dtype int8 (about half the bytes of fp16 per token, near-lossless) or int4 (about "
             "0.28x; more loss: docs/kv-cache.md), ")

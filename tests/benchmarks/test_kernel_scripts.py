@@ -92,7 +92,8 @@ def test_kv_cache_benchmark_smoke(tmp_path: Path) -> None:
     res = json.loads(out.read_text())
     modes = {m["mode"]: m for m in res["modes"]}
     assert set(modes) == {"auto", "fp8_e4m3 per-token", "fp8_e4m3 per-tensor", "fp8_e5m2 per-token",
-                          "fp8_e5m2 per-tensor", "int8 rotated", "int8 not rotated", "int4 rotated", "int4 not rotated"}
+                          "fp8_e5m2 per-tensor", "int8 rotated", "int8 not rotated", "k8v4 rotated", "int4 rotated",
+                          "int4 not rotated"}
     assert modes["fp8_e4m3 per-token"]["vs_fp16"] <= 0.53 and modes["int8 rotated"]["vs_fp16"] <= 0.53
     assert modes["int4 rotated"]["vs_fp16"] <= 0.30
     assert all(m["perplexity"] > 1 for m in modes.values())
@@ -111,9 +112,9 @@ def test_kv_cache_speed_smoke(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     rows = json.loads(out.read_text())["modes"]
     want = "cpu-native" if cpu_native.load() is not None else "cpu-blas"
-    assert [row["attention_backend"] for row in rows] == [want] * 4 + ["cpu-blas"]
-    assert [row["mode"] for row in rows] == ["auto", "fp8_e4m3 per-token", "int8 rotated", "int4 rotated",
-                                             "fp8_e4m3 per-token"]
+    assert [row["attention_backend"] for row in rows] == [want] * 5 + ["cpu-blas"]
+    assert [row["mode"] for row in rows] == ["auto", "fp8_e4m3 per-token", "int8 rotated", "k8v4 rotated",
+                                             "int4 rotated", "fp8_e4m3 per-token"]
     assert all(row["batch1_tok_s"] > 0 and row["batch8_tok_s"] > 0 and row["context"] == 40 for row in rows)
     assert rows[0]["batch8_vs_auto"] == 1.0
 
@@ -142,7 +143,7 @@ def test_cpu_attention_kernels_benchmark_smoke(tmp_path: Path) -> None:
     rows = json.loads(out.read_text())["rows"]
     assert [(row["context"], row["batch"]) for row in rows] == [(40, 1), (40, 2)]
     for row in rows:
-        assert len(row["us"]) == 7 and all(t > 0 for t in row["us"].values())
+        assert len(row["us"]) == 8 and all(t > 0 for t in row["us"].values())
         assert row["vs_fp32"]["fp32"] == 1.0
 
 

@@ -20,11 +20,14 @@ if cpu_native.no_compiler_or_disabled():  # pragma: no cover
 PROMPTS = ["The capital of France is", "请用一句话介绍长城。", "def fibonacci(n):\n    "]
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+# int4 is left out: one code step there is 1/15 of a row's range, so the rounding noise upstream
+# flips codes that move logprobs by up to 0.5 (measured) between two correct paths; its kernels
+# are held to bit-exact writes and 2e-6 attention in tests/kernels/test_cpu_native_int.py.
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8", "int8"])
 def test_native_path_matches_torch_path(llm_factory: Any, monkeypatch: pytest.MonkeyPatch, kv_cache_dtype: str
                                         ) -> None:
-    """With the fp32 cache and with the FP8 one (per-token scales: the C write must choose the
-    same scales and codes as torch's, or the logprobs would drift)."""
+    """With the fp32 cache and with the FP8 and int8 ones (per-token scales: the C write must
+    choose the same scales and codes as torch's, or the logprobs would drift)."""
     # Small chunks so later prefill chunks read the paged cache; three prompts decode as a batch.
     kw: dict[str, Any] = dict(max_num_batched_tokens=8, enable_prefix_caching=False, kv_cache_memory="32MiB",
                               kv_cache_dtype=kv_cache_dtype)

@@ -31,25 +31,27 @@ def _window(tokenizer: Any, n: int = 384) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)[:n]
 
 
-@pytest.mark.parametrize(("dtype", "bits", "per_head", "at_most"), [
-    ("int8", 8, 64 + 2, 0.53), ("int8_per_token_head", 8, 64 + 2, 0.53),
-    ("int4", 4, 32 + 4, 0.30), ("int4_per_token_head", 4, 32 + 4, 0.30),
+@pytest.mark.parametrize(("dtype", "name", "bits", "k_and_v", "at_most"), [
+    ("int8", "int8", (8, 8), 2 * (64 + 2), 0.53), ("int8_per_token_head", "int8", (8, 8), 2 * (64 + 2), 0.53),
+    ("k8v4", "k8v4", (8, 4), 64 + 2 + 32 + 4, 0.40),
+    ("int4", "int4", (4, 4), 2 * (32 + 4), 0.30), ("int4_per_token_head", "int4", (4, 4), 2 * (32 + 4), 0.30),
 ])
-def test_bytes_capacity_and_layout(dtype: str, bits: int, per_head: int, at_most: float,
+def test_bytes_capacity_and_layout(dtype: str, name: str, bits: tuple[int, int], k_and_v: int, at_most: float,
                                    capsys: pytest.CaptureFixture) -> None:
     llm = LLM(kv_cache_dtype=dtype, kv_cache_memory="16MiB", log_stats=True)
     eng = llm.llm_engine
-    assert f"KV cache int{bits} (per-token-head" in capsys.readouterr().out
+    assert f"KV cache {name} (per-token-head" in capsys.readouterr().out
     a = eng.arch
-    per_token = 2 * a.num_layers * a.num_kv_heads * per_head  # codes + fp16 parameters per head
+    per_token = a.num_layers * a.num_kv_heads * k_and_v  # codes + fp16 parameters per head
     fp16 = KVCacheSpec(torch.float16).bytes_per_token(a.num_layers, a.num_kv_heads, a.head_dim)
     assert eng.kv_spec.bytes_per_token(a.num_layers, a.num_kv_heads, a.head_dim) == per_token
     assert per_token / fp16 <= at_most
     assert eng.kv.num_blocks == (16 << 20) // (per_token * BLOCK_SIZE)
     cache = eng.runner.caches[0]
-    assert cache.k.dtype == (torch.int8 if bits == 8 else torch.uint8)
-    assert cache.k.shape == (eng.kv.num_blocks, BLOCK_SIZE, a.num_kv_heads, a.head_dim * bits // 8)
-    assert cache.k_scale.shape == (eng.kv.num_blocks, BLOCK_SIZE, a.num_kv_heads, 1 if bits == 8 else 2)
+    for codes, params, b in ((cache.k, cache.k_scale, bits[0]), (cache.v, cache.v_scale, bits[1])):
+        assert codes.dtype == (torch.int8 if b == 8 else torch.uint8)
+        assert codes.shape == (eng.kv.num_blocks, BLOCK_SIZE, a.num_kv_heads, a.head_dim * b // 8)
+        assert params.shape == (eng.kv.num_blocks, BLOCK_SIZE, a.num_kv_heads, 1 if b == 8 else 2)
     assert cache.rotation is not None and cache.k_shift is not None
 
 
@@ -75,10 +77,11 @@ def test_quality_against_auto_and_what_rotation_buys(llm_factory: Any, tokenizer
     ids = _window(tokenizer)
     auto = score_window(llm_factory(kv_cache_memory=MEM).llm_engine, ids, 96)
     kl = {}
-    for dtype, rotate in (("int8", True), ("int4", True), ("int4", False)):
+    for dtype, rotate in (("int8", True), ("k8v4", True), ("int4", True), ("int4", False)):
         eng = llm_factory(kv_cache_dtype=dtype, kv_cache_rotation=rotate, kv_cache_memory=MEM).llm_engine
         kl[dtype, rotate] = float(kl_rows(auto, score_window(eng, ids, 96)).mean())
     assert kl["int8", True] < 2e-3
+    assert kl["k8v4", True] < 0.5 * kl["int4", True], kl
     assert kl["int4", True] < 0.06
     assert kl["int4", True] < 0.7 * kl["int4", False], kl
 
@@ -151,7 +154,8 @@ def test_int4_prefix_cache_hits_and_keeps_outputs(llm_factory: Any) -> None:
 
 def test_bad_names_and_modes_a_device_cannot_run(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ValueError, match="kv_cache_dtype='int3' is not supported; choose one of auto, fp8, "
-                                         "fp8_e4m3, fp8_e5m2, int8, int4, int8_per_token_head, int4_per_token_head"):
+                                         "fp8_e4m3, fp8_e5m2, int8, int4, k8v4, int8_per_token_head, "
+                                         "int4_per_token_head"):
         LLM(kv_cache_dtype="int3", log_stats=False)
     cpu = torch.device("cpu")
     with pytest.raises(ValueError, match=r"kv cache int4 .*cpu-native: supports dtypes float32, not torch\.bfloat16"):

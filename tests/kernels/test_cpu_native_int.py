@@ -65,29 +65,42 @@ def test_hadamard_is_orthonormal_and_symmetric(head_dim: int) -> None:
 native = pytest.mark.skipif(cpu_native.no_compiler_or_disabled(), reason="native CPU kernels unavailable")
 
 
+KV_BITS = [(8, 8), (4, 4), (8, 4)]
+KV_IDS = ["int8", "int4", "k8v4"]
+
+
+def _spec(kv_bits: tuple[int, int]) -> KVCacheSpec:
+    return KVCacheSpec(torch.float32, int_bits=kv_bits[0], v_bits=kv_bits[1] if kv_bits[1] != kv_bits[0] else None)
+
+
+def _write_ref(cache: object, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+    write_int_cache_ref(k, cache.k, cache.k_scale, slots, cache.k_bits)  # type: ignore[attr-defined]
+    write_int_cache_ref(v, cache.v, cache.v_scale, slots, cache.v_bits)  # type: ignore[attr-defined]
+
+
 @native
-@pytest.mark.parametrize("bits", BITS)
-def test_write_is_bit_exact(bits: int) -> None:
-    from qpage.kernels.cpu.native_int import write_kv_int
+@pytest.mark.parametrize("kv_bits", KV_BITS, ids=KV_IDS)
+def test_write_is_bit_exact(kv_bits: tuple[int, int]) -> None:
+    from qpage.kernels.cpu.native_int import write_int
 
     kvh, hd, nb = 3, 64, 12
-    spec = KVCacheSpec(torch.float32, int_bits=bits)
-    mine, ref = (make_layer_kv(spec, nb, kvh, hd, torch.device("cpu")) for _ in range(2))
+    mine, ref = (make_layer_kv(_spec(kv_bits), nb, kvh, hd, torch.device("cpu")) for _ in range(2))
     k, v = kv_rows(40, kvh, hd, 1), kv_rows(40, kvh, hd, 2)
     slots = torch.randperm(nb * BLOCK_SIZE)[:40]
     slots[5] = -1
-    write_kv_int(k, v, mine.k, mine.v, mine.k_scale, mine.v_scale, slots, bits)
-    write_int_cache_ref(k, v, ref.k, ref.v, ref.k_scale, ref.v_scale, slots, bits)
+    write_int(k, mine.k, mine.k_scale, slots, kv_bits[0])
+    write_int(v, mine.v, mine.v_scale, slots, kv_bits[1])
+    _write_ref(ref, k, v, slots)
     assert torch.equal(mine.k, ref.k) and torch.equal(mine.v, ref.v)
     assert torch.equal(mine.k_scale, ref.k_scale) and torch.equal(mine.v_scale, ref.v_scale)
-    assert int((mine.k_scale != 0).sum()) >= 39 * kvh * (1 if bits == 8 else 2) - 2
+    assert int((mine.k_scale != 0).sum()) >= 39 * kvh * (1 if kv_bits[0] == 8 else 2) - 2
 
 
-def _filled_cache(bits: int, kvh: int, hd: int, lens: list[int], seed: int) -> tuple:
+def _filled_cache(kv_bits: tuple[int, int], kvh: int, hd: int, lens: list[int], seed: int) -> tuple:
     g = torch.Generator().manual_seed(seed)
     width = max(-(-n // BLOCK_SIZE) for n in lens) + 1
     nb = len(lens) * width + 2
-    cache = make_layer_kv(KVCacheSpec(torch.float32, int_bits=bits), nb, kvh, hd, torch.device("cpu"))
+    cache = make_layer_kv(_spec(kv_bits), nb, kvh, hd, torch.device("cpu"))
     ids = torch.randperm(nb, generator=g)
     table = torch.zeros(len(lens), width, dtype=torch.long)
     for i, n in enumerate(lens):
@@ -96,25 +109,24 @@ def _filled_cache(bits: int, kvh: int, hd: int, lens: list[int], seed: int) -> t
         pos = torch.arange(n)
         slots = table[i][pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE
         k = torch.randn(n, kvh, hd, generator=g) * (1 + 3 * torch.rand(n, kvh, 1, generator=g)) + 0.5
-        write_int_cache_ref(k, torch.randn(n, kvh, hd, generator=g) - 0.3, cache.k, cache.v, cache.k_scale,
-                            cache.v_scale, slots, bits)
+        _write_ref(cache, k, torch.randn(n, kvh, hd, generator=g) - 0.3, slots)
     return cache, table, g
 
 
 @native
-@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("kv_bits", KV_BITS, ids=KV_IDS)
 @pytest.mark.parametrize(("kvh", "group", "hd"), [(3, 3, 64), (2, 4, 128), (1, 7, 80), (2, 2, 6)])
-def test_decode_matches_torch(bits: int, kvh: int, group: int, hd: int) -> None:
+def test_decode_matches_torch(kv_bits: tuple[int, int], kvh: int, group: int, hd: int) -> None:
     from qpage.kernels.cpu.native_int import paged_decode_int
 
     lens = [300, 17, 1, 16]
-    cache, table, g = _filled_cache(bits, kvh, hd, lens, 3)
+    cache, table, g = _filled_cache(kv_bits, kvh, hd, lens, 3)
     seq_lens = torch.tensor(lens)
     mask = (torch.arange(table.shape[1] * BLOCK_SIZE)[None, :] < seq_lens[:, None])[:, None, None, :]
     d = DecodeGroup(0, len(lens), table, mask, max(lens), seq_lens)
     q = torch.randn(len(lens), kvh * group, hd, generator=g) * 2
     ref = TorchPagedAttention._decode(q, cache, d, hd**-0.5)
-    out = paged_decode_int(q, cache.k, cache.v, cache.k_scale, cache.v_scale, bits, table, seq_lens, hd**-0.5)
+    out = paged_decode_int(q, cache.k, cache.v, cache.k_scale, cache.v_scale, *kv_bits, table, seq_lens, hd**-0.5)
     assert rel_err(out, ref) < 2e-6
 
 
@@ -123,7 +135,7 @@ def test_decode_matches_torch(bits: int, kvh: int, group: int, hd: int) -> None:
 def test_block_reader_matches_reference(bits: int) -> None:
     from qpage.kernels.cpu.native_int import read_blocks_int
 
-    cache, table, _ = _filled_cache(bits, 3, 64, [40, 7], 5)
+    cache, table, _ = _filled_cache((bits, bits), 3, 64, [40, 7], 5)
     ids = table[:, :3].flatten()
     for codes, params in ((cache.k, cache.k_scale), (cache.v, cache.v_scale)):
         want = dequantize_ref(codes[ids], params[ids], bits)
@@ -132,19 +144,19 @@ def test_block_reader_matches_reference(bits: int) -> None:
 
 @native
 def test_bad_tables_and_slots_raise() -> None:
-    from qpage.kernels.cpu.native_int import paged_decode_int, read_blocks_int, write_kv_int
+    from qpage.kernels.cpu.native_int import paged_decode_int, read_blocks_int, write_int
 
     cache = make_layer_kv(KVCacheSpec(torch.float32, int_bits=4), 4, 2, 64, torch.device("cpu"))
     q = torch.randn(1, 2, 64)
     with pytest.raises(ValueError, match="block id outside"):
-        paged_decode_int(q, cache.k, cache.v, cache.k_scale, cache.v_scale, 4, torch.tensor([[9]]),
+        paged_decode_int(q, cache.k, cache.v, cache.k_scale, cache.v_scale, 4, 4, torch.tensor([[9]]),
                          torch.tensor([3]), 0.125)
     with pytest.raises(ValueError, match="block id outside"):
         read_blocks_int(cache.k, cache.k_scale, 4, torch.tensor([4]), 64)
     k = torch.randn(1, 2, 64)
     with pytest.raises(ValueError, match="slot outside"):
-        write_kv_int(k, k, cache.k, cache.v, cache.k_scale, cache.v_scale, torch.tensor([64]), 4)
+        write_int(k, cache.k, cache.k_scale, torch.tensor([64]), 4)
     with pytest.raises(ValueError, match="fp16 parameters"):
-        write_kv_int(k, k, cache.k, cache.v, cache.k_scale.float(), cache.v_scale, torch.tensor([0]), 4)
+        write_int(k, cache.k, cache.k_scale.float(), torch.tensor([0]), 4)
     with pytest.raises(ValueError, match=r"int8 cache: expected contiguous torch\.int8 codes"):
-        write_kv_int(k, k, cache.k, cache.v, cache.k_scale, cache.v_scale, torch.tensor([0]), 8)
+        write_int(k, cache.k, cache.k_scale, torch.tensor([0]), 8)

@@ -39,6 +39,7 @@ def test_kv_full_and_preemptions() -> None:
     assert "--kv-cache-memory" in f.fix and "--kv-cache-dtype int8" in f.fix
     # A smaller KV dtype is suggested while there is one.
     for current, suggested in (("fp8", "--kv-cache-dtype int4"), ("int8_per_token_head", "--kv-cache-dtype int4"),
+                               ("k8v4", "--kv-cache-dtype int4"),
                                ("int4", None)):
         fix = checks(diagnose(before, m.snapshot(), 10, {**INFO, "kv_cache_dtype": current}))["kv_cache_full"].fix
         assert (suggested in fix) if suggested else ("--kv-cache-dtype" not in fix), (current, fix)

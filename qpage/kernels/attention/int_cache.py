@@ -76,7 +76,7 @@ def _write_int4(lo_x, hi_x, c_ptr, p_ptr, slot, offs_h, offs_j, mask, KV_HEADS: 
 
 @triton.jit
 def _int_write_kernel(
-    k_ptr, v_ptr, kc_ptr, vc_ptr, kp_ptr, vp_ptr, slot_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
+    x_ptr, c_ptr, p_ptr, slot_ptr, stride_xt, stride_xh,
     KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEADS_PAD: tl.constexpr, WIDTH_PAD: tl.constexpr,
     BITS: tl.constexpr,
 ):
@@ -85,36 +85,29 @@ def _int_write_kernel(
     if slot >= 0:
         offs_h = tl.arange(0, HEADS_PAD)
         offs_w = tl.arange(0, WIDTH_PAD)
+        at = x_ptr + t * stride_xt + offs_h[:, None] * stride_xh + offs_w[None, :]
         if BITS == 8:
             mask = (offs_h < KV_HEADS)[:, None] & (offs_w < HEAD_DIM)[None, :]
-            k = tl.load(k_ptr + t * stride_kt + offs_h[:, None] * stride_kh + offs_w[None, :], mask=mask, other=0.0)
-            v = tl.load(v_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_w[None, :], mask=mask, other=0.0)
-            _write_int8(k.to(tl.float32), kc_ptr, kp_ptr, slot, offs_h, offs_w, mask, KV_HEADS, HEAD_DIM)
-            _write_int8(v.to(tl.float32), vc_ptr, vp_ptr, slot, offs_h, offs_w, mask, KV_HEADS, HEAD_DIM)
+            x = tl.load(at, mask=mask, other=0.0).to(tl.float32)
+            _write_int8(x, c_ptr, p_ptr, slot, offs_h, offs_w, mask, KV_HEADS, HEAD_DIM)
         else:
             HALF: tl.constexpr = HEAD_DIM // 2
             mask = (offs_h < KV_HEADS)[:, None] & (offs_w < HALF)[None, :]
-            at_k = k_ptr + t * stride_kt + offs_h[:, None] * stride_kh + offs_w[None, :]
-            at_v = v_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_w[None, :]
-            k_lo = tl.load(at_k, mask=mask, other=0.0).to(tl.float32)
-            k_hi = tl.load(at_k + HALF, mask=mask, other=0.0).to(tl.float32)
-            v_lo = tl.load(at_v, mask=mask, other=0.0).to(tl.float32)
-            v_hi = tl.load(at_v + HALF, mask=mask, other=0.0).to(tl.float32)
-            _write_int4(k_lo, k_hi, kc_ptr, kp_ptr, slot, offs_h, offs_w, mask, KV_HEADS, HALF)
-            _write_int4(v_lo, v_hi, vc_ptr, vp_ptr, slot, offs_h, offs_w, mask, KV_HEADS, HALF)
+            lo = tl.load(at, mask=mask, other=0.0).to(tl.float32)
+            hi = tl.load(at + HALF, mask=mask, other=0.0).to(tl.float32)
+            _write_int4(lo, hi, c_ptr, p_ptr, slot, offs_h, offs_w, mask, KV_HEADS, HALF)
 
 
-def write_int_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    k_params: torch.Tensor, v_params: torch.Tensor, slot_mapping: torch.Tensor, bits: int) -> None:
-    """``kv_int.write_int_cache_ref``: k, v [T, kvh, hd] (last dim contiguous), caches contiguous."""
-    t, kvh, hd = k.shape
+def write_int_cache(x: torch.Tensor, cache: torch.Tensor, params: torch.Tensor, slot_mapping: torch.Tensor,
+                    bits: int) -> None:
+    """``kv_int.write_int_cache_ref`` for K or V: x [T, kvh, hd] (last dim contiguous), cache contiguous."""
+    t, kvh, hd = x.shape
     if t == 0:
         return
-    width = code_width(bits, hd)
     _int_write_kernel[(t,)](
-        k, v, k_cache, v_cache, k_params, v_params, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        KV_HEADS=kvh, HEAD_DIM=hd, HEADS_PAD=triton.next_power_of_2(kvh), WIDTH_PAD=triton.next_power_of_2(width),
-        BITS=bits, num_warps=4,
+        x, cache, params, slot_mapping, x.stride(0), x.stride(1), KV_HEADS=kvh, HEAD_DIM=hd,
+        HEADS_PAD=triton.next_power_of_2(kvh), WIDTH_PAD=triton.next_power_of_2(code_width(bits, hd)), BITS=bits,
+        num_warps=4,
     )
 
 
@@ -143,38 +136,40 @@ def _params(p_ptr, rows, n_mask, BITS: tl.constexpr):
 def _int_decode_kernel(
     q_ptr, kc_ptr, vc_ptr, kp_ptr, vp_ptr, bt_ptr, lens_ptr, out_ptr, qk_scale,
     stride_qb, stride_qh, stride_bt, stride_ob, stride_oh,
-    KV_HEADS: tl.constexpr, QPK: tl.constexpr, Q_PAD: tl.constexpr, WIDTH: tl.constexpr,
-    WIDTH_PAD: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, BITS: tl.constexpr,
+    KV_HEADS: tl.constexpr, QPK: tl.constexpr, Q_PAD: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+    K_BITS: tl.constexpr, K_WIDTH: tl.constexpr, K_PAD: tl.constexpr,
+    V_BITS: tl.constexpr, V_WIDTH: tl.constexpr, V_PAD: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
     seq_len = tl.load(lens_ptr + b)
     offs_q = tl.arange(0, Q_PAD)
-    offs_w = tl.arange(0, WIDTH_PAD)
-    q_mask = (offs_q < QPK)[:, None] & (offs_w < WIDTH)[None, :]
+    offs_k = tl.arange(0, K_PAD)
+    offs_v = tl.arange(0, V_PAD)
     heads = h * QPK + offs_q
-    at_q = q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_w[None, :]
     # int8: one part (lo) of WIDTH = head_dim; int4: the nibble halves, WIDTH = head_dim / 2 each.
-    q_lo = tl.load(at_q, mask=q_mask, other=0.0).to(tl.float32) * qk_scale
-    if BITS == 8:
-        q_hi = tl.zeros((Q_PAD, WIDTH_PAD), dtype=tl.float32)
+    qk_mask = (offs_q < QPK)[:, None] & (offs_k < K_WIDTH)[None, :]
+    at_q = q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_k[None, :]
+    q_lo = tl.load(at_q, mask=qk_mask, other=0.0).to(tl.float32) * qk_scale
+    if K_BITS == 8:
+        q_hi = tl.zeros((Q_PAD, K_PAD), dtype=tl.float32)
     else:
-        q_hi = tl.load(at_q + WIDTH, mask=q_mask, other=0.0).to(tl.float32) * qk_scale
+        q_hi = tl.load(at_q + K_WIDTH, mask=qk_mask, other=0.0).to(tl.float32) * qk_scale
     q_sum = tl.sum(q_lo, axis=1) + tl.sum(q_hi, axis=1)
     m_i = tl.full((Q_PAD,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((Q_PAD,), dtype=tl.float32)
-    acc_lo = tl.zeros((Q_PAD, WIDTH_PAD), dtype=tl.float32)
-    acc_hi = tl.zeros((Q_PAD, WIDTH_PAD), dtype=tl.float32)
+    acc_lo = tl.zeros((Q_PAD, V_PAD), dtype=tl.float32)
+    acc_hi = tl.zeros((Q_PAD, V_PAD), dtype=tl.float32)
     acc_z = tl.zeros((Q_PAD,), dtype=tl.float32)
     bt = bt_ptr + b * stride_bt
     for n0 in range(0, seq_len, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < seq_len
         rows = (blocks(bt, offs_n, n_mask, PAGE) * PAGE + offs_n % PAGE) * KV_HEADS + h
-        k_lo, k_hi = _load_codes(kc_ptr, rows, n_mask, offs_w, WIDTH, BITS)
-        k_s, k_z = _params(kp_ptr, rows, n_mask, BITS)
+        k_lo, k_hi = _load_codes(kc_ptr, rows, n_mask, offs_k, K_WIDTH, K_BITS)
+        k_s, k_z = _params(kp_ptr, rows, n_mask, K_BITS)
         s = tl.dot(q_lo, tl.trans(k_lo), input_precision="ieee")
-        if BITS == 4:
+        if K_BITS == 4:
             s += tl.dot(q_hi, tl.trans(k_hi), input_precision="ieee")
         s = s * k_s[None, :] + q_sum[:, None] * k_z[None, :]
         s = tl.where(n_mask[None, :], s, float("-inf"))
@@ -182,35 +177,37 @@ def _int_decode_kernel(
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v_lo, v_hi = _load_codes(vc_ptr, rows, n_mask, offs_w, WIDTH, BITS)
-        v_s, v_z = _params(vp_ptr, rows, n_mask, BITS)
+        v_lo, v_hi = _load_codes(vc_ptr, rows, n_mask, offs_v, V_WIDTH, V_BITS)
+        v_s, v_z = _params(vp_ptr, rows, n_mask, V_BITS)
         ps = p * v_s[None, :]
         acc_lo = acc_lo * alpha[:, None] + tl.dot(ps, v_lo, input_precision="ieee")
-        if BITS == 4:
+        if V_BITS == 4:
             acc_hi = acc_hi * alpha[:, None] + tl.dot(ps, v_hi, input_precision="ieee")
         acc_z = acc_z * alpha + tl.sum(p * v_z[None, :], axis=1)
         m_i = m_new
-    at_o = out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_w[None, :]
-    tl.store(at_o, ((acc_lo + acc_z[:, None]) / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=q_mask)
-    if BITS == 4:
-        tl.store(at_o + WIDTH, ((acc_hi + acc_z[:, None]) / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=q_mask)
+    qv_mask = (offs_q < QPK)[:, None] & (offs_v < V_WIDTH)[None, :]
+    at_o = out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_v[None, :]
+    tl.store(at_o, ((acc_lo + acc_z[:, None]) / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=qv_mask)
+    if V_BITS == 4:
+        tl.store(at_o + V_WIDTH, ((acc_hi + acc_z[:, None]) / l_i[:, None]).to(out_ptr.dtype.element_ty),
+                 mask=qv_mask)
 
 
 def paged_decode_int(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_params: torch.Tensor,
-                     v_params: torch.Tensor, bits: int, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                     scale: float, block_n: int = 32) -> torch.Tensor:
+                     v_params: torch.Tensor, k_bits: int, v_bits: int, block_tables: torch.Tensor,
+                     seq_lens: torch.Tensor, scale: float, block_n: int = 32) -> torch.Tensor:
     """q [B, H, D] -> out [B, H, D] over each sequence's cached codes (``seq_lens`` include this step's token)."""
     bsz, heads, dim = q.shape
     kvh = k_cache.shape[2]
-    width = code_width(bits, dim)
+    kw, vw = code_width(k_bits, dim), code_width(v_bits, dim)
     q = q if q.stride(-1) == 1 else q.contiguous()
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     _int_decode_kernel[(bsz, kvh)](
         q, k_cache, v_cache, k_params, v_params, block_tables, seq_lens, out, scale * LOG2E,
         q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
-        KV_HEADS=kvh, QPK=heads // kvh, Q_PAD=max(16, triton.next_power_of_2(heads // kvh)), WIDTH=width,
-        WIDTH_PAD=max(16, triton.next_power_of_2(width)), PAGE=BLOCK_SIZE, BLOCK_N=block_n, BITS=bits,
-        num_warps=4,
+        KV_HEADS=kvh, QPK=heads // kvh, Q_PAD=max(16, triton.next_power_of_2(heads // kvh)), PAGE=BLOCK_SIZE,
+        BLOCK_N=block_n, K_BITS=k_bits, K_WIDTH=kw, K_PAD=max(16, triton.next_power_of_2(kw)),
+        V_BITS=v_bits, V_WIDTH=vw, V_PAD=max(16, triton.next_power_of_2(vw)), num_warps=4,
     )
     return out
 

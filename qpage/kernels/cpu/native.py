@@ -127,11 +127,10 @@ def load() -> ctypes.CDLL | None:
             lib.qp_paged_decode_fp8.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _float, _float, _ptr, _int, _ptr,
                                                 _i64, _i64, _ptr, _ptr, _int, _int, _int, _int, _int, _float, _i64]
             lib.qp_paged_decode_fp8.restype = _int
-            lib.qp_write_kv_int.argtypes = [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _int, _int, _int,
-                                            _i64, _int]
-            lib.qp_write_kv_int.restype = _int
-            lib.qp_paged_decode_int.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _int, _ptr, _i64, _i64, _ptr,
-                                                _ptr, _int, _int, _int, _int, _int, _float, _i64]
+            lib.qp_write_int.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _int, _int, _int, _i64, _int]
+            lib.qp_write_int.restype = _int
+            lib.qp_paged_decode_int.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _int, _int, _ptr, _i64, _i64,
+                                                _ptr, _ptr, _int, _int, _int, _int, _int, _float, _i64]
             lib.qp_paged_decode_int.restype = _int
             lib.qp_read_blocks_int.argtypes = [_ptr, _ptr, _int, _ptr, _i64, _int, _int, _int, _i64, _ptr]
             lib.qp_read_blocks_int.restype = _int

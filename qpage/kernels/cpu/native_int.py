@@ -1,5 +1,5 @@
-"""The int8/int4 KV cache kernels in C (``csrc/cpu_int.c``): the cache write, bit-exact with
-``kv_int.write_int_cache_ref``; paged decode attention reading the codes in place, as
+"""The int8/int4 KV cache kernels in C (``csrc/cpu_int.c``): the cache write of K or V,
+bit-exact with ``kv_int.write_int_cache_ref``; paged decode attention reading the codes in place, as
 ``TorchPagedAttention._decode`` computes it on the dequantized cache; and a block
 dequantizer that feeds prefill over the paged context. Layout: ``kernels.kv_int``.
 """
@@ -24,46 +24,43 @@ def _check_cache(cache: torch.Tensor, params: torch.Tensor, bits: int, head_dim:
             f"{tuple(cache.shape)}, {params.dtype} {tuple(params.shape)}, head_dim {head_dim}")
 
 
-def write_kv_int(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 k_params: torch.Tensor, v_params: torch.Tensor, slot_mapping: torch.Tensor, bits: int) -> None:
-    """``write_int_cache_ref``: k, v fp32 [T, kvh, hd] (heads contiguous)."""
+def write_int(x: torch.Tensor, cache: torch.Tensor, params: torch.Tensor, slot_mapping: torch.Tensor,
+              bits: int) -> None:
+    """``write_int_cache_ref`` for K or V: x fp32 [T, kvh, hd] (heads contiguous)."""
     lib = load()
-    assert lib is not None, "write_kv_int needs the native kernels; check load() first"
-    t, kvh, hd = k.shape
-    for cache, params in ((k_cache, k_params), (v_cache, v_params)):
-        _check_cache(cache, params, bits, hd)
-    ok = all(x.dtype == torch.float32 and x.stride(2) == 1 and x.stride(1) == hd for x in (k, v))
-    if not ok or k.shape != v.shape or k_cache.shape[2] != kvh:
-        raise ValueError(f"write_kv_int: unsupported k/v {tuple(k.shape)} {k.dtype} for cache {tuple(k_cache.shape)}")
+    assert lib is not None, "write_int needs the native kernels; check load() first"
+    t, kvh, hd = x.shape
+    _check_cache(cache, params, bits, hd)
+    if x.dtype != torch.float32 or x.stride(2) != 1 or x.stride(1) != hd or cache.shape[2] != kvh:
+        raise ValueError(f"write_int: unsupported rows {tuple(x.shape)} {x.dtype} for cache {tuple(cache.shape)}")
     slots = as_i64(slot_mapping)
-    num_slots = k_cache.shape[0] * k_cache.shape[1]
-    rc = lib.qp_write_kv_int(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k_cache.data_ptr(),
-                             v_cache.data_ptr(), k_params.data_ptr(), v_params.data_ptr(), slots.data_ptr(), t, kvh,
-                             hd, num_slots, bits)
-    if rc != 0:
-        raise ValueError(f"write_kv_int: a slot outside [-1, {num_slots}) in slot_mapping")
+    num_slots = cache.shape[0] * cache.shape[1]
+    if lib.qp_write_int(x.data_ptr(), x.stride(0), cache.data_ptr(), params.data_ptr(), slots.data_ptr(), t, kvh, hd,
+                        num_slots, bits) != 0:
+        raise ValueError(f"write_int: a slot outside [-1, {num_slots}) in slot_mapping")
 
 
 def paged_decode_int(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_params: torch.Tensor, v_params: torch.Tensor,
-    bits: int, block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+    k_bits: int, v_bits: int, block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
 ) -> torch.Tensor:
     """Decode attention over integer codes; q fp32 [n, H, hd] (heads contiguous) -> fp32 [n, H, hd]."""
     lib = load()
     assert lib is not None, "paged_decode_int needs the native kernels; check load() first"
     n, h, hd = q.shape
-    for cache, params in ((k_cache, k_params), (v_cache, v_params)):
-        _check_cache(cache, params, bits, hd)
+    _check_cache(k_cache, k_params, k_bits, hd)
+    _check_cache(v_cache, v_params, v_bits, hd)
     nb, bs, kvh = k_cache.shape[:3]
     if (q.device.type != "cpu" or q.dtype != torch.float32 or q.stride(2) != 1 or q.stride(1) != hd or h % kvh
-            or block_table.shape[0] != n):
+            or block_table.shape[0] != n or v_cache.shape[:3] != k_cache.shape[:3]):
         raise ValueError(f"paged_decode_int: unsupported layout q {tuple(q.shape)}/{q.stride()} {q.dtype}, "
                          f"cache {tuple(k_cache.shape)}")
     bt, lens = as_i64(block_table), as_i64(seq_lens)
     out = torch.empty(n, h, hd, dtype=torch.float32)
     rc = lib.qp_paged_decode_int(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
-                                 k_params.data_ptr(), v_params.data_ptr(), bits, bt.data_ptr(), bt.stride(0),
-                                 bt.shape[1], lens.data_ptr(), out.data_ptr(), n, h, kvh, hd, bs, scale, nb)
+                                 k_params.data_ptr(), v_params.data_ptr(), k_bits, v_bits, bt.data_ptr(),
+                                 bt.stride(0), bt.shape[1], lens.data_ptr(), out.data_ptr(), n, h, kvh, hd, bs, scale,
+                                 nb)
     if rc == -2:
         raise ValueError(f"paged_decode_int: a seq_len < 1 or a block id outside [0, {nb}) in the block table")
     if rc != 0:

@@ -1,7 +1,7 @@
 /* The int8/int4 KV cache on CPU: cache write (per-token-head parameters) and paged decode
  * attention reading the codes in place, called through ctypes (qpage/kernels/cpu/native_int.py).
  *
- * Layout as qpage/kernels/kv_int.py: per slot and kv head, int8 codes [head_dim] with one fp16
+ * Layout as qpage/kernels/kv_int.py (K and V may differ in width): per slot and kv head, int8 codes [head_dim] with one fp16
  * scale (value = code * scale), or int4 codes packed two a byte [head_dim / 2] (low nibble:
  * channel d, high nibble: channel d + head_dim / 2) with fp16 (scale, zero) (value = code *
  * scale + zero). The write is bit-exact with kv_int.write_int_cache_ref: fp32 amax or
@@ -70,24 +70,20 @@ static void quantize_row_int(const float *x, int n, int bits, uint8_t *codes, ui
     }
 }
 
-/* Cache write. k/v: fp32 rows of [kv_heads * head_dim] (heads contiguous), k_stride/v_stride
+/* Cache write of K or V. x: fp32 rows of [kv_heads * head_dim] (heads contiguous), x_stride
  * floats apart; slots[i] = -1 skips token i; params fp16 bits [num_slots, kv_heads, 1 or 2].
  * Returns 0, or -2 (nothing written) when a slot is outside [-1, num_slots). */
-int qp_write_kv_int(const float *k, int64_t k_stride, const float *v, int64_t v_stride, uint8_t *k_cache,
-                    uint8_t *v_cache, uint16_t *k_params, uint16_t *v_params, const int64_t *slots, int num_tokens,
-                    int kv_heads, int head_dim, int64_t num_slots, int bits) {
+int qp_write_int(const float *x, int64_t x_stride, uint8_t *cache, uint16_t *params, const int64_t *slots,
+                 int num_tokens, int kv_heads, int head_dim, int64_t num_slots, int bits) {
     for (int i = 0; i < num_tokens; i++)
         if (slots[i] < -1 || slots[i] >= num_slots) return -2;
     const int width = bits == 8 ? head_dim : head_dim / 2, np = bits == 8 ? 1 : 2;
     for (int i = 0; i < num_tokens; i++) {
-        const int64_t slot = slots[i];
-        if (slot < 0) continue;
+        if (slots[i] < 0) continue;
         for (int h = 0; h < kv_heads; h++) {
-            const int64_t at = slot * kv_heads + h;
-            quantize_row_int(k + i * k_stride + (int64_t)h * head_dim, head_dim, bits, k_cache + at * width,
-                             k_params + at * np);
-            quantize_row_int(v + i * v_stride + (int64_t)h * head_dim, head_dim, bits, v_cache + at * width,
-                             v_params + at * np);
+            const int64_t at = slots[i] * kv_heads + h;
+            quantize_row_int(x + i * x_stride + (int64_t)h * head_dim, head_dim, bits, cache + at * width,
+                             params + at * np);
         }
     }
     return 0;
@@ -135,7 +131,8 @@ static inline void load_block(float *buf, float *s, float *z, const uint8_t *cac
 /* One sequence over integer codes, a cache block and kv head at a time (as attend_seq_fp8 in
  * cpu_fp8.c). w: scratch [4 * block_size]; zs: scratch [num_heads]. */
 static inline __attribute__((always_inline)) void attend_seq_int(
-    const float *q, const uint8_t *k_cache, const uint8_t *v_cache, const uint16_t *kp, const uint16_t *vp, int bits,
+    const float *q, const uint8_t *k_cache, const uint8_t *v_cache, const uint16_t *kp, const uint16_t *vp, int k_bits,
+    int v_bits,
     const int64_t *blocks, int64_t seq_len, int num_heads, int num_kv_heads, int head_dim, int block_size,
     float scale, float *scores, float *m, float *buf, float *w, float *zs, float *out) {
     const int group = num_heads / num_kv_heads;
@@ -148,7 +145,7 @@ static inline __attribute__((always_inline)) void attend_seq_int(
         const int64_t first = blocks[b0 / block_size] * block_size;
         const int64_t count = seq_len - b0 < block_size ? seq_len - b0 : block_size;
         for (int kh = 0; kh < num_kv_heads; kh++) {
-            load_block(buf, s, z, k_cache, kp, bits, first, count, kh, num_kv_heads, head_dim);
+            load_block(buf, s, z, k_cache, kp, k_bits, first, count, kh, num_kv_heads, head_dim);
             for (int h = kh * group; h < (kh + 1) * group; h++) {
                 float *row = scores + (int64_t)h * seq_len + b0;
                 const float qs = zs[h];
@@ -166,7 +163,7 @@ static inline __attribute__((always_inline)) void attend_seq_int(
         const int64_t first = blocks[b0 / block_size] * block_size;
         const int64_t count = seq_len - b0 < block_size ? seq_len - b0 : block_size;
         for (int kh = 0; kh < num_kv_heads; kh++) {
-            load_block(buf, s, z, v_cache, vp, bits, first, count, kh, num_kv_heads, head_dim);
+            load_block(buf, s, z, v_cache, vp, v_bits, first, count, kh, num_kv_heads, head_dim);
             for (int h = kh * group; h < (kh + 1) * group; h++) {
                 const float *p = scores + (int64_t)h * seq_len + b0;
                 float pz = 0.0f;
@@ -187,11 +184,12 @@ static inline __attribute__((always_inline)) void attend_seq_int(
 }
 
 /* Decode attention over an integer cache; arguments as qp_paged_decode_f32 (cpu_attention.c)
- * plus the parameters (fp16 bits per slot and kv head) and bits (8 or 4). Returns 0; -1 when
+ * plus the parameters (fp16 bits per slot and kv head) and K's and V's bits (8 or 4). Returns 0; -1 when
  * the scratch cannot be allocated; -2 for a bad seq_len or block id; -3 when head_dim > 256
  * or is odd. */
 int qp_paged_decode_int(const float *q, int64_t q_seq_stride, const uint8_t *k_cache, const uint8_t *v_cache,
-                        const uint16_t *k_params, const uint16_t *v_params, int bits, const int64_t *block_table,
+                        const uint16_t *k_params, const uint16_t *v_params, int k_bits, int v_bits,
+                        const int64_t *block_table,
                         int64_t table_stride, int64_t table_cols, const int64_t *seq_lens, float *out, int num_seqs,
                         int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,
                         int64_t num_blocks) {
@@ -211,11 +209,11 @@ int qp_paged_decode_int(const float *q, int64_t q_seq_stride, const uint8_t *k_c
         float *os = out + (int64_t)sq * num_heads * head_dim;
         const int64_t *bt = block_table + sq * table_stride;
         if (head_dim == 64)
-            attend_seq_int(qs, k_cache, v_cache, k_params, v_params, bits, bt, seq_lens[sq], num_heads, num_kv_heads,
-                           64, block_size, scale, scores, m, buf, w, zs, os);
+            attend_seq_int(qs, k_cache, v_cache, k_params, v_params, k_bits, v_bits, bt, seq_lens[sq], num_heads,
+                           num_kv_heads, 64, block_size, scale, scores, m, buf, w, zs, os);
         else
-            attend_seq_int(qs, k_cache, v_cache, k_params, v_params, bits, bt, seq_lens[sq], num_heads, num_kv_heads,
-                           head_dim, block_size, scale, scores, m, buf, w, zs, os);
+            attend_seq_int(qs, k_cache, v_cache, k_params, v_params, k_bits, v_bits, bt, seq_lens[sq], num_heads,
+                           num_kv_heads, head_dim, block_size, scale, scores, m, buf, w, zs, os);
     }
     free(buf);
     free(scores);
