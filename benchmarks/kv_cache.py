@@ -11,17 +11,18 @@ wikitext-2 ``test.txt``, teacher-forced, with chunked prefill of ``--chunk`` tok
 chunk after the first reads its context back from the (quantized) paged cache. Per
 window, every mode scores the same tokens; perplexity is exp(mean NLL) over all scored
 positions, and KL is the mean over positions of KL(auto || mode) of the full next-token
-distributions. Bytes per token count K and V of all layers plus the FP8 scales, and are
+distributions. Bytes per token count K and V of all layers plus the scales (and zeros), and are
 compared with an fp16 cache's (the usual GPU baseline) and the ``auto`` cache's.
 
     python benchmarks/kv_cache.py [--windows 16] [--window 512] [--chunk 128]
-    python benchmarks/kv_cache.py --speed [--context 512 2048] [--tokens 128]   # decode tokens/s instead
+    python benchmarks/kv_cache.py --speed [--context 512 2048] [--tokens 64] [--rounds 3]   # decode tokens/s
 
 ``--speed``: greedy decode of ``--tokens`` tokens after a prompt of ``--context`` tokens
-(default 512 and 2048), at batch 1 (best of 2) and batch 8, for the fp32, FP8 per-token,
-int8, k8v4 and int4 caches on their default backend (``cpu-native`` on CPU), plus the FP8
-per-token cache on ``cpu-blas`` (the path without the C cache kernels), one engine after the
-other in one process.
+(default 512 and 2048; the prompts share it, so it is prefilled once), at batch 1 and batch 8,
+for the fp32, FP8 per-token, int8, k8v4 and int4 caches on their default backend
+(``cpu-native`` on CPU), plus, at the shortest context, the FP8 per-token cache on
+``cpu-blas`` (the path without the C cache kernels). All engines are loaded first; each of
+``--rounds`` rounds then times every mode once, in turn, and the medians are reported.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -59,7 +61,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--chunk", type=int, default=128, help="prefill chunk: context beyond it comes from the cache")
     p.add_argument("--out", default=None, help="default: benchmarks/results/kv_cache.json (kv_cache_speed.json)")
     p.add_argument("--speed", action="store_true", help="measure decode speed per mode instead of quality")
-    p.add_argument("--tokens", type=int, default=128, help="--speed: tokens generated per request")
+    p.add_argument("--tokens", type=int, default=64, help="--speed: tokens generated per request")
+    p.add_argument("--rounds", type=int, default=3, help="--speed: rounds; each times every mode once")
     p.add_argument("--context", type=int, nargs="+", default=[512, 2048],
                    help="--speed: prompt lengths in tokens (taken from --data)")
     return p.parse_args()
@@ -79,9 +82,12 @@ def speed(args: argparse.Namespace) -> None:
     p = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
     text = Path(args.data).read_text(encoding="utf-8")[: 20 * max(args.context)]
     rows = []
-    runs = [(label, kw, "auto") for label, kw in MODES if label in SPEED_MODES] + [(*MODES[1], "cpu-blas")]
     for ctx in args.context:
-        for label, kwargs, backend in runs:
+        runs = [(label, kw, "auto") for label, kw in MODES if label in SPEED_MODES]
+        if ctx == min(args.context):  # the torch path is slow: compared at the shortest context only
+            runs.append((*MODES[1], "cpu-blas"))
+        engines, prompts = [], []
+        for _, kwargs, backend in runs:
             llm = LLM(model=args.model, attention_backend=backend, log_stats=False, **kwargs)
             ids = llm.get_tokenizer().encode(text, add_special_tokens=False)[: ctx - 1]
             if len(ids) < ctx - 1:
@@ -89,28 +95,33 @@ def speed(args: argparse.Namespace) -> None:
             # One shared context (a prefix hit after the warm-up), a different last token each.
             prompts = [{"prompt_token_ids": [*ids, 100 + i]} for i in range(8)]
             llm.generate(prompts, SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)  # warm-up, prefill
-            b1 = 0.0
-            for _ in range(2):
+            engines.append(llm)
+        b1: list[list[float]] = [[] for _ in runs]
+        b8: list[list[float]] = [[] for _ in runs]
+        for _ in range(args.rounds):  # each round times every mode once, so the noise falls on all alike
+            for i, llm in enumerate(engines):
                 t = time.perf_counter()
                 llm.generate(prompts[:1], p, use_tqdm=False)
-                b1 = max(b1, args.tokens / (time.perf_counter() - t))
-            t = time.perf_counter()
-            llm.generate(prompts, p, use_tqdm=False)
-            b8 = 8 * args.tokens / (time.perf_counter() - t)
+                b1[i].append(args.tokens / (time.perf_counter() - t))
+                t = time.perf_counter()
+                llm.generate(prompts, p, use_tqdm=False)
+                b8[i].append(8 * args.tokens / (time.perf_counter() - t))
+        for (label, _, _), llm, r1, r8 in zip(runs, engines, b1, b8, strict=True):
             name = llm.llm_engine.runner.backend.name
-            rows.append(dict(context=ctx, mode=label, attention_backend=name, batch1_tok_s=b1, batch8_tok_s=b8))
-            print(f"context {ctx:>5} {label:<24} {name:<11} batch 1 {b1:6.1f} tok/s   batch 8 {b8:6.1f} tok/s",
-                  flush=True)
-            del llm
-    print("\nvs the fp32 cache (auto), same context:")
+            rows.append(dict(context=ctx, mode=label, attention_backend=name, batch1_tok_s=statistics.median(r1),
+                             batch8_tok_s=statistics.median(r8), batch1_rounds=r1, batch8_rounds=r8))
+            print(f"context {ctx:>5} {label:<24} {name:<11} batch 1 {rows[-1]['batch1_tok_s']:6.1f} tok/s   "
+                  f"batch 8 {rows[-1]['batch8_tok_s']:6.1f} tok/s (medians of {args.rounds} rounds)", flush=True)
+        del engines
+    print("\nvs the fp32 cache (auto), same context and rounds:")
     for r in rows:
         auto = next(a for a in rows if a["context"] == r["context"] and a["mode"] == "auto")
         r["batch1_vs_auto"], r["batch8_vs_auto"] = (r["batch1_tok_s"] / auto["batch1_tok_s"],
                                                     r["batch8_tok_s"] / auto["batch8_tok_s"])
         print(f"context {r['context']:>5} {r['mode']:<24} {r['attention_backend']:<11} batch 1 "
               f"{r['batch1_vs_auto']:.2f}x   batch 8 {r['batch8_vs_auto']:.2f}x")
-    write_json(dict(tokens=args.tokens, modes=rows), Path(args.out or ROOT / "benchmarks" / "results" /
-                                                          "kv_cache_speed.json"))
+    write_json(dict(tokens=args.tokens, rounds=args.rounds, modes=rows),
+               Path(args.out or ROOT / "benchmarks" / "results" / "kv_cache_speed.json"))
 
 
 def main() -> None:

@@ -50,8 +50,14 @@ def parse_size(value: int | float | str, what: str = "size") -> int:
 
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8", "int4", "k8v4", "int8_per_token_head",
-                   "int4_per_token_head")
+KV_CACHE_FORMATS: dict[str, str | None] = {
+    "auto": None, "fp8": "e4m3", "fp8_e4m3": "e4m3", "fp8_e5m2": "e5m2", "int8": "int8", "int4": "int4",
+    "k8v4": "k8v4", "int8_per_token_head": "int8", "int4_per_token_head": "int4",
+}
+"""kv_cache_dtype -> the stored format (``layers.kv_format``; None: the model dtype)."""
+KV_CACHE_DTYPES = tuple(KV_CACHE_FORMATS)
+INT_BITS = {"int8": (8, 8), "int4": (4, 4), "k8v4": (8, 4)}
+"""Integer cache formats -> (K bits, V bits)."""
 KV_CACHE_SCALES = ("per_token", "per_tensor")
 ATTENTION_BACKENDS = ("auto", "triton", "cpu-native", "cpu-blas", "torch")
 
@@ -117,6 +123,13 @@ class CacheConfig:
         if self.kv_cache_scales not in KV_CACHE_SCALES:
             raise ValueError(f"kv_cache_scales={self.kv_cache_scales!r} is not supported; choose one of "
                              f"{', '.join(KV_CACHE_SCALES)}")
+        integer = KV_CACHE_FORMATS[self.kv_cache_dtype] in INT_BITS
+        if integer and self.kv_cache_scales != "per_token":
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} always keeps parameters per token and kv head; "
+                             f"kv_cache_scales={self.kv_cache_scales!r} applies to FP8 caches only: leave it out")
+        if not integer and not self.kv_cache_rotation:
+            raise ValueError(f"kv_cache_rotation=False applies to the int8, int4 and k8v4 caches only, not "
+                             f"kv_cache_dtype={self.kv_cache_dtype!r}: leave it out")
         self.kv_cache_memory = parse_size(self.kv_cache_memory, "kv_cache_memory")
         if self.block_size != BLOCK_SIZE:
             raise ValueError(f"block_size={self.block_size} is not supported; qpage uses {BLOCK_SIZE}")

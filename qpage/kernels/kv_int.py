@@ -1,8 +1,8 @@
 """How a K/V row becomes int8 or int4 codes with its per-(token, kv head) parameters, in plain torch.
 
-The references every integer-cache kernel is checked against (the C writer in
-``cpu.native_int``, the Triton writer in ``attention.cache_write``), so a cache written by
-one reads the same through any other.
+The references every integer-cache kernel is checked against (the C kernels in
+``cpu.native_int``, the Triton kernels in ``attention.int_cache``), so a cache written by one
+reads the same through any other.
 
 Layout per layer, beside the paged codes [num_blocks, BLOCK, kv_heads, ...]:
 - ``int8``: int8 codes [..., head_dim], symmetric: value = code * scale; ``scale`` fp16
@@ -32,6 +32,11 @@ PARAMS = {8: 1, 4: 2}
 def code_width(bits: int, head_dim: int) -> int:
     """Bytes of codes per (token, kv head)."""
     return head_dim if bits == 8 else head_dim // 2
+
+
+def head_dim_of(bits: int, width: int) -> int:
+    """The head_dim whose codes take ``width`` bytes (``code_width`` inverted)."""
+    return width if bits == 8 else 2 * width
 
 
 def quantize_ref(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:

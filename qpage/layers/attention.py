@@ -1,9 +1,9 @@
 """Attention over the paged KV cache.
 
-Cache layout per layer: ``kv_format.LayerKV`` (model dtype, or FP8 codes with scales). The
-batch layout and the metadata: ``attention_metadata``.
+Cache layout per layer: ``kv_format.LayerKV`` (model dtype, or FP8 or integer codes with
+scales). The batch layout and the metadata: ``attention_metadata``.
 
-The torch paths below are the CPU implementation and the reference; with an FP8 cache
+The torch paths below are the CPU implementation and the reference; with a quantized cache
 they dequantize what they gather. ``AttentionBackend`` is the seam: the Triton backend
 (``attention_triton``) implements the same methods with its own metadata, and
 ``backends.select_attention_backend`` picks one by declared capabilities.
@@ -73,7 +73,7 @@ class TorchPagedAttention:
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
 
     def _prefill_from_cache(self, q: torch.Tensor, cache: LayerKV, p: PrefillSeq, scale: float) -> torch.Tensor:
-        """A chunk with no earlier context, its K/V read back from the (FP8) cache."""
+        """A chunk with no earlier context, its K/V read back from the (quantized) cache."""
         keys, values = self._gather(cache, p.block_ids[None], p.context_len)
         return self._prefill(q, keys[0], values[0], cache, PrefillSeq(0, p.end - p.start, p.context_len,
                                                                       p.block_ids, None), scale, q_offset=p.start)
@@ -169,10 +169,10 @@ class CpuNativePagedAttention(CpuBlasPagedAttention):
         return build_torch_metadata(batch, device)  # the C decode reads seq_lens, not a bias
 
     def write_cache(self, k: torch.Tensor, v: torch.Tensor, cache: LayerKV, slot_mapping: torch.Tensor) -> None:
-        if cache.k_bits is not None and cache.v_bits is not None:
+        if (bits := cache.kv_bits) is not None:
             assert cache.k_scale is not None and cache.v_scale is not None
-            native_int.write_int(k, cache.k, cache.k_scale, slot_mapping, cache.k_bits)
-            native_int.write_int(v, cache.v, cache.v_scale, slot_mapping, cache.v_bits)
+            native_int.write_int(k, cache.k, cache.k_scale, slot_mapping, bits[0])
+            native_int.write_int(v, cache.v, cache.v_scale, slot_mapping, bits[1])
         elif cache.fp8_format is None:
             native.write_kv(k, v, cache.k, cache.v, slot_mapping)
         else:
@@ -183,10 +183,10 @@ class CpuNativePagedAttention(CpuBlasPagedAttention):
     @staticmethod
     def _decode(q: torch.Tensor, cache: LayerKV, d: DecodeGroup, scale: float) -> torch.Tensor:
         seq_lens = d.seq_lens if d.seq_lens is not None else d.mask.view(d.mask.shape[0], -1).sum(-1)
-        if cache.k_bits is not None and cache.v_bits is not None:
+        if (bits := cache.kv_bits) is not None:
             assert cache.k_scale is not None and cache.v_scale is not None
-            return native_int.paged_decode_int(q, cache.k, cache.v, cache.k_scale, cache.v_scale, cache.k_bits,
-                                               cache.v_bits, d.block_table, seq_lens, scale)
+            return native_int.paged_decode_int(q, cache.k, cache.v, cache.k_scale, cache.v_scale, *bits,
+                                               d.block_table, seq_lens, scale)
         if cache.fp8_format is None:
             return native.paged_decode(q, cache.k, cache.v, d.block_table, seq_lens, scale)
         assert cache.k_scale is not None and cache.v_scale is not None
@@ -195,11 +195,11 @@ class CpuNativePagedAttention(CpuBlasPagedAttention):
 
     @staticmethod
     def _gather(cache: LayerKV, block_table: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if cache.k_bits is None or cache.v_bits is None:
+        if (bits := cache.kv_bits) is None:
             return gather_kv(cache, block_table, length)
         assert cache.k_scale is not None and cache.v_scale is not None
         rows, hd, ids = block_table.shape[0], cache.head_dim, block_table.flatten()
-        keys = native_int.read_blocks_int(cache.k, cache.k_scale, cache.k_bits, ids, hd)
-        values = native_int.read_blocks_int(cache.v, cache.v_scale, cache.v_bits, ids, hd)
+        keys = native_int.read_blocks_int(cache.k, cache.k_scale, bits[0], ids, hd)
+        values = native_int.read_blocks_int(cache.v, cache.v_scale, bits[1], ids, hd)
         kvh = keys.shape[2]
         return keys.view(rows, -1, kvh, hd)[:, :length], values.view(rows, -1, kvh, hd)[:, :length]

@@ -83,16 +83,16 @@ class TritonPagedAttention:
         return TritonMetadata(batch.slot_mapping, decodes, prefill)
 
     def write_cache(self, k: torch.Tensor, v: torch.Tensor, cache: LayerKV, slot_mapping: torch.Tensor) -> None:
-        if cache.k_bits is not None and cache.v_bits is not None:
+        if (bits := cache.kv_bits) is not None:
             assert cache.k_scale is not None and cache.v_scale is not None
-            write_int_cache(k, cache.k, cache.k_scale, slot_mapping, cache.k_bits)
-            write_int_cache(v, cache.v, cache.v_scale, slot_mapping, cache.v_bits)
+            write_int_cache(k, cache.k, cache.k_scale, slot_mapping, bits[0])
+            write_int_cache(v, cache.v, cache.v_scale, slot_mapping, bits[1])
             return
         write_kv_cache(k, v, cache.k, cache.v, slot_mapping, cache.k_scale, cache.v_scale, cache.fp8_format)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKV, meta: TritonMetadata,
                scale: float) -> torch.Tensor:
-        if cache.k_bits is not None:
+        if cache.kv_bits is not None:
             return self._attend_int(q, cache, meta, scale)
         kw = dict(k_scale=cache.k_scale, v_scale=cache.v_scale, fp8_format=cache.fp8_format)
         outs = []
@@ -106,19 +106,21 @@ class TritonPagedAttention:
 
     @staticmethod
     def _attend_int(q: torch.Tensor, cache: LayerKV, meta: TritonMetadata, scale: float) -> torch.Tensor:
-        """An int8/int4 cache: decode reads the codes in place; prefill dequantizes the blocks its
-        chunks use (padding entries included) and runs the model-dtype prefill kernel on them."""
-        kb, vb = cache.k_bits, cache.v_bits
-        assert kb is not None and vb is not None and cache.k_scale is not None and cache.v_scale is not None
+        """An integer cache: decode reads the codes in place; prefill dequantizes the blocks its
+        chunks use, each once, and runs the model-dtype prefill kernel on them."""
+        assert cache.kv_bits is not None and cache.k_scale is not None and cache.v_scale is not None
+        kb, vb = cache.kv_bits
         outs = []
         for d in meta.decodes:
             outs.append(paged_decode_int(q[d.start : d.end], cache.k, cache.v, cache.k_scale, cache.v_scale, kb, vb,
                                          d.block_tables, d.seq_lens, scale))
         if (p := meta.prefill) is not None:
-            ids = p.block_tables.flatten()
+            # Each block once (tables repeat shared prefixes and pad with block 0).
+            ids, tables = torch.unique(p.block_tables, return_inverse=True)
+            ids = ids.to(torch.int32)
             keys = dequantize_blocks(cache.k, cache.k_scale, kb, ids, cache.head_dim, q.dtype)
             values = dequantize_blocks(cache.v, cache.v_scale, vb, ids, cache.head_dim, q.dtype)
-            tables = torch.arange(ids.numel(), dtype=torch.int32, device=q.device).view(p.block_tables.shape)
+            tables = tables.to(torch.int32)
             outs.append(paged_attention_prefill(q[p.start :], keys, values, tables, p.cu_seqlens_q, p.context_lens,
                                                 p.max_q_len, scale))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from qpage.config import ATTENTION_BACKENDS
+from qpage.config import ATTENTION_BACKENDS, INT_BITS
 from qpage.kernels.cpu import native
 from qpage.kernels.triton_utils import HAS_TRITON, INTERPRET
 from qpage.layers.attention import CpuBlasPagedAttention, CpuNativePagedAttention, TorchPagedAttention
@@ -58,7 +58,7 @@ class AttentionCapabilities:
         return self.unavailable() if self.unavailable is not None else None
 
 
-ALL_KV = (None, "e4m3", "e5m2", "int8", "int4", "k8v4")
+ALL_KV = (None, "e4m3", "e5m2", *INT_BITS)
 ATTENTION_CAPABILITIES = (
     AttentionCapabilities("triton", ("cuda",), (torch.float16, torch.bfloat16, torch.float32), ALL_KV, 256,
                           needs_triton=True, auto=True, make=TritonPagedAttention),

@@ -1,4 +1,5 @@
-"""Text for measuring the mean key and value of each channel when an FP8 KV cache starts.
+"""Text for measuring the mean key and value of each channel when a quantized KV cache starts
+(FP8 with per-token scales, int8, int4, k8v4).
 
 The means only center K and V before they are quantized (``LayerKV.k_shift``), which
 is exact for attention whatever their values; a few hundred tokens of ordinary prose

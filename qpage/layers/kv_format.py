@@ -1,7 +1,9 @@
-"""How one layer's K and V are stored in the paged cache: model dtype or FP8 codes + scales.
+"""How one layer's K and V are stored in the paged cache: the model dtype, FP8 codes with
+scales, or int8/int4 codes with scales (and zeros).
 
-Per layer: ``k`` and ``v`` of shape [num_blocks, BLOCK_SIZE, kv_heads, head_dim]; token
-slot ``s`` is block ``s // BLOCK_SIZE``, offset ``s % BLOCK_SIZE``.
+Per layer: ``k`` and ``v`` of shape [num_blocks, BLOCK_SIZE, kv_heads, head_dim] (int4:
+head_dim / 2 bytes, two codes a byte); token slot ``s`` is block ``s // BLOCK_SIZE``, offset
+``s % BLOCK_SIZE``.
 
 ``kv_cache_dtype``:
 - ``auto``: the model's dtype.
@@ -29,16 +31,11 @@ from dataclasses import dataclass
 
 import torch
 
-from qpage.config import BLOCK_SIZE
+from qpage.config import BLOCK_SIZE, INT_BITS, KV_CACHE_FORMATS
 from qpage.kernels.fp8.codec import decode_fp8_ref
-from qpage.kernels.kv_int import PARAMS, code_width, dequantize_ref, hadamard, write_int_cache_ref
+from qpage.kernels.kv_int import PARAMS, code_width, dequantize_ref, hadamard, head_dim_of, write_int_cache_ref
 from qpage.kernels.kv_quant import write_kv_cache_ref
 
-KV_CACHE_DTYPES = {"auto": None, "fp8": "e4m3", "fp8_e4m3": "e4m3", "fp8_e5m2": "e5m2", "int8": "int8",
-                   "int8_per_token_head": "int8", "int4": "int4", "int4_per_token_head": "int4", "k8v4": "k8v4"}
-"""kv_cache_dtype -> the stored format (None: the model dtype)."""
-INT_BITS = {"int8": (8, 8), "int4": (4, 4), "k8v4": (8, 4)}
-"""Integer formats -> (K bits, V bits)."""
 KV_SCALE_MODES = ("per_token", "per_tensor")
 
 
@@ -59,7 +56,7 @@ class KVCacheSpec:
 
     @classmethod
     def from_config(cls, kv_cache_dtype: str, scales: str, dtype: torch.dtype, rotate: bool = True) -> KVCacheSpec:
-        fmt = KV_CACHE_DTYPES[kv_cache_dtype]
+        fmt = KV_CACHE_FORMATS[kv_cache_dtype]
         if fmt in INT_BITS:
             kb, vb = INT_BITS[fmt]
             return cls(dtype, None, True, kb, vb if vb != kb else None, rotate)
@@ -118,7 +115,7 @@ class LayerKV:
     """What reads return (the model's dtype)."""
     k_shift: torch.Tensor | None = None
     """Per-channel offsets [kv_heads, head_dim] subtracted from K before it is stored (FP8
-    per-token mode). Exact: a query's scores all move by q . k_shift, which softmax ignores."""
+    per-token and integer caches). Exact: a query's scores all move by q . k_shift, which softmax ignores."""
     v_shift: torch.Tensor | None = None
     """Likewise for V; attention adds it back to the output (the probabilities sum to 1)."""
     k_bits: int | None = None
@@ -126,17 +123,28 @@ class LayerKV:
     v_bits: int | None = None
     """Likewise for V (``v``, ``v_scale``); set exactly when ``k_bits`` is."""
     rotation: torch.Tensor | None = None
-    """[head_dim, head_dim] orthonormal and symmetric (``kernels.kv_int.hadamard``), integer
-    caches only: K and V are stored times it, the query is multiplied by it before attention
-    (q.k unchanged) and the output after (it is its own inverse)."""
+    """fp32 [head_dim, head_dim], orthonormal and symmetric (``kernels.kv_int.hadamard``),
+    integer caches only: K and V are stored times it, the query is multiplied by it before
+    attention (q.k unchanged) and the output after (it is its own inverse); see ``rotate``."""
+
+    @property
+    def kv_bits(self) -> tuple[int, int] | None:
+        """(K bits, V bits) of an integer cache, else None."""
+        return (self.k_bits, self.v_bits) if self.k_bits is not None and self.v_bits is not None else None
 
     @property
     def head_dim(self) -> int:
-        return self.k.shape[3] * (2 if self.k_bits == 4 else 1)
+        return head_dim_of(self.k_bits, self.k.shape[3]) if self.k_bits is not None else self.k.shape[3]
 
     @property
     def quantized(self) -> bool:
         return self.fp8_format is not None or self.k_bits is not None
+
+    def rotate(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., head_dim] times ``rotation``, in fp32 (1/sqrt(block) is not exact in fp16 or
+        bf16: there R.R would be off the identity by about 2e-4), rounded once to x's dtype."""
+        assert self.rotation is not None
+        return x @ self.rotation if x.dtype == torch.float32 else (x.float() @ self.rotation).to(x.dtype)
 
     def set_shifts(self, k_shift: torch.Tensor, v_shift: torch.Tensor) -> None:
         self.k_shift = k_shift.to(self.dtype)
@@ -144,10 +152,10 @@ class LayerKV:
 
     def write_ref(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Store this step's K and V (quantizing when FP8 or integer) in plain torch."""
-        if self.k_bits is not None and self.v_bits is not None:
+        if (bits := self.kv_bits) is not None:
             assert self.k_scale is not None and self.v_scale is not None
-            write_int_cache_ref(k, self.k, self.k_scale, slot_mapping, self.k_bits)
-            write_int_cache_ref(v, self.v, self.v_scale, slot_mapping, self.v_bits)
+            write_int_cache_ref(k, self.k, self.k_scale, slot_mapping, bits[0])
+            write_int_cache_ref(v, self.v, self.v_scale, slot_mapping, bits[1])
             return
         write_kv_cache_ref(k, v, self.k, self.v, slot_mapping, self.k_scale, self.v_scale, self.fp8_format)
 
@@ -190,7 +198,7 @@ def make_layer_kv(
     if spec.kv_bits is not None:
         (k, ks), (v, vs) = (_int_tensors(shape, bits, device) for bits in spec.kv_bits)
         return LayerKV(k, v, ks, vs, dtype=spec.dtype, k_bits=spec.kv_bits[0], v_bits=spec.kv_bits[1],
-                       rotation=hadamard(head_dim)[0].to(device=device, dtype=spec.dtype) if spec.rotate else None)
+                       rotation=hadamard(head_dim)[0].to(device) if spec.rotate else None)
     if spec.fp8_format is None:
         return LayerKV(torch.zeros(shape, dtype=spec.dtype, device=device),
                        torch.zeros(shape, dtype=spec.dtype, device=device), dtype=spec.dtype)

@@ -80,13 +80,13 @@ class Attention(nn.Module):
         if cache.k_shift is not None and cache.v_shift is not None:
             # Centered K/V quantize better; see LayerKV.k_shift for why this is exact.
             k, v = k - cache.k_shift, v - cache.v_shift
-        rot = cache.rotation
-        if rot is not None:  # Hadamard-rotated K/V quantize better; see LayerKV.rotation
-            q, k, v = q @ rot, k @ rot, v @ rot
+        rotated = cache.rotation is not None
+        if rotated:  # Hadamard-rotated K/V quantize better; see LayerKV.rotation
+            q, k, v = cache.rotate(q), cache.rotate(k), cache.rotate(v)
         backend.write_cache(k, v, cache, meta.slot_mapping)
         out = backend.attend(q, k, v, cache, meta, self.scale)
-        if rot is not None:
-            out = out @ rot
+        if rotated:
+            out = cache.rotate(out)
         if cache.v_shift is not None:
             out = (out.view(t, c.num_kv_heads, -1, c.head_dim) + cache.v_shift[:, None]).view(t, nq, c.head_dim)
         return self.o_proj.forward(out.reshape(t, c.q_size))

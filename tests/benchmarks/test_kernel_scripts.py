@@ -107,7 +107,7 @@ def test_kv_cache_speed_smoke(tmp_path: Path) -> None:
 
     out = tmp_path / "speed.json"
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kv_cache.py"), "--speed", "--tokens", "4",
-                        "--context", "40", "--data", str(ROOT / "README.md"), "--out", str(out)],
+                        "--context", "40", "--rounds", "1", "--data", str(ROOT / "README.md"), "--out", str(out)],
                        capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     rows = json.loads(out.read_text())["modes"]

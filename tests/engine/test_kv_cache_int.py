@@ -157,6 +157,10 @@ def test_bad_names_and_modes_a_device_cannot_run(monkeypatch: pytest.MonkeyPatch
                                          "fp8_e4m3, fp8_e5m2, int8, int4, k8v4, int8_per_token_head, "
                                          "int4_per_token_head"):
         LLM(kv_cache_dtype="int3", log_stats=False)
+    with pytest.raises(ValueError, match="kv_cache_scales='per_tensor' applies to FP8 caches only"):
+        LLM(kv_cache_dtype="int4", kv_cache_scales="per_tensor", log_stats=False)
+    with pytest.raises(ValueError, match="kv_cache_rotation=False applies to the int8, int4 and k8v4 caches only"):
+        LLM(kv_cache_dtype="fp8", kv_cache_rotation=False, log_stats=False)
     cpu = torch.device("cpu")
     with pytest.raises(ValueError, match=r"kv cache int4 .*cpu-native: supports dtypes float32, not torch\.bfloat16"):
         select_attention_backend(cpu, KVCacheSpec(torch.bfloat16, int_bits=4), 64, "cpu-native")

@@ -115,7 +115,7 @@ def _filled_cache(kv_bits: tuple[int, int], kvh: int, hd: int, lens: list[int], 
 
 @native
 @pytest.mark.parametrize("kv_bits", KV_BITS, ids=KV_IDS)
-@pytest.mark.parametrize(("kvh", "group", "hd"), [(3, 3, 64), (2, 4, 128), (1, 7, 80), (2, 2, 6)])
+@pytest.mark.parametrize(("kvh", "group", "hd"), [(3, 3, 64), (2, 4, 128), (1, 7, 80), (2, 2, 6), (1, 2, 320)])
 def test_decode_matches_torch(kv_bits: tuple[int, int], kvh: int, group: int, hd: int) -> None:
     from qpage.kernels.cpu.native_int import paged_decode_int
 

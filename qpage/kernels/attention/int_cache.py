@@ -218,7 +218,7 @@ def _dequant_blocks_kernel(
     ROWS: tl.constexpr, ROWS_PAD: tl.constexpr, BITS: tl.constexpr,
 ):
     """One block: its ROWS = BLOCK * kv_heads cache rows, dequantized."""
-    i = tl.program_id(0)
+    i = tl.program_id(0).to(tl.int64)
     offs_r = tl.arange(0, ROWS_PAD)
     r_mask = offs_r < ROWS
     rows = tl.load(ids_ptr + i).to(tl.int64) * ROWS + offs_r

@@ -17,10 +17,10 @@ def _check_cache(cache: torch.Tensor, params: torch.Tensor, bits: int, head_dim:
     want = torch.int8 if bits == 8 else torch.uint8
     if (bits not in PARAMS or cache.dtype != want or width != code_width(bits, head_dim) or not cache.is_contiguous()
             or params.dtype != torch.float16 or tuple(params.shape) != (nb, bs, kvh, PARAMS[bits])
-            or not params.is_contiguous() or head_dim % 2 or head_dim > 256):
+            or not params.is_contiguous() or (bits == 4 and head_dim % 2)):
         raise ValueError(
             f"int{bits} cache: expected contiguous {want} codes [.., {code_width(bits, head_dim)}] and fp16 "
-            f"parameters [{nb}, {bs}, {kvh}, {PARAMS.get(bits)}] for an even head_dim <= 256, got {cache.dtype} "
+            f"parameters [{nb}, {bs}, {kvh}, {PARAMS.get(bits)}] (int4: an even head_dim), got {cache.dtype} "
             f"{tuple(cache.shape)}, {params.dtype} {tuple(params.shape)}, head_dim {head_dim}")
 
 

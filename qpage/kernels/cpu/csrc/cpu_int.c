@@ -11,8 +11,9 @@
  * Decode converts a block's codes for one kv head to floats once and applies each token's
  * parameters to the score and the probability, not per element: with k = c * s + z,
  * q.k = s * (q.c) + z * sum(q), and sum_t p_t v_t = sum_t (p_t s_t) c_t + sum_t p_t z_t.
- * With AVX2, 8 codes at a time are widened by vpmovsx/vpmovzx and converted by vcvtdq2ps
- * (intrinsics: GCC scalarizes byte -> float vector conversions); otherwise a plain loop.
+ * Codes are widened by vpmovsx/vpmovzx and converted by vcvtdq2ps, 16 at a time with
+ * AVX-512, 8 with AVX2 (intrinsics: GCC scalarizes byte -> float vector conversions), the
+ * rest in a plain loop; the ISA is the build's (-march=native, chosen per CPU at run time).
  */
 #include <math.h>
 #include <stdint.h>
@@ -28,11 +29,19 @@
 #else
 #define QP_INT_AVX2 0
 #endif
+#if defined(__AVX512F__)
+#define QP_INT_AVX512 1
+#else
+#define QP_INT_AVX512 0
+#endif
 
-#define QP_MAX_HEAD_DIM 256
 #define QP_MIN_SCALE 5.9604644775390625e-08f /* 2^-24, kv_int.MIN_SCALE */
 
 static inline float clampf(float x, float lo, float hi) { return x < lo ? lo : (x > hi ? hi : x); }
+
+/* Bytes of codes and fp16 parameters per (slot, kv head), as kv_int.code_width and PARAMS. */
+static inline int code_width(int bits, int head_dim) { return bits == 8 ? head_dim : head_dim / 2; }
+static inline int num_params(int bits) { return bits == 8 ? 1 : 2; }
 
 /* The smallest fp16 >= s (s positive and finite), as kv_int.half_at_least. */
 static inline uint16_t half_at_least(float s) {
@@ -77,7 +86,7 @@ int qp_write_int(const float *x, int64_t x_stride, uint8_t *cache, uint16_t *par
                  int num_tokens, int kv_heads, int head_dim, int64_t num_slots, int bits) {
     for (int i = 0; i < num_tokens; i++)
         if (slots[i] < -1 || slots[i] >= num_slots) return -2;
-    const int width = bits == 8 ? head_dim : head_dim / 2, np = bits == 8 ? 1 : 2;
+    const int width = code_width(bits, head_dim), np = num_params(bits);
     for (int i = 0; i < num_tokens; i++) {
         if (slots[i] < 0) continue;
         for (int h = 0; h < kv_heads; h++) {
@@ -92,6 +101,21 @@ int qp_write_int(const float *x, int64_t x_stride, uint8_t *cache, uint16_t *par
 /* row[:n] = the codes of one (slot, head) as floats (int4: unpacked, without scale or zero). */
 static inline void codes_to_float(float *row, const uint8_t *codes, int n, int bits) {
     int d = 0;
+#if QP_INT_AVX512
+    if (bits == 8) {
+        for (; d + 16 <= n; d += 16)
+            _mm512_storeu_ps(row + d,
+                             _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(codes + d)))));
+    } else {
+        const int half = n / 2;
+        const __m512i low = _mm512_set1_epi32(15);
+        for (; d + 16 <= half; d += 16) {
+            const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(codes + d)));
+            _mm512_storeu_ps(row + d, _mm512_cvtepi32_ps(_mm512_and_si512(c, low)));
+            _mm512_storeu_ps(row + half + d, _mm512_cvtepi32_ps(_mm512_srli_epi32(c, 4)));
+        }
+    }
+#endif
     if (bits == 8) {
 #if QP_INT_AVX2
         for (; d + 8 <= n; d += 8)
@@ -119,7 +143,7 @@ static inline void codes_to_float(float *row, const uint8_t *codes, int n, int b
  * row's scale into s and zero into z (0 for int8). */
 static inline void load_block(float *buf, float *s, float *z, const uint8_t *cache, const uint16_t *params,
                               int bits, int64_t first, int64_t count, int kh, int num_kv_heads, int head_dim) {
-    const int width = bits == 8 ? head_dim : head_dim / 2, np = bits == 8 ? 1 : 2;
+    const int width = code_width(bits, head_dim), np = num_params(bits);
     for (int64_t t = 0; t < count; t++) {
         const int64_t at = (first + t) * num_kv_heads + kh;
         codes_to_float(buf + t * head_dim, cache + at * width, head_dim, bits);
@@ -185,15 +209,15 @@ static inline __attribute__((always_inline)) void attend_seq_int(
 
 /* Decode attention over an integer cache; arguments as qp_paged_decode_f32 (cpu_attention.c)
  * plus the parameters (fp16 bits per slot and kv head) and K's and V's bits (8 or 4). Returns 0; -1 when
- * the scratch cannot be allocated; -2 for a bad seq_len or block id; -3 when head_dim > 256
- * or is odd. */
+ * the scratch cannot be allocated; -2 for a bad seq_len or block id; -3 for an odd head_dim
+ * with int4 codes. */
 int qp_paged_decode_int(const float *q, int64_t q_seq_stride, const uint8_t *k_cache, const uint8_t *v_cache,
                         const uint16_t *k_params, const uint16_t *v_params, int k_bits, int v_bits,
                         const int64_t *block_table,
                         int64_t table_stride, int64_t table_cols, const int64_t *seq_lens, float *out, int num_seqs,
                         int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,
                         int64_t num_blocks) {
-    if (head_dim > QP_MAX_HEAD_DIM || head_dim % 2) return -3;
+    if (head_dim % 2 && (k_bits == 4 || v_bits == 4)) return -3;
     const int64_t longest =
         qp_check_decode_tables(block_table, table_stride, table_cols, seq_lens, num_seqs, block_size, num_blocks);
     float *m = NULL, *scores = longest < 0 ? NULL : qp_score_scratch(num_heads, longest, &m);
@@ -227,7 +251,7 @@ int qp_read_blocks_int(const uint8_t *cache, const uint16_t *params, int bits, c
                        int block_size, int kv_heads, int head_dim, int64_t num_blocks, float *out) {
     for (int64_t i = 0; i < n; i++)
         if (ids[i] < 0 || ids[i] >= num_blocks) return -2;
-    const int width = bits == 8 ? head_dim : head_dim / 2, np = bits == 8 ? 1 : 2;
+    const int width = code_width(bits, head_dim), np = num_params(bits);
     for (int64_t i = 0; i < n; i++) {
         for (int64_t r = 0; r < (int64_t)block_size * kv_heads; r++) {
             const int64_t at = ids[i] * block_size * kv_heads + r;
