@@ -108,13 +108,11 @@ class CacheConfig:
     block_size: int = BLOCK_SIZE
     """Tokens per block."""
     kv_cache_dtype: str = "auto"
-    """KV storage: auto (the model dtype); fp8 (= fp8_e4m3), fp8_e5m2 or int8: about half the bytes of fp16;
-    k8v4 (int8 keys, int4 values): about 0.4x; int4: about 0.28x (integer caches are Hadamard-rotated;
-    vLLM's int8_per_token_head / int4_per_token_head accepted)."""
+    """auto (model dtype), fp8 (= fp8_e4m3), fp8_e5m2, int8 (~0.5x fp16 bytes), k8v4 (~0.4x) or int4 (~0.28x)."""
     kv_cache_scales: str = "per_token"
     """FP8 scales: per_token (per token and kv head, set at write) or per_tensor (checkpoint k/v_scale, else 1)."""
     kv_cache_rotation: bool = True
-    """int8/int4 caches: Hadamard-rotate K and V before quantizing (off only to measure what it buys)."""
+    """int8, int4 and k8v4 caches: Hadamard-rotate K and V before quantizing (off only to measure it)."""
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
