@@ -1,9 +1,12 @@
-"""SamplingParams with vLLM's field names, defaults and meaning."""
+"""SamplingParams with vLLM's field names, defaults and meaning, and the structured-output
+constraint a request may carry (``StructuredOutputsParams``)."""
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 _GREEDY_EPS = 1e-5
 SEED_RANGE = (-(2**63), 2**63 - 1)
@@ -16,6 +19,61 @@ def _is_int(v: object) -> bool:
 
 def _is_number(v: object) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Constrain a completion to a JSON schema, a regex, one of several strings, an EBNF
+    grammar or any JSON object (vLLM's names). Exactly one of them is given; the engine
+    compiles it into a token mask (``engine.structured``)."""
+
+    json: str | dict[str, Any] | None = None
+    """A JSON schema (a dict or its JSON text): the output is a JSON value valid against it."""
+    regex: str | None = None
+    """A regular expression the whole output matches."""
+    choice: list[str] | None = None
+    """The output is exactly one of these strings."""
+    grammar: str | None = None
+    """An EBNF grammar (GBNF, as llama.cpp and XGrammar read it) whose ``root`` rule the output matches."""
+    json_object: bool | None = None
+    """True: the output is any JSON object."""
+    disable_any_whitespace: bool = False
+    """JSON output without free whitespace between tokens (shorter, but less natural to the model)."""
+
+    KINDS: ClassVar[tuple[str, ...]] = ("json", "regex", "choice", "grammar", "json_object")
+
+    def __post_init__(self) -> None:
+        given = [k for k in self.KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"structured outputs need exactly one of {', '.join(self.KINDS)}; "
+                             f"got {', '.join(given) or 'none'}")
+        if isinstance(self.json, str):
+            try:
+                self.json = json.loads(self.json)
+            except ValueError as e:
+                raise ValueError(f"json is not valid JSON text ({e}); give a JSON schema") from None
+        if self.json is not None and not isinstance(self.json, (dict, bool)):
+            raise ValueError(f"json must be a JSON schema (an object), got {type(self.json).__name__}")
+        for name in ("regex", "grammar"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise ValueError(f"{name} must be a non-empty string")
+        if self.choice is not None:
+            if (not isinstance(self.choice, (list, tuple)) or not self.choice
+                    or not all(isinstance(c, str) and c for c in self.choice)):
+                raise ValueError("choice must be a non-empty list of non-empty strings")
+            self.choice = list(self.choice)
+        if self.json_object not in (None, True, False):
+            raise ValueError("json_object must be true or false")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint this is: one of ``KINDS``."""
+        return next(k for k in self.KINDS if getattr(self, k) not in (None, False))
+
+
+GuidedDecodingParams = StructuredOutputsParams
+"""vLLM's older name for the same constraint (``SamplingParams(guided_decoding=...)``)."""
 
 
 @dataclass
@@ -60,10 +118,21 @@ class SamplingParams:
     """Leave special tokens out of the text."""
     detokenize: bool = True
     """Produce text (False returns token ids only)."""
+    structured_outputs: StructuredOutputsParams | None = None
+    """Constrain the output to a JSON schema, regex, choice or grammar."""
+    guided_decoding: StructuredOutputsParams | None = None
+    """vLLM's older spelling of ``structured_outputs``; give one or the other."""
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self._check_numbers()
+        if self.guided_decoding is not None:
+            if self.structured_outputs is not None:
+                raise ValueError("give structured_outputs or guided_decoding (its older name), not both")
+            self.structured_outputs, self.guided_decoding = self.guided_decoding, None
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError("structured_outputs must be a StructuredOutputsParams, got "
+                             f"{type(self.structured_outputs).__name__}")
         if self.stop is None:
             self._stop_list = []
         elif isinstance(self.stop, str):

@@ -19,6 +19,7 @@ from qpage.engine.output_processor import OutputProcessor, ParentState
 from qpage.engine.outputs import CompletionOutput, RequestOutput
 from qpage.engine.request import Request, RequestStatus
 from qpage.engine.scheduler import Scheduler
+from qpage.engine.structured import GrammarCompiler, Guide
 from qpage.layers.kv_format import KVCacheSpec
 from qpage.models.arch import ArchConfig
 from qpage.models.loader import load_model, read_arch_config, resolve_dtype, resolve_model_dir
@@ -83,6 +84,7 @@ class LLMEngine:
         self.dtype = resolve_dtype(mc.dtype, self.arch, self.device)
         self.tokenizer = load_tokenizer(self.model_dir)
         self.eos_token_ids = eos_token_ids(self.model_dir, self.tokenizer)
+        self.grammars = GrammarCompiler(self.tokenizer, self.arch.vocab_size, self.eos_token_ids)
         cc = config.cache
         self.kv_spec = KVCacheSpec.from_config(cc.kv_cache_dtype, cc.kv_cache_scales, self.dtype, cc.kv_cache_rotation)
         num_blocks, block_bytes = plan_capacity(self.arch, self.kv_spec, int(cc.kv_cache_memory))
@@ -181,12 +183,15 @@ class LLMEngine:
         rid = request_id if request_id is not None else str(next(self._ids))
         if rid in self._requests:
             raise ValueError(f"request_id {rid!r} is already in use")
+        so = params.structured_outputs
+        grammar = self.grammars.compile(so) if so is not None else None  # a cache hit when precompiled
         room = self.max_model_len - len(ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         now = time.monotonic()
         children = [
             Request(f"{rid}-{i}" if params.n > 1 else rid, ids, params, max_tokens,
-                    self.eos_token_ids, parent_id=rid, index=i, arrival_time=now)
+                    self.eos_token_ids, parent_id=rid, index=i, arrival_time=now,
+                    guide=Guide(grammar) if grammar is not None else None)
             for i in range(params.n)
         ]
         want_lp = params.logprobs is not None
@@ -239,6 +244,9 @@ class LLMEngine:
             return self._finish_step([], failed)
         res, bad_rows = self.sampler.sample(step.logits, step.sample_requests)
         failed.update({step.sample_requests[i].parent_id: why for i, why in bad_rows.items()})
+        for req, t in zip(step.sample_requests, res.token_ids, strict=True):
+            if req.guide is not None and req.parent_id not in failed and not req.guide.accept(t):
+                failed[req.parent_id] = f"the structured-output grammar refused the sampled token {t}"
         sampled = {r.request_id: t for r, t in zip(step.sample_requests, res.token_ids, strict=True)}
         self.scheduler.update(sched, sampled)
         now = time.monotonic()

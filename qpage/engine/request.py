@@ -9,6 +9,7 @@ import time
 from array import array
 
 from qpage.config import BLOCK_SIZE
+from qpage.engine.structured import Guide
 from qpage.sampling_params import SamplingParams
 
 
@@ -48,6 +49,7 @@ class Request:
         index: int = 0,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
+        guide: Guide | None = None,
     ) -> None:
         self.request_id = request_id
         self.parent_id = parent_id if parent_id is not None else request_id
@@ -64,6 +66,8 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prefix-cache hit of the first scheduling; -1 until then
         self.num_preemptions = 0
+        self.guide = guide
+        """The structured-output matcher (None: unconstrained); it ends the request when complete."""
         self._salt = (cache_salt or "").encode()
         self.block_hashes: list[bytes] = []
         self._update_block_hashes()
@@ -113,6 +117,9 @@ class Request:
         n_out = self.num_output_tokens
         last = self.output_token_ids[-1]
         p = self.params
+        if self.guide is not None and self.guide.terminated:
+            self.status = RequestStatus.FINISHED_STOPPED
+            return True
         if n_out >= p.min_tokens:
             if not p.ignore_eos and last in self.eos_token_ids:
                 self.status = RequestStatus.FINISHED_STOPPED

@@ -1,7 +1,7 @@
 """Token sampling for a batch of requests, each with its own SamplingParams.
 
 Order per row: raw log-probabilities (returned as ``logprobs``, as vLLM does by default)
--> penalties -> min_tokens masking -> greedy argmax, or temperature, top-k, top-p, min-p
+-> penalties -> min_tokens masking -> the structured-output mask -> greedy argmax, or temperature, top-k, top-p, min-p
 and a draw. A draw inverts the row's CDF at one uniform number taken from the request's
 own random stream when it has a seed, so a seed reproduces its output whatever else shares
 the batch. ``sample`` keeps one row's failure its own: the uniforms are drawn once, before
@@ -18,6 +18,7 @@ import torch
 
 from qpage.engine.outputs import Logprob
 from qpage.engine.request import Request
+from qpage.engine.structured import mask_logits
 
 log = logging.getLogger("qpage.engine")
 
@@ -68,6 +69,9 @@ class Sampler:
         want_lp = [r.params.logprobs is not None for r in reqs]
         raw_lp = torch.log_softmax(logits, dim=-1) if any(want_lp) else None
         logits = self._penalize(logits, reqs)
+        if any(r.guide is not None for r in reqs):
+            logits = logits.clone()  # masked in place; the caller's logits stay as they were
+            mask_logits(logits, [r.guide for r in reqs])
         tokens = logits.argmax(dim=-1)
         rand_rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
         if rand_rows:
@@ -130,8 +134,9 @@ class Sampler:
 
 
 def _blocks_stop(r: Request) -> bool:
-    """min_tokens not reached yet: EOS and stop tokens must not be sampled."""
-    return r.num_output_tokens < r.params.min_tokens
+    """min_tokens not reached yet: EOS and stop tokens must not be sampled (a grammar's own
+    end is not blocked: the grammar decides when a structured output is complete)."""
+    return r.guide is None and r.num_output_tokens < r.params.min_tokens
 
 
 def _top_k_top_p(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:

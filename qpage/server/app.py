@@ -151,7 +151,8 @@ def _add_info_routes(app: FastAPI, aengine: AsyncEngine, pre: Preprocessor, serv
 
 def build_app(aengine: AsyncEngine, settings: ServerSettings) -> Any:
     engine: LLMEngine = aengine.engine
-    pre = Preprocessor(engine.tokenizer, engine.max_model_len, engine.arch.vocab_size, settings.chat_template)
+    pre = Preprocessor(engine.tokenizer, engine.max_model_len, engine.arch.vocab_size, settings.chat_template,
+                       engine.grammars)
     serving = OpenAIServing(aengine, pre, settings.model_names, settings.max_n)
     created = int(time.time())
     cfg = engine.config

@@ -3,9 +3,11 @@
 The server keeps its own copy of the tokenizer and runs it on one worker thread: prompts
 are tokenized, chat templates rendered and ``/tokenize`` and ``/detokenize`` answered there,
 so a large prompt neither stalls the engine's step loop (which every client shares) nor
-the event loop. A prompt the engine would refuse (``check_prompt_ids``), or a ``max_tokens``
-that does not fit beside it, is refused here with the field it concerns; the tokenizer work
-is one queue, in arrival order, for all clients.
+the event loop. Structured-output grammars are compiled on a second worker thread (into the
+engine's cache, so the engine thread never compiles one), so a schema that takes seconds to
+compile delays only other constrained requests. A prompt the engine would refuse
+(``check_prompt_ids``), or a ``max_tokens`` that does not fit beside it, is refused here
+with the field it concerns; the tokenizer work is one queue, in arrival order, for all clients.
 """
 
 from __future__ import annotations
@@ -17,25 +19,32 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from qpage.engine.engine import check_prompt_ids
+from qpage.engine.structured import GrammarCompiler
+from qpage.sampling_params import StructuredOutputsParams
 from qpage.server.protocol import APIError
+from qpage.server.tools import HERMES_OPEN
 
 T = TypeVar("T")
 Prompt = str | list[int]
 
 
 class Preprocessor:
-    def __init__(self, tokenizer: Any, max_model_len: int, vocab_size: int, chat_template: str | None = None) -> None:
+    def __init__(self, tokenizer: Any, max_model_len: int, vocab_size: int, chat_template: str | None = None,
+                 grammars: GrammarCompiler | None = None) -> None:
         self.tokenizer = copy.deepcopy(tokenizer)  # not shared with the engine thread's detokenizers
+        self.grammars = grammars
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.chat_template = chat_template
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qpage-tokenize")
+        self._grammar_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qpage-grammar")
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._grammar_pool.shutdown(wait=False, cancel_futures=True)
 
-    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+    async def _run(self, fn: Callable[..., T], *args: Any, pool: ThreadPoolExecutor | None = None) -> T:
+        return await asyncio.get_running_loop().run_in_executor(pool or self._pool, fn, *args)
 
     async def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         return await self._run(self._encode, text, add_special_tokens)
@@ -47,8 +56,23 @@ class Preprocessor:
         return await self._run(self.tokenizer.decode, ids)
 
     async def render_chat(self, conv: list[dict[str, Any]], add_generation_prompt: bool,
-                          continue_final: bool = False) -> str:
-        return await self._run(self._render, conv, add_generation_prompt, continue_final)
+                          continue_final: bool = False, tools: list[dict[str, Any]] | None = None) -> str:
+        return await self._run(self._render, conv, add_generation_prompt, continue_final, tools)
+
+    @property
+    def hermes_tools(self) -> bool:
+        """Whether the chat template writes tool calls in the Hermes format (``server.tools``)."""
+        template = self.chat_template or getattr(self.tokenizer, "chat_template", None) or ""
+        return HERMES_OPEN in str(template)
+
+    async def compile(self, spec: StructuredOutputsParams, param: str) -> None:
+        """Compile ``spec`` into the engine's grammar cache; 400 naming ``param`` if it is invalid."""
+        if self.grammars is None:
+            raise APIError(400, "this server does not take structured outputs", param)
+        try:
+            await self._run(self.grammars.compile, spec, pool=self._grammar_pool)
+        except ValueError as e:
+            raise APIError(400, f"{param}: {e}", param) from None
 
     async def prompts(self, prompts: list[Prompt], add_special_tokens: bool, max_tokens: int | None,
                       param: str) -> list[dict[str, Any]]:
@@ -61,13 +85,14 @@ class Preprocessor:
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
-    def _render(self, conv: list[dict[str, Any]], add_generation_prompt: bool, continue_final: bool) -> str:
+    def _render(self, conv: list[dict[str, Any]], add_generation_prompt: bool, continue_final: bool,
+                tools: list[dict[str, Any]] | None = None) -> str:
         tok = self.tokenizer
         if self.chat_template is None and not getattr(tok, "chat_template", None):
             raise APIError(400, "this model has no chat template; use /v1/completions, or start the "
                                 "server with --chat-template FILE")
         try:
-            return tok.apply_chat_template(conv, chat_template=self.chat_template, tokenize=False,
+            return tok.apply_chat_template(conv, chat_template=self.chat_template, tokenize=False, tools=tools,
                                            add_generation_prompt=add_generation_prompt,
                                            continue_final_message=continue_final)
         except Exception as e:

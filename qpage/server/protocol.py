@@ -9,11 +9,12 @@ by name rather than silently dropped.
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, Strict
 
-from qpage.sampling_params import SamplingParams
+from qpage.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 def _utf8(text: str) -> str:
@@ -33,10 +34,6 @@ Text = Annotated[str, Strict(), AfterValidator(_utf8)]
 UNSUPPORTED = {
     "prompt_logprobs": "prompt_logprobs is not supported by the server (the Python API has it); leave it out",
     "use_beam_search": "beam search is not supported by qpage; leave use_beam_search out",
-    "guided_json": "guided decoding is not supported by qpage yet; leave guided_json out",
-    "guided_regex": "guided decoding is not supported by qpage yet; leave guided_regex out",
-    "guided_choice": "guided decoding is not supported by qpage yet; leave guided_choice out",
-    "guided_grammar": "guided decoding is not supported by qpage yet; leave guided_grammar out",
     "allowed_token_ids": "allowed_token_ids is not supported by qpage; leave it out",
     "bad_words": "bad_words is not supported by qpage; leave it out",
     "truncate_prompt_tokens": "truncate_prompt_tokens is not supported by qpage; shorten the prompt instead",
@@ -100,6 +97,14 @@ class _SamplingRequest(_Body):
     stop_token_ids: list[Int] | None = None
     skip_special_tokens: Bool = True
     include_stop_str_in_output: Bool = False
+    response_format: dict[str, Any] | None = None
+    # structured outputs, vLLM's current field and its older guided_* ones
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: Text | dict[str, Any] | None = None
+    guided_regex: Text | None = None
+    guided_choice: list[Text] | None = None
+    guided_grammar: Text | None = None
+    guided_whitespace_pattern: Text | None = None
 
     def _check_common(self, max_n: int) -> None:
         for name in self.model_extra or {}:
@@ -118,7 +123,32 @@ class _SamplingRequest(_Body):
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed with stream=true", "stream_options")
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def structured(self) -> tuple[StructuredOutputsParams, str] | None:
+        """The request's output constraint and the field it came from, or None."""
+        given = {name: v for name in (*_GUIDED, "structured_outputs", "response_format")
+                 if (v := getattr(self, name)) is not None}
+        if given.get("response_format", {}).get("type", "text") == "text":
+            given.pop("response_format", None)
+        if len(given) > 1:
+            raise APIError(400, f"give one output constraint, not {', '.join(given)}", next(iter(given)))
+        if not given:
+            return None
+        name, value = next(iter(given.items()))
+        try:
+            if name == "structured_outputs":
+                return StructuredOutputsParams(**value), name
+            if name == "response_format":
+                return _response_format(value), name
+            return StructuredOutputsParams(**{_GUIDED[name]: value}), name
+        except (TypeError, ValueError) as e:
+            raise APIError(400, f"{name}: {e}", name) from None
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        structured: StructuredOutputsParams | None = None) -> SamplingParams:
+        if self.guided_whitespace_pattern is not None:
+            raise APIError(400, "guided_whitespace_pattern is not supported by qpage; leave it out (set "
+                                "structured_outputs.disable_any_whitespace for compact JSON)",
+                           "guided_whitespace_pattern")
         try:
             return SamplingParams(
                 n=self.n, max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
@@ -128,10 +158,27 @@ class _SamplingRequest(_Body):
                 ignore_eos=self.ignore_eos, stop_token_ids=self.stop_token_ids,
                 skip_special_tokens=self.skip_special_tokens,
                 include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs,
+                structured_outputs=structured,
             )
         except ValueError as e:
             param = str(e).split("=", 1)[0] if "=" in str(e).split(" ", 1)[0] else None
             raise APIError(400, str(e), param) from None
+
+
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+
+
+def _response_format(rf: dict[str, Any]) -> StructuredOutputsParams:
+    """OpenAI's ``response_format`` (json_object or json_schema) as a constraint."""
+    kind = rf.get("type")
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if kind != "json_schema":
+        raise ValueError(f"type {kind!r} is not one of 'text', 'json_object', 'json_schema'")
+    js = rf.get("json_schema")
+    if not isinstance(js, dict) or not isinstance(js.get("schema"), dict):
+        raise ValueError("json_schema type needs {'json_schema': {'name': ..., 'schema': {...}}}")
+    return StructuredOutputsParams(json=js["schema"])
 
 
 PromptField = Text | list[Text] | list[Int] | list[list[Int]]
@@ -174,10 +221,43 @@ class ContentPart(_Body):
     text: Text | None = None
 
 
+class FunctionDef(_Body):
+    name: Annotated[str, Strict(), Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(_Body):
+    name: Text
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class ToolCallFunction(_Body):
+    name: Text
+    arguments: Text
+
+
+class ToolCall(_Body):
+    id: Text | None = None
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(_Body):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: Text | list[ContentPart] | None = None
     name: Text | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: Text | None = None
 
     def as_template_dict(self) -> dict[str, Any]:
         content = self.content
@@ -190,7 +270,20 @@ class ChatMessage(_Body):
                 texts.append(part.text)
             content = "\n".join(texts)
         role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": content or ""}
+        out: dict[str, Any] = {"role": role, "content": content or ""}
+        if self.tool_calls:  # chat templates take the arguments as a mapping (transformers' convention)
+            out["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": _arguments(c.function.arguments)}} for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
+
+def _arguments(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        raise APIError(400, f"a tool call's arguments are not JSON: {text[:80]!r}", "messages") from None
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -200,16 +293,12 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: Int | None = None
     add_generation_prompt: Bool = True
     continue_final_message: Bool = False
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: Bool = True
 
     def check(self, max_n: int) -> None:
         self._check_common(max_n)
-        if self.tools:
-            raise APIError(400, "tools are not supported by qpage yet; leave them out", "tools")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise APIError(400, "only response_format type 'text' is supported", "response_format")
         if self.top_logprobs is not None:
             if not 0 <= self.top_logprobs <= MAX_LOGPROBS:
                 raise APIError(400, f"top_logprobs={self.top_logprobs} must be in [0, {MAX_LOGPROBS}]",

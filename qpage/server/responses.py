@@ -8,6 +8,7 @@ from typing import Any
 
 from qpage.engine.outputs import Logprob
 from qpage.server.async_engine import CompletionSnap
+from qpage.server.tools import ToolCallReader
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
@@ -85,21 +86,31 @@ class CompletionBuilder:
 
 
 class ChatBuilder:
-    """Builds chat-API bodies (``chat.completion`` and ``chat.completion.chunk``)."""
+    """Builds chat-API bodies (``chat.completion`` and ``chat.completion.chunk``). With a
+    ``ToolCallReader`` the text is read as tool calls (``server.tools``); each streamed
+    choice then gets its own copy of it."""
 
-    def __init__(self, rid: str, model: str, logprobs_k: int | None) -> None:
-        self.rid, self.model, self.logprobs_k = rid, model, logprobs_k
+    def __init__(self, rid: str, model: str, logprobs_k: int | None, tools: ToolCallReader | None = None) -> None:
+        self.rid, self.model, self.logprobs_k, self.tools = rid, model, logprobs_k, tools
         self.created = int(time.time())
+        self._readers: dict[int, ToolCallReader] = {}
 
     def _lp(self, c: CompletionSnap, first_tok: int) -> dict[str, Any] | None:
         if self.logprobs_k is None or c.logprobs is None:
             return None
         return chat_logprobs(c.token_ids[first_tok:], c.logprobs[first_tok:], self.logprobs_k)
 
+    def _message(self, c: CompletionSnap) -> tuple[dict[str, Any], str | None]:
+        if self.tools is None:
+            return {"role": "assistant", "content": c.text}, c.finish_reason
+        return self.tools.message(c.text, c.finish_reason)
+
     def full(self, comps: list[CompletionSnap], use: dict[str, int]) -> dict[str, Any]:
-        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                    "logprobs": self._lp(c, 0), "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-                   for c in comps]
+        choices = []
+        for c in comps:
+            msg, finish = self._message(c)
+            choices.append({"index": c.index, "message": msg, "logprobs": self._lp(c, 0), "finish_reason": finish,
+                            "stop_reason": c.stop_reason})
         return {"id": self.rid, "object": "chat.completion", "created": self.created, "model": self.model,
                 "choices": choices, "usage": use}
 
@@ -110,9 +121,18 @@ class ChatBuilder:
             body["usage"] = use
         return body
 
-    def delta(self, c: CompletionSnap, text: str, first_tok: int) -> dict[str, Any]:
-        return {"index": c.index, "delta": {"content": text}, "logprobs": self._lp(c, first_tok),
-                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+    def deltas(self, c: CompletionSnap, chars: int, first_tok: int) -> list[dict[str, Any]]:
+        """The stream choices for what ``c`` gained since ``chars`` characters and ``first_tok`` tokens."""
+        if self.tools is None:
+            return [{"index": c.index, "delta": {"content": c.text[chars:]}, "logprobs": self._lp(c, first_tok),
+                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]
+        reader = self._readers.setdefault(c.index, ToolCallReader(self.tools.mode, self.tools.name, self.tools.hermes))
+        parts, finish = reader.feed(c.text, c.finish_reason)
+        out = [{"index": c.index, "delta": d, "logprobs": None, "finish_reason": None} for d in parts]
+        if finish is not None:
+            out.append({"index": c.index, "delta": {}, "logprobs": None, "finish_reason": finish,
+                        "stop_reason": c.stop_reason})
+        return out
 
     def role(self, index: int) -> dict[str, Any]:
         return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,

@@ -16,6 +16,7 @@ from qpage.server.async_engine import AsyncEngine, RequestStream, Snapshot
 from qpage.server.preprocess import Preprocessor, Prompt
 from qpage.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from qpage.server.responses import ChatBuilder, CompletionBuilder, sse, usage
+from qpage.server.tools import ToolCallReader, template_dicts, tool_constraint, tool_mode
 
 CLIENT_CLOSED = 499  # nginx's code for "client closed request"; nobody reads it
 
@@ -48,7 +49,10 @@ class OpenAIServing:
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         body.check(self.max_n)
         self.check_model(body.model)
-        params = body.sampling_params(body.max_tokens, body.logprobs)
+        structured = body.structured()
+        params = body.sampling_params(body.max_tokens, body.logprobs, structured and structured[0])
+        if structured is not None:
+            await self.pre.compile(*structured)
         rid = f"cmpl-{uuid.uuid4().hex}"
         explicit = body.max_tokens if "max_tokens" in body.model_fields_set else None
         streams = await self._start(body.prompts(), params, rid, True, explicit, "prompt")
@@ -89,13 +93,23 @@ class OpenAIServing:
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         body.check(self.max_n)
         self.check_model(body.model)
-        params = body.sampling_params(body.requested_max_tokens(), body.logprobs_k())
+        mode, function = tool_mode(body)
+        structured = body.structured()
+        if (tc := tool_constraint(body, mode, function)) is not None:
+            if structured is not None:
+                raise APIError(400, f"tool_choice={mode!r} constrains the output itself; leave {structured[1]} out",
+                               structured[1])
+            structured = (tc, "tools")
+        params = body.sampling_params(body.requested_max_tokens(), body.logprobs_k(), structured and structured[0])
+        if structured is not None:
+            await self.pre.compile(*structured)
         prompt = await self.pre.render_chat([m.as_template_dict() for m in body.messages],
                                             body.add_generation_prompt and not body.continue_final_message,
-                                            body.continue_final_message)
+                                            body.continue_final_message, template_dicts(body))
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         streams = await self._start([prompt], params, rid, False, body.requested_max_tokens(), "messages")
-        builder = ChatBuilder(rid, self.model_names[0], body.logprobs_k())
+        reader = ToolCallReader(mode, function, self.pre.hermes_tools)
+        builder = ChatBuilder(rid, self.model_names[0], body.logprobs_k(), reader if reader.parses else None)
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             return _sse_response(self._stream_chat(streams[0], builder, body.n, include_usage), streams, request)
@@ -116,7 +130,7 @@ class OpenAIServing:
                 chars, toks = sent.get(c.index, (0, 0))
                 if toks < 0 or (len(c.text) == chars and c.finish_reason is None):
                     continue
-                choices.append(builder.delta(c, c.text[chars:], toks))
+                choices += builder.deltas(c, chars, toks)
                 sent[c.index] = (len(c.text), -1 if c.finish_reason else len(c.token_ids))
             if snap.finished:
                 final = snap

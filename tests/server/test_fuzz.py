@@ -48,6 +48,15 @@ VALID = {  # in-range values, so that part of the fuzzed requests run
     "stream_options": st.just({"include_usage": True}), "ignore_eos": st.booleans(), "logprobs": st.integers(0, 20),
     "model": st.just(MODEL), "skip_special_tokens": st.booleans(), "user": st.text(max_size=10),
     "max_completion_tokens": SMALL, "top_logprobs": st.integers(0, 20), "continue_final_message": st.just(False),
+    "guided_choice": st.lists(st.text(st.characters(codec="utf-8"), min_size=1, max_size=6), min_size=1, max_size=3),
+    "guided_regex": st.sampled_from(["[a-z]{1,5}", "yes|no", "a(b", "[0-9]+"]),
+    "guided_json": st.sampled_from([{"type": "object"}, {"type": "foo"}, {"type": "array", "maxItems": 2}]),
+    "structured_outputs": st.sampled_from([{"choice": ["a", "b"]}, {"json_object": True}, {"regex": "x"}, {}]),
+    "response_format": st.sampled_from([{"type": "json_object"}, {"type": "text"}, {"type": "json_schema"}, {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}]),
+    "tools": st.just([{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]),
+    "tool_choice": st.sampled_from(["none", "auto", "required", {"type": "function", "function": {"name": "f"}},
+                                    {"type": "function", "function": {"name": "g"}}]),
 }
 WILD = {
     "stop": st.one_of(ODD_TEXT, st.lists(ODD_TEXT, max_size=20), ANY_VALUE),
@@ -56,9 +65,10 @@ WILD = {
 COMPLETION_FIELDS = ["max_tokens", "n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
                      "frequency_penalty", "repetition_penalty", "min_tokens", "stop", "stop_token_ids", "stream",
                      "stream_options", "ignore_eos", "logprobs", "model", "skip_special_tokens", "user",
-                     "prompt_logprobs", "echo", "best_of"]
+                     "prompt_logprobs", "echo", "best_of", "guided_choice", "guided_regex", "guided_json",
+                     "structured_outputs", "response_format"]
 CHAT_FIELDS = [*(f for f in COMPLETION_FIELDS if f not in ("logprobs", "echo", "best_of")),
-               "max_completion_tokens", "top_logprobs", "tools", "response_format", "continue_final_message"]
+               "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "continue_final_message"]
 PROMPTS = st.one_of(
     st.text(st.characters(codec="utf-8"), min_size=1, max_size=60), ODD_TEXT, st.lists(ODD_TEXT, max_size=4),
     st.lists(st.integers(-3, 70000), max_size=8),

@@ -1,0 +1,158 @@
+"""Structured outputs: a request's constraint compiled to a grammar, and the grammar's
+token mask applied to the logits.
+
+The grammar library is XGrammar (vLLM's default): it compiles a JSON schema, regex, choice
+or EBNF grammar once against the tokenizer's vocabulary, then tells, per step, which tokens
+may come next as a bitmask of ``ceil(vocab / 32)`` int32 words. ``benchmarks/structured_output.py``
+compares it with llguidance: both compile a schema in milliseconds, but XGrammar fills a
+mask many times faster, and the mask is what every decode step pays for.
+
+Compiling: ``GrammarCompiler.compile`` is thread-safe and caches compiled grammars by their
+text, so the server compiles a request's grammar on its tokenizer thread (an error there is
+the client's 400) and the engine thread's own compile of the same constraint is a cache
+hit: the step loop never waits for a new grammar.
+
+Matching: each sequence gets a ``Guide`` (its matcher). The sampler asks every guided row
+for its mask, then masks the batch in one operation (``mask_logits``); the engine
+feeds each sampled token back (``Guide.accept``). A preempted request keeps its tokens
+(preemption recomputes the cache), so its matcher stays where it is: nothing to roll back.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from typing import Any
+
+import torch
+
+from qpage.sampling_params import StructuredOutputsParams
+
+try:
+    import xgrammar as xgr
+except ImportError:  # optional: only structured requests need it
+    xgr = None
+
+GRAMMAR_CACHE_BYTES = 256 * 2**20
+"""Bound on the compiled grammars kept (least recently used ones are dropped past it), so a
+server that sees many distinct schemas does not grow without limit."""
+MAX_JSON_WHITESPACE = 16
+"""Most whitespace characters between two JSON tokens: enough for indented JSON, and it keeps
+a sampled model from filling max_tokens with blank lines."""
+_CPP_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")
+
+
+def _missing() -> ValueError:
+    return ValueError("structured outputs need the xgrammar package: pip install xgrammar "
+                      "(or pip install 'qpage[structured]')")
+
+
+def choice_grammar(choices: list[str]) -> str:
+    """EBNF whose root is exactly one of ``choices`` (JSON string escapes are valid EBNF ones)."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+class GrammarCompiler:
+    """Compiles constraints against one tokenizer; built on first use (reading the
+    vocabulary takes a fraction of a second, which an engine that never sees a constraint
+    should not pay). One compile thread, so compiling never takes the cores the step loop
+    decodes on."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: set[int]) -> None:
+        self._tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self._stop = sorted(stop_token_ids)
+        self._compiler: Any = None
+        self._lock = threading.Lock()
+
+    def _get(self) -> Any:
+        if xgr is None:
+            raise _missing()
+        with self._lock:
+            if self._compiler is None:
+                info = xgr.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self.vocab_size,
+                                                          stop_token_ids=self._stop)
+                self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=True,
+                                                     cache_limit_bytes=GRAMMAR_CACHE_BYTES)
+            return self._compiler
+
+    def compile(self, spec: StructuredOutputsParams) -> Any:
+        """The compiled grammar of ``spec``; ValueError naming the constraint and the problem."""
+        comp = self._get()
+        kind = spec.kind
+        try:
+            if kind in ("json", "json_object"):
+                # strict: properties a schema does not name are not generated (any object
+                # for json_object, whose schema names none)
+                return comp.compile_json_schema(
+                    json.dumps(spec.json if kind == "json" else {"type": "object"}), strict_mode=kind == "json",
+                    any_whitespace=not spec.disable_any_whitespace, max_whitespace_cnt=MAX_JSON_WHITESPACE)
+            if kind == "regex":
+                return comp.compile_regex(spec.regex)
+            if kind == "choice":
+                return comp.compile_grammar(choice_grammar(spec.choice or []))
+            return comp.compile_grammar(spec.grammar)
+        except RuntimeError as e:
+            why = _CPP_PREFIX.sub("", str(e).strip())
+            raise ValueError(f"invalid {kind}: {why}") from None
+
+    def guide(self, spec: StructuredOutputsParams) -> Guide:
+        return Guide(self.compile(spec))
+
+
+class Guide:
+    """One sequence's matcher: which tokens may come next, advanced by the sampled ones."""
+
+    def __init__(self, compiled: Any) -> None:
+        self.matcher = xgr.GrammarMatcher(compiled)
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write this sequence's allowed tokens into ``bitmask[row]``."""
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+
+    def accept(self, token: int) -> bool:
+        """Advance by ``token``; False if the grammar does not allow it (the state is unchanged)."""
+        return bool(self.matcher.accept_token(token))
+
+    @property
+    def terminated(self) -> bool:
+        """The grammar is complete and its stop token was accepted."""
+        return bool(self.matcher.is_terminated())
+
+
+def _byte_mask() -> torch.Tensor:
+    """[256, 8] float32: row b holds 0 where bit j of byte b is set (token allowed), else -inf."""
+    bits = (torch.arange(256)[:, None] >> torch.arange(8)) & 1
+    return torch.where(bits.bool(), 0.0, float("-inf"))
+
+
+_BYTE_MASK = _byte_mask()
+
+
+def mask_logits(logits: torch.Tensor, guides: list[Guide | None]) -> None:
+    """Set to -inf, in place, every logit a row's guide forbids (rows without one are
+    untouched): one mask row filled per guided row, then ``apply_bitmask`` on the batch."""
+    rows = [i for i, g in enumerate(guides) if g is not None]
+    if not rows:
+        return
+    bitmask = torch.full((len(rows), -(-logits.shape[-1] // 32)), -1, dtype=torch.int32)
+    for j, i in enumerate(rows):
+        guides[i].fill(bitmask, j)  # type: ignore[union-attr]
+    apply_bitmask(logits, bitmask, rows)
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """Mask ``logits[rows[j]]`` by ``bitmask[j]`` (int32 words, bit k of word w = token
+    32w + k allowed) in one op: the bitmask's bytes index a 256-entry table of 8 additive
+    masks (0 or -inf), and the result is added to the logits. Plain torch, on any device,
+    and much faster on CPU than XGrammar's own CPU kernel (docs/structured-outputs.md).
+    Reading the words as bytes in token order assumes a little-endian host (x86-64, ARM64)."""
+    vocab = logits.shape[-1]
+    codes = bitmask.view(torch.uint8).flatten().to(device=logits.device, dtype=torch.long)
+    add = _BYTE_MASK.to(device=logits.device, dtype=logits.dtype).index_select(0, codes).view(len(rows), -1)
+    if len(rows) == logits.shape[0]:
+        logits.add_(add[:, :vocab])
+    else:
+        idx = torch.tensor(rows, device=logits.device)
+        logits[idx] += add[:, :vocab]
