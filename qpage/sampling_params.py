@@ -43,7 +43,11 @@ class StructuredOutputsParams:
     KINDS: ClassVar[tuple[str, ...]] = ("json", "regex", "choice", "grammar", "json_object")
 
     def __post_init__(self) -> None:
-        given = [k for k in self.KINDS if getattr(self, k) not in (None, False)]
+        if not isinstance(self.json_object, (bool, type(None))):
+            raise ValueError("json_object must be true or false")
+        if not isinstance(self.disable_any_whitespace, bool):
+            raise ValueError("disable_any_whitespace must be true or false")
+        given = [k for k in self.KINDS if getattr(self, k) is not None and getattr(self, k) is not False]
         if len(given) != 1:
             raise ValueError(f"structured outputs need exactly one of {', '.join(self.KINDS)}; "
                              f"got {', '.join(given) or 'none'}")
@@ -63,13 +67,11 @@ class StructuredOutputsParams:
                     or not all(isinstance(c, str) and c for c in self.choice)):
                 raise ValueError("choice must be a non-empty list of non-empty strings")
             self.choice = list(self.choice)
-        if self.json_object not in (None, True, False):
-            raise ValueError("json_object must be true or false")
 
     @property
     def kind(self) -> str:
         """Which constraint this is: one of ``KINDS``."""
-        return next(k for k in self.KINDS if getattr(self, k) not in (None, False))
+        return next(k for k in self.KINDS if getattr(self, k) is not None and getattr(self, k) is not False)
 
 
 GuidedDecodingParams = StructuredOutputsParams

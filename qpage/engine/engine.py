@@ -173,9 +173,11 @@ class LLMEngine:
 
     def add_request(
         self, prompt: PromptType, params: SamplingParams | None = None,
-        request_id: str | None = None, add_special_tokens: bool = True,
+        request_id: str | None = None, add_special_tokens: bool = True, grammar: Any = None,
     ) -> str:
-        """Queue a prompt; raise ValueError for bad input without touching other requests."""
+        """Queue a prompt; raise ValueError for bad input without touching other requests.
+        ``grammar``: ``params.structured_outputs`` already compiled (``self.grammars.compile``),
+        as the server passes it so that the step loop never compiles; None compiles it here."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
@@ -184,14 +186,15 @@ class LLMEngine:
         if rid in self._requests:
             raise ValueError(f"request_id {rid!r} is already in use")
         so = params.structured_outputs
-        grammar = self.grammars.compile(so) if so is not None else None  # a cache hit when precompiled
+        if so is not None and grammar is None:
+            grammar = self.grammars.compile(so)
         room = self.max_model_len - len(ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         now = time.monotonic()
         children = [
             Request(f"{rid}-{i}" if params.n > 1 else rid, ids, params, max_tokens,
                     self.eos_token_ids, parent_id=rid, index=i, arrival_time=now,
-                    guide=Guide(grammar) if grammar is not None else None)
+                    guide=Guide(grammar) if so is not None else None)
             for i in range(params.n)
         ]
         want_lp = params.logprobs is not None

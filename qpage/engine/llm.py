@@ -73,16 +73,20 @@ class LLM:
         use_tqdm: bool = True,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
+        """Generate replies to conversations; ``tools`` (OpenAI's function tools) are passed to
+        the chat template. Calls are not parsed here: constrain them with ``structured_outputs``."""
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts: list[PromptType] = [
-            self.apply_chat_template(c, chat_template, add_generation_prompt) for c in convs  # type: ignore[arg-type]
+            self.apply_chat_template(c, chat_template, add_generation_prompt, tools)  # type: ignore[arg-type]
+            for c in convs
         ]
         return self._run(prompts, sampling_params, use_tqdm, add_special_tokens=False)
 
     def apply_chat_template(
         self, conversation: list[Message], chat_template: str | None = None,
-        add_generation_prompt: bool = True,
+        add_generation_prompt: bool = True, tools: list[dict[str, Any]] | None = None,
     ) -> str:
         tok = self.llm_engine.tokenizer
         if chat_template is None and not getattr(tok, "chat_template", None):
@@ -90,7 +94,7 @@ class LLM:
                 f"{self.llm_engine.model_dir} has no chat template; use generate() or pass chat_template="
             )
         return tok.apply_chat_template(
-            conversation, chat_template=chat_template, tokenize=False,
+            conversation, chat_template=chat_template, tokenize=False, tools=tools,
             add_generation_prompt=add_generation_prompt,
         )
 

@@ -1,25 +1,26 @@
 """Structured outputs: a request's constraint compiled to a grammar, and the grammar's
 token mask applied to the logits.
 
-The grammar library is XGrammar (vLLM's default): it compiles a JSON schema, regex, choice
-or EBNF grammar once against the tokenizer's vocabulary, then tells, per step, which tokens
-may come next as a bitmask of ``ceil(vocab / 32)`` int32 words. ``benchmarks/structured_output.py``
-compares it with llguidance: both compile a schema in milliseconds, but XGrammar fills a
-mask many times faster, and the mask is what every decode step pays for.
+The grammar library is XGrammar (vLLM's default; docs/structured-outputs.md says why, with
+the measurements against llguidance). It compiles a JSON schema, regex, choice or EBNF
+grammar once against the tokenizer's vocabulary, then tells, per step, which tokens may come
+next as a bitmask of ``ceil(vocab / 32)`` int32 words.
 
 Compiling: ``GrammarCompiler.compile`` is thread-safe and caches compiled grammars by their
-text, so the server compiles a request's grammar on its tokenizer thread (an error there is
-the client's 400) and the engine thread's own compile of the same constraint is a cache
-hit: the step loop never waits for a new grammar.
+text. The server compiles a request's grammar on a worker thread and hands the result to
+``LLMEngine.add_request``, so the step loop never compiles; the offline API compiles when a
+request is added. Constraints past ``MAX_CONSTRAINT_CHARS``, ``MAX_SCHEMA_DEPTH`` or
+``MAX_REPEAT`` are refused, since their compile time grows without bound.
 
 Matching: each sequence gets a ``Guide`` (its matcher). The sampler asks every guided row
-for its mask, then masks the batch in one operation (``mask_logits``); the engine
-feeds each sampled token back (``Guide.accept``). A preempted request keeps its tokens
-(preemption recomputes the cache), so its matcher stays where it is: nothing to roll back.
+for its mask, then masks the batch in one operation (``mask_logits``); the engine feeds
+each sampled token back (``Guide.accept``). A preempted request keeps its tokens (preemption
+recomputes the cache), so its matcher stays where it is: nothing to roll back.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import re
 import threading
@@ -29,23 +30,65 @@ import torch
 
 from qpage.sampling_params import StructuredOutputsParams
 
-try:
-    import xgrammar as xgr
-except ImportError:  # optional: only structured requests need it
-    xgr = None
-
 GRAMMAR_CACHE_BYTES = 256 * 2**20
 """Bound on the compiled grammars kept (least recently used ones are dropped past it), so a
 server that sees many distinct schemas does not grow without limit."""
 MAX_JSON_WHITESPACE = 16
 """Most whitespace characters between two JSON tokens: enough for indented JSON, and it keeps
 a sampled model from filling max_tokens with blank lines."""
+MAX_CONSTRAINT_CHARS = 65536
+"""Longest constraint accepted (a schema's JSON text, a regex, a grammar, the choices together)."""
+MAX_SCHEMA_DEPTH = 32
+"""Deepest nesting of objects and lists in a JSON schema (compile time grows steeply with it)."""
+MAX_REPEAT = 1000
+"""Largest ``{n}`` / ``{n,m}`` count in a regex, a grammar or a schema's ``pattern`` (each
+repeat is compiled out)."""
+_REPEAT = re.compile(r"\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")
 _CPP_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")
 
 
-def _missing() -> ValueError:
-    return ValueError("structured outputs need the xgrammar package: pip install xgrammar "
-                      "(or pip install 'qpage[structured]')")
+def _xgrammar() -> Any:
+    """The xgrammar module, imported on first use: it is optional, and slow to import, so
+    an engine that never sees a constraint does not pay for it."""
+    try:
+        return importlib.import_module("xgrammar")
+    except ImportError:
+        raise ValueError("structured outputs need the xgrammar package: pip install xgrammar "
+                         "(or pip install 'qpage[structured]')") from None
+
+
+def _depth(node: Any) -> int:
+    if isinstance(node, dict):
+        return 1 + max(map(_depth, node.values()), default=0)
+    if isinstance(node, list):
+        return 1 + max(map(_depth, node), default=0)
+    return 0
+
+
+def _patterns(node: Any) -> list[str]:
+    """Every ``pattern`` string of a JSON schema."""
+    if isinstance(node, list):
+        return [p for v in node for p in _patterns(v)]
+    if not isinstance(node, dict):
+        return []
+    own = [node["pattern"]] if isinstance(node.get("pattern"), str) else []
+    return own + [p for v in node.values() for p in _patterns(v)]
+
+
+def check_limits(spec: StructuredOutputsParams) -> None:
+    """ValueError if ``spec`` is past the size limits above (named in the message)."""
+    kind = spec.kind
+    text = json.dumps(spec.json) if kind == "json" else "".join(spec.choice or []) or spec.regex or spec.grammar or ""
+    if len(text) > MAX_CONSTRAINT_CHARS:
+        raise ValueError(f"the {kind} constraint has {len(text)} characters; at most {MAX_CONSTRAINT_CHARS} are taken")
+    if kind == "json" and _depth(spec.json) > MAX_SCHEMA_DEPTH:
+        raise ValueError(f"the JSON schema nests deeper than {MAX_SCHEMA_DEPTH} levels; flatten it")
+    for rx in _patterns(spec.json) if kind == "json" else [spec.regex or spec.grammar or ""]:
+        for m in _REPEAT.finditer(rx or ""):
+            n = max(int(m.group(1)), int(m.group(2) or 0))
+            if n > MAX_REPEAT:
+                raise ValueError(f"the repetition count {n} in {m.group(0)!r} is over {MAX_REPEAT}; use + or * "
+                                 "(and maxLength in a schema) instead")
 
 
 def choice_grammar(choices: list[str]) -> str:
@@ -67,18 +110,21 @@ class GrammarCompiler:
         self._lock = threading.Lock()
 
     def _get(self) -> Any:
-        if xgr is None:
-            raise _missing()
+        xgr = _xgrammar()
         with self._lock:
             if self._compiler is None:
-                info = xgr.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self.vocab_size,
-                                                          stop_token_ids=self._stop)
+                try:
+                    info = xgr.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self.vocab_size,
+                                                              stop_token_ids=self._stop)
+                except Exception as e:
+                    raise ValueError(f"structured outputs are not available for this model's tokenizer ({e})") from e
                 self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=True,
                                                      cache_limit_bytes=GRAMMAR_CACHE_BYTES)
             return self._compiler
 
     def compile(self, spec: StructuredOutputsParams) -> Any:
         """The compiled grammar of ``spec``; ValueError naming the constraint and the problem."""
+        check_limits(spec)
         comp = self._get()
         kind = spec.kind
         try:
@@ -93,11 +139,12 @@ class GrammarCompiler:
             if kind == "choice":
                 return comp.compile_grammar(choice_grammar(spec.choice or []))
             return comp.compile_grammar(spec.grammar)
-        except RuntimeError as e:
+        except Exception as e:  # the library's errors (RuntimeError mostly) are about the input
             why = _CPP_PREFIX.sub("", str(e).strip())
             raise ValueError(f"invalid {kind}: {why}") from None
 
     def guide(self, spec: StructuredOutputsParams) -> Guide:
+        """A fresh matcher for ``spec`` (compiled, or taken from the cache)."""
         return Guide(self.compile(spec))
 
 
@@ -105,7 +152,7 @@ class Guide:
     """One sequence's matcher: which tokens may come next, advanced by the sampled ones."""
 
     def __init__(self, compiled: Any) -> None:
-        self.matcher = xgr.GrammarMatcher(compiled)
+        self.matcher = _xgrammar().GrammarMatcher(compiled)
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         """Write this sequence's allowed tokens into ``bitmask[row]``."""
@@ -145,9 +192,9 @@ def mask_logits(logits: torch.Tensor, guides: list[Guide | None]) -> None:
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
     """Mask ``logits[rows[j]]`` by ``bitmask[j]`` (int32 words, bit k of word w = token
     32w + k allowed) in one op: the bitmask's bytes index a 256-entry table of 8 additive
-    masks (0 or -inf), and the result is added to the logits. Plain torch, on any device,
-    and much faster on CPU than XGrammar's own CPU kernel (docs/structured-outputs.md).
-    Reading the words as bytes in token order assumes a little-endian host (x86-64, ARM64)."""
+    masks (0 or -inf), and the result is added to the logits. Plain torch, so it runs on any
+    device (docs/structured-outputs.md compares it with XGrammar's CPU kernel). Reading the
+    words as bytes in token order assumes a little-endian host (x86-64, ARM64)."""
     vocab = logits.shape[-1]
     codes = bitmask.view(torch.uint8).flatten().to(device=logits.device, dtype=torch.long)
     add = _BYTE_MASK.to(device=logits.device, dtype=logits.dtype).index_select(0, codes).view(len(rows), -1)

@@ -164,10 +164,12 @@ class AsyncEngine:
 
     async def generate(
         self, prompts: list[PromptType], params: SamplingParams, request_id: str, add_special_tokens: bool = True,
+        grammar: Any = None,
     ) -> list[RequestStream]:
         """Queue one request's prompts together (ids ``request_id`` or ``request_id-i``), or none
         of them: raise ValueError (bad input) or QueueFullError before any starts. The queue
-        bound counts sequences: every prompt runs ``params.n`` of them."""
+        bound counts sequences: every prompt runs ``params.n`` of them. ``grammar`` is
+        ``params.structured_outputs`` compiled off the engine thread (``LLMEngine.add_request``)."""
         loop = asyncio.get_running_loop()
         rids = [request_id if len(prompts) == 1 else f"{request_id}-{i}" for i in range(len(prompts))]
         streams = [RequestStream(self, loop) for _ in prompts]
@@ -185,7 +187,8 @@ class AsyncEngine:
             added: list[str] = []
             try:
                 for rid, p in zip(rids, prompts, strict=True):
-                    added.append(engine.add_request(p, params, request_id=rid, add_special_tokens=add_special_tokens))
+                    added.append(engine.add_request(p, params, request_id=rid, add_special_tokens=add_special_tokens,
+                                                    grammar=grammar))
             except BaseException:
                 for rid in added:  # all or nothing
                     engine.abort_request(rid)

@@ -26,6 +26,8 @@ from qpage.server.tools import HERMES_OPEN
 
 T = TypeVar("T")
 Prompt = str | list[int]
+MAX_PENDING_COMPILES = 8
+"""Grammar compiles queued or running at once; past it a constrained request gets 503."""
 
 
 class Preprocessor:
@@ -38,6 +40,7 @@ class Preprocessor:
         self.chat_template = chat_template
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qpage-tokenize")
         self._grammar_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qpage-grammar")
+        self._pending = 0  # compiles queued or running (touched on the event loop only)
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -65,14 +68,20 @@ class Preprocessor:
         template = self.chat_template or getattr(self.tokenizer, "chat_template", None) or ""
         return HERMES_OPEN in str(template)
 
-    async def compile(self, spec: StructuredOutputsParams, param: str) -> None:
-        """Compile ``spec`` into the engine's grammar cache; 400 naming ``param`` if it is invalid."""
+    async def compile(self, spec: StructuredOutputsParams, param: str) -> Any:
+        """``spec`` compiled (for ``AsyncEngine.generate``); 400 naming ``param`` if it is
+        invalid, 503 while ``MAX_PENDING_COMPILES`` others wait for the compile thread."""
         if self.grammars is None:
             raise APIError(400, "this server does not take structured outputs", param)
+        if self._pending >= MAX_PENDING_COMPILES:
+            raise APIError(503, f"{self._pending} grammars are waiting to compile; retry later", param, "server_busy")
+        self._pending += 1
         try:
-            await self._run(self.grammars.compile, spec, pool=self._grammar_pool)
+            return await self._run(self.grammars.compile, spec, pool=self._grammar_pool)
         except ValueError as e:
             raise APIError(400, f"{param}: {e}", param) from None
+        finally:
+            self._pending -= 1
 
     async def prompts(self, prompts: list[Prompt], add_special_tokens: bool, max_tokens: int | None,
                       param: str) -> list[dict[str, Any]]:

@@ -222,12 +222,16 @@ class ContentPart(_Body):
 
 
 class FunctionDef(_Body):
+    """A function tool: its name (as OpenAI allows them), description and arguments schema."""
+
     name: Annotated[str, Strict(), Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
     description: Text | None = None
     parameters: dict[str, Any] | None = None
 
 
 class Tool(_Body):
+    """One entry of ``tools`` (OpenAI's function tools; the only type there is)."""
+
     type: Literal["function"]
     function: FunctionDef
 
@@ -237,6 +241,8 @@ class FunctionName(_Body):
 
 
 class NamedToolChoice(_Body):
+    """``tool_choice`` naming one function: its arguments are then constrained to its schema."""
+
     type: Literal["function"]
     function: FunctionName
 
@@ -247,6 +253,8 @@ class ToolCallFunction(_Body):
 
 
 class ToolCall(_Body):
+    """A call in an earlier assistant message (``arguments`` is JSON text)."""
+
     id: Text | None = None
     type: Literal["function"] = "function"
     function: ToolCallFunction
@@ -280,6 +288,7 @@ class ChatMessage(_Body):
 
 
 def _arguments(text: str) -> Any:
+    """A tool call's JSON arguments as the mapping chat templates expect; 400 if not JSON."""
     try:
         return json.loads(text)
     except ValueError:

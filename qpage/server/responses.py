@@ -101,9 +101,10 @@ class ChatBuilder:
         return chat_logprobs(c.token_ids[first_tok:], c.logprobs[first_tok:], self.logprobs_k)
 
     def _message(self, c: CompletionSnap) -> tuple[dict[str, Any], str | None]:
+        """(message, finish_reason) of a finished completion."""
         if self.tools is None:
             return {"role": "assistant", "content": c.text}, c.finish_reason
-        return self.tools.message(c.text, c.finish_reason)
+        return self.tools.message(c.text, c.finish_reason, c.stop_reason)
 
     def full(self, comps: list[CompletionSnap], use: dict[str, int]) -> dict[str, Any]:
         choices = []
@@ -127,12 +128,11 @@ class ChatBuilder:
             return [{"index": c.index, "delta": {"content": c.text[chars:]}, "logprobs": self._lp(c, first_tok),
                      "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]
         reader = self._readers.setdefault(c.index, ToolCallReader(self.tools.mode, self.tools.name, self.tools.hermes))
-        parts, finish = reader.feed(c.text, c.finish_reason)
-        out = [{"index": c.index, "delta": d, "logprobs": None, "finish_reason": None} for d in parts]
-        if finish is not None:
-            out.append({"index": c.index, "delta": {}, "logprobs": None, "finish_reason": finish,
-                        "stop_reason": c.stop_reason})
-        return out
+        delta, finish = reader.feed(c.text, c.finish_reason, c.stop_reason)
+        if not delta and finish is None:
+            return []
+        return [{"index": c.index, "delta": delta, "logprobs": None, "finish_reason": finish,
+                 "stop_reason": c.stop_reason if finish else None}]
 
     def role(self, index: int) -> dict[str, Any]:
         return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,

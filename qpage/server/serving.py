@@ -35,7 +35,7 @@ class OpenAIServing:
                            "model", "model_not_found")
 
     async def _start(self, prompts: list[Prompt], params: SamplingParams, rid: str, add_special_tokens: bool,
-                     max_tokens: int | None, param: str) -> list[RequestStream]:
+                     max_tokens: int | None, param: str, grammar: Any = None) -> list[RequestStream]:
         """Tokenize (off the engine thread) and queue all of a request's prompts, or refuse it whole."""
         seqs, bound = len(prompts) * params.n, self.aengine.max_waiting
         if bound is not None and seqs > bound:
@@ -43,7 +43,7 @@ class OpenAIServing:
                                 f"than this server ever queues (--max-waiting {bound}); split it into smaller requests",
                            param if len(prompts) > 1 else "n")
         ready = await self.pre.prompts(prompts, add_special_tokens, max_tokens, param)
-        return await self.aengine.generate(ready, params, rid)  # type: ignore[arg-type]
+        return await self.aengine.generate(ready, params, rid, grammar=grammar)  # type: ignore[arg-type]
 
     # ------------------------------------------------------------------ completions
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
@@ -51,11 +51,10 @@ class OpenAIServing:
         self.check_model(body.model)
         structured = body.structured()
         params = body.sampling_params(body.max_tokens, body.logprobs, structured and structured[0])
-        if structured is not None:
-            await self.pre.compile(*structured)
+        grammar = await self.pre.compile(*structured) if structured is not None else None
         rid = f"cmpl-{uuid.uuid4().hex}"
         explicit = body.max_tokens if "max_tokens" in body.model_fields_set else None
-        streams = await self._start(body.prompts(), params, rid, True, explicit, "prompt")
+        streams = await self._start(body.prompts(), params, rid, True, explicit, "prompt", grammar)
         builder = CompletionBuilder(rid, self.model_names[0], body.n, body.logprobs is not None)
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
@@ -101,13 +100,12 @@ class OpenAIServing:
                                structured[1])
             structured = (tc, "tools")
         params = body.sampling_params(body.requested_max_tokens(), body.logprobs_k(), structured and structured[0])
-        if structured is not None:
-            await self.pre.compile(*structured)
+        grammar = await self.pre.compile(*structured) if structured is not None else None
         prompt = await self.pre.render_chat([m.as_template_dict() for m in body.messages],
                                             body.add_generation_prompt and not body.continue_final_message,
                                             body.continue_final_message, template_dicts(body))
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        streams = await self._start([prompt], params, rid, False, body.requested_max_tokens(), "messages")
+        streams = await self._start([prompt], params, rid, False, body.requested_max_tokens(), "messages", grammar)
         reader = ToolCallReader(mode, function, self.pre.hermes_tools)
         builder = ChatBuilder(rid, self.model_names[0], body.logprobs_k(), reader if reader.parses else None)
         if body.stream:

@@ -29,6 +29,7 @@ _DECODER = json.JSONDecoder()
 
 
 def _params_schema(tool: Any) -> dict[str, Any]:
+    """A tool's arguments schema (any object when it declares none)."""
     return tool.function.parameters or {"type": "object"}
 
 
@@ -49,6 +50,20 @@ def tool_mode(body: ChatCompletionRequest) -> tuple[str, str | None]:
     return "named", choice.function.name
 
 
+def _hoist_defs(schemas: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The tools' schemas without their ``$defs``, and those definitions merged: nested under
+    the array of calls, ``#/$defs/...`` references must find them at the root."""
+    defs: dict[str, Any] = {}
+    out = []
+    for schema in schemas:
+        schema = dict(schema)
+        for name, d in (schema.pop("$defs", None) or {}).items():
+            if defs.setdefault(name, d) != d:
+                raise APIError(400, f"two tools define $defs {name!r} differently; rename one", "tools")
+        out.append(schema)
+    return out, defs
+
+
 def tool_constraint(body: ChatCompletionRequest, mode: str, name: str | None) -> StructuredOutputsParams | None:
     """The output constraint of ``named`` and ``required`` (None for the free modes)."""
     tools = body.tools or []
@@ -57,11 +72,14 @@ def tool_constraint(body: ChatCompletionRequest, mode: str, name: str | None) ->
         return StructuredOutputsParams(json=_params_schema(tool))
     if mode != "required":
         return None
-    calls = [{"type": "object", "properties": {"name": {"const": t.function.name}, "arguments": _params_schema(t)},
-              "required": ["name", "arguments"]} for t in tools]
+    params, defs = _hoist_defs([_params_schema(t) for t in tools])
+    calls = [{"type": "object", "properties": {"name": {"const": t.function.name}, "arguments": p},
+              "required": ["name", "arguments"]} for t, p in zip(tools, params, strict=True)]
     schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
     if not body.parallel_tool_calls:
         schema["maxItems"] = 1
+    if defs:
+        schema["$defs"] = defs
     return StructuredOutputsParams(json=schema)
 
 
@@ -72,32 +90,31 @@ def template_dicts(body: ChatCompletionRequest) -> list[dict[str, Any]] | None:
     return [{"type": "function", "function": t.function.model_dump(exclude_none=True)} for t in body.tools]
 
 
-def _call(name: str, arguments: Any, index: int | None = None) -> dict[str, Any]:
+def _call(name: str, arguments: Any, index: int) -> dict[str, Any]:
+    """One call in OpenAI's shape (with the ``index`` stream deltas carry); ``arguments`` as JSON text."""
     args = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-    out: dict[str, Any] = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                           "function": {"name": name, "arguments": args}}
-    return out if index is None else {"index": index, **out}
+    return {"index": index, "id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": name, "arguments": args}}
 
 
-def _array_calls(text: str, start: int) -> tuple[list[tuple[str, Any]], int]:
-    """Complete ``{"name", "arguments"}`` objects of a JSON array from ``start``; (calls, end)."""
-    calls, pos = [], start
+def _array_calls(text: str) -> list[tuple[str, Any]]:
+    """The complete ``{"name", "arguments"}`` objects of a (possibly unfinished) JSON array."""
+    calls, pos = [], 0
     while True:
         while pos < len(text) and text[pos] in " \t\r\n[,":
             pos += 1
         try:
-            obj, end = _DECODER.raw_decode(text, pos)
+            obj, pos = _DECODER.raw_decode(text, pos)
         except ValueError:
-            return calls, pos
+            return calls
         if not isinstance(obj, dict) or "name" not in obj:
-            return calls, pos
+            return calls
         calls.append((obj["name"], obj.get("arguments", {})))
-        pos = end
 
 
 def _hermes_calls(text: str) -> tuple[str, list[tuple[str, Any]]]:
-    """(content outside the tags, calls) of Hermes-format text; a tag that does not hold a
-    call's JSON stays in the content."""
+    """(text outside the tags, calls) of Hermes-format text; a tag that does not hold a
+    call's JSON stays in the text."""
     calls, content, last = [], [], 0
     for m in _HERMES.finditer(text):
         try:
@@ -109,83 +126,93 @@ def _hermes_calls(text: str) -> tuple[str, list[tuple[str, Any]]]:
         last = m.end()
         calls.append((name, args))
     content.append(text[last:])
-    return "".join(content).strip(), calls
+    return "".join(content), calls
 
 
 class ToolCallReader:
     """One completion's text read as a chat message in a tool mode, whole (``message``) or
-    as the deltas of a stream (``feed``, called with the text so far)."""
+    as stream deltas (``feed``, called with the text so far). Both give the same calls: a
+    named call's arguments as generated so far, the complete calls of ``required``, the
+    tagged calls of ``auto``. ``finish_reason`` becomes "tool_calls" only when the output
+    ended as its grammar (or the model's own format) ends it, not at a stop string or
+    ``max_tokens``."""
 
     def __init__(self, mode: str, name: str | None, hermes: bool) -> None:
         self.mode, self.name, self.hermes = mode, name, hermes
-        self._sent = 0  # characters of text consumed, or calls emitted (required)
-        self._calls = 0
-        self._id: str | None = None
+        self._sent = 0  # characters of text sent (named: arguments; auto: content)
+        self._calls = 0  # calls sent
+        self._named_id: str | None = None
 
     @property
     def parses(self) -> bool:
         """Whether this mode reads tool calls at all (else the text is plain content)."""
         return self.mode in ("named", "required") or (self.mode == "auto" and self.hermes)
 
-    def message(self, text: str, finish: str | None) -> tuple[dict[str, Any], str | None]:
+    def _read(self, text: str, finish: str | None, stop_reason: object) -> tuple[str | None, list[tuple[str, Any]],
+                                                                                  str | None]:
+        """(content, calls, finish_reason) of ``text`` as it stands."""
+        ended = finish == "stop" and stop_reason is None  # the grammar, or the model, ended it
+        if self.mode == "named":
+            calls = [(self.name or "", text)] if text or finish else []
+        elif self.mode == "required":
+            calls = _array_calls(text)
+            if not calls and finish:
+                return text, [], finish
+        else:
+            rest, calls = _hermes_calls(text)
+            return (rest.strip() or None if calls else text), calls, ("tool_calls" if calls and finish else finish)
+        return None, calls, ("tool_calls" if ended and calls else finish)
+
+    def message(self, text: str, finish: str | None, stop_reason: object) -> tuple[dict[str, Any], str | None]:
         """(message, finish_reason) for the whole completion."""
-        calls: list[tuple[str, Any]] = []
-        content: str | None = text
-        if finish == "stop" and self.mode == "named":
-            calls, content = [(self.name or "", text)], None
-        elif finish == "stop" and self.mode == "required":
-            calls, content = _array_calls(text, 0)[0], None
-        elif self.mode == "auto" and self.hermes:
-            content, calls = _hermes_calls(text)
-            content = content or (None if calls else "")
+        content, calls, finish = self._read(text, finish, stop_reason)
         msg: dict[str, Any] = {"role": "assistant", "content": content}
         if calls:
-            msg["tool_calls"] = [_call(n, a) for n, a in calls]
-            return msg, "tool_calls"
+            msg["tool_calls"] = [_call(n, a, i) for i, (n, a) in enumerate(calls)]
+            for c in msg["tool_calls"]:
+                del c["index"]
         return msg, finish
 
-    def feed(self, text: str, finish: str | None) -> tuple[list[dict[str, Any]], str | None]:
-        """(delta bodies to send now, finish_reason to send) given the text so far."""
-        if self.mode == "named":
-            return self._feed_named(text, finish)
-        if self.mode == "required":
-            calls, _ = _array_calls(text, 0)
-            new = [_call(n, a, self._calls + i) for i, (n, a) in enumerate(calls[self._calls:])]
+    def feed(self, text: str, finish: str | None, stop_reason: object) -> tuple[dict[str, Any], str | None]:
+        """(delta to send now, possibly empty; finish_reason to send) given the text so far."""
+        if self.mode == "auto":
+            return self._feed_hermes(text, finish, stop_reason)
+        content, calls, finish = self._read(text, finish, stop_reason)
+        delta: dict[str, Any] = {}
+        if self.mode == "named" and calls:
+            args = calls[0][1]
+            if self._named_id is None:
+                first = _call(self.name or "", args, 0)
+                self._named_id = first["id"]
+                delta["tool_calls"] = [first]
+            elif len(args) > self._sent:
+                delta["tool_calls"] = [{"index": 0, "function": {"arguments": args[self._sent:]}}]
+            self._sent = len(args)
+        elif calls[self._calls:]:
+            delta["tool_calls"] = [_call(n, a, self._calls + i) for i, (n, a) in enumerate(calls[self._calls:])]
             self._calls = len(calls)
-            deltas = [{"tool_calls": [c]} for c in new]
-            if finish == "length" and not calls:
-                deltas.append({"content": text})
-            return deltas, ("tool_calls" if finish == "stop" else finish)
-        return self._feed_hermes(text, finish)
+        if content and finish:
+            delta["content"] = content
+        return delta, finish
 
-    def _feed_named(self, text: str, finish: str | None) -> tuple[list[dict[str, Any]], str | None]:
-        deltas = []
-        if self._id is None and (text or finish):
-            self._id = f"call_{uuid.uuid4().hex[:24]}"
-            deltas.append({"tool_calls": [{"index": 0, "id": self._id, "type": "function",
-                                           "function": {"name": self.name, "arguments": ""}}]})
-        if len(text) > self._sent:
-            deltas.append({"tool_calls": [{"index": 0, "function": {"arguments": text[self._sent:]}}]})
-            self._sent = len(text)
-        return deltas, ("tool_calls" if finish == "stop" else finish)
-
-    def _feed_hermes(self, text: str, finish: str | None) -> tuple[list[dict[str, Any]], str | None]:
+    def _feed_hermes(self, text: str, finish: str | None, stop_reason: object) -> tuple[dict[str, Any], str | None]:
         """Content streams until a ``<tool_call>`` tag may begin; from there the text is held
         and read as calls when the completion ends."""
+        if finish:
+            rest, calls = _hermes_calls(text[self._sent:])
+            self._sent = len(text)
+            delta: dict[str, Any] = {}
+            if calls:
+                delta["tool_calls"] = [_call(n, a, i) for i, (n, a) in enumerate(calls)]
+            if rest.strip() if calls else rest:
+                delta["content"] = rest.rstrip() if calls else rest
+            return delta, ("tool_calls" if calls else finish)
         held = text.find(HERMES_OPEN)
         if held < 0:  # hold back a tail that could still grow into the tag
             held = next((i for i in range(max(0, len(text) - len(HERMES_OPEN) + 1), len(text))
                          if HERMES_OPEN.startswith(text[i:])), len(text))
-        upto = len(text) if finish else held
-        deltas = []
-        if finish:
-            content, calls = _hermes_calls(text[self._sent:])
-            if content:
-                deltas.append({"content": content})
-            deltas += [{"tool_calls": [_call(n, a, i)]} for i, (n, a) in enumerate(calls)]
-            self._sent = upto
-            return deltas, ("tool_calls" if calls else finish)
-        if upto > self._sent:
-            deltas.append({"content": text[self._sent:upto]})
-            self._sent = upto
-        return deltas, None
+        if held <= self._sent:
+            return {}, None
+        delta = {"content": text[self._sent:held]}
+        self._sent = held
+        return delta, None

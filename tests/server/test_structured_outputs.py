@@ -126,6 +126,7 @@ def test_named_tool_call_streamed(client: Any) -> None:
                                                 temperature=1.0, seed=seed, max_tokens=MAX_TOKENS, stream=True)
         deltas, finish = [], None
         for ch in stream:
+            assert len({c.index for c in ch.choices}) == len(ch.choices)  # one choice per index per chunk
             for c in ch.choices:
                 deltas += c.delta.tool_calls or []
                 finish = c.finish_reason or finish
@@ -163,22 +164,60 @@ def test_tool_choice_none_and_auto_without_a_tool_format(client: Any) -> None:
 def test_hermes_tool_calls_are_read_whole_and_streamed() -> None:
     text = ('Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n'
             '</tool_call><tool_call>{"name": "get_time", "arguments": {"tz": "CET"}}</tool_call>')
-    msg, finish = ToolCallReader("auto", None, hermes=True).message(text, "stop")
+    msg, finish = ToolCallReader("auto", None, hermes=True).message(text, "stop", None)
     assert finish == "tool_calls" and msg["content"] == "Let me check."
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in msg["tool_calls"]] == [
         ("get_weather", {"city": "Paris", "days": 3}), ("get_time", {"tz": "CET"})]
     reader, sent, finish = ToolCallReader("auto", None, hermes=True), [], None
     for end in range(1, len(text) + 1):  # one character at a time
-        deltas, finish = reader.feed(text[:end], "stop" if end == len(text) else None)
-        sent += deltas
+        delta, finish = reader.feed(text[:end], "stop" if end == len(text) else None, None)
+        sent.append(delta)
     content = "".join(d.get("content", "") for d in sent)
     assert content.strip() == "Let me check." and "<" not in content
-    assert [c["tool_calls"][0]["function"]["name"] for c in sent if "tool_calls" in c] == ["get_weather", "get_time"]
+    calls = [c for d in sent for c in d.get("tool_calls", [])]
+    assert [(c["index"], c["function"]["name"]) for c in calls] == [(0, "get_weather"), (1, "get_time")]
     assert finish == "tool_calls"
-    plain, finish = ToolCallReader("auto", None, hermes=True).message("No tools <tool_call>oops</tool_call>", "stop")
+    plain, finish = ToolCallReader("auto", None, hermes=True).message("No tools <tool_call>oops</tool_call>", "stop",
+                                                                      None)
     assert finish == "stop" and plain["content"] == "No tools <tool_call>oops</tool_call>"
 
 
+def test_hermes_plain_text_streams_unchanged() -> None:
+    reader, text, out = ToolCallReader("auto", None, hermes=True), "Hello world. A < B, and <tool_ x", ""
+    for end in range(1, len(text) + 1):
+        out += reader.feed(text[:end], "length" if end == len(text) else None, None)[0].get("content", "")
+    assert out == text
+    assert ToolCallReader("auto", None, hermes=True).message(" spaced \n", "stop", None)[0]["content"] == " spaced \n"
+
+
+def test_a_cut_call_is_not_a_finished_call() -> None:
+    named = ToolCallReader("named", "get_time", hermes=False)
+    msg, finish = named.message('{"tz": "C', "stop", "C")  # a stop string, not the grammar, ended it
+    assert finish == "stop" and msg["tool_calls"][0]["function"]["arguments"] == '{"tz": "C'
+    assert named.message('{"tz": "CET"}', "stop", None)[1] == "tool_calls"
+    required = ToolCallReader("required", None, hermes=False)
+    msg, finish = required.message('[{"name": "get_time", "arguments": {"tz": "UTC"}}, {"name": "get_w', "length",
+                                   None)
+    assert finish == "length" and [c["function"]["name"] for c in msg["tool_calls"]] == ["get_time"]
+    msg, finish = required.message('[{"name": "get', "length", None)
+    assert finish == "length" and "tool_calls" not in msg and msg["content"] == '[{"name": "get'
+
+
+def test_required_with_shared_defs(client: Any) -> None:
+    point = {"type": "object", "required": ["x", "y"], "properties": {
+        "x": {"type": "integer", "minimum": 0, "maximum": 9}, "y": {"type": "integer", "minimum": 0, "maximum": 9}}}
+    params = {"type": "object", "required": ["at"], "properties": {"at": {"$ref": "#/$defs/Point"}},
+              "$defs": {"Point": point}}
+    tools = [{"type": "function", "function": {"name": "move", "parameters": params}}]
+    r = client.chat.completions.create(model=MODEL, messages=ASK, tools=tools, tool_choice="required", temperature=1.0,
+                                       seed=1, max_tokens=MAX_TOKENS)
+    (call,) = r.choices[0].message.tool_calls
+    jsonschema.validate(json.loads(call.function.arguments), params)
+
+
+DEEP: dict[str, Any] = {"type": "integer"}
+for _ in range(40):  # past the engine's schema depth limit
+    DEEP = {"type": "array", "items": DEEP}
 BAD = [
     ("response_format", {"response_format": _json_format({"type": "nonsense"})}),
     ("response_format", {"response_format": {"type": "json_schema"}}),
@@ -197,6 +236,10 @@ BAD = [
                "tool_choice": "required"}),
     ("response_format", {"tools": TOOLS, "tool_choice": "required",
                          "response_format": {"type": "json_object"}}),
+    ("guided_regex", {"guided_regex": "[a-z]{1,5000}"}),
+    ("guided_json", {"guided_json": {"type": "string", "pattern": "^x{2000}$"}}),
+    ("guided_json", {"guided_json": DEEP}),
+    ("structured_outputs", {"structured_outputs": {"json_object": 1}}),
 ]
 
 
