@@ -10,7 +10,9 @@ Modes:
   template defines the Hermes one (``<tool_call>{"name": ..., "arguments": ...}</tool_call>``,
   as in Qwen2.5/Qwen3, Hermes and SmolLM3 templates); other templates give plain content.
 - ``none``: plain content.
-A call cut off by ``max_tokens`` is returned as content with ``finish_reason: "length"``.
+``finish_reason`` is "tool_calls" only when the output ended as its grammar (or format)
+ends it; a call cut off by ``max_tokens`` or a stop string keeps that reason
+(``ToolCallReader``).
 """
 
 from __future__ import annotations
