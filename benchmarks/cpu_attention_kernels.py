@@ -11,7 +11,6 @@ over rounds and each mode's ratio to the fp32 cache's median.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 import sys
@@ -19,6 +18,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from common import write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -117,11 +118,8 @@ def main() -> None:
             rows.append(dict(context=ctx, batch=n, us=med, vs_fp32={m: med[m] / med["fp32"] for m in MODES}))
             print(f"{ctx:>7} {n:>5}  " + "  ".join(f"{med[m]:9.1f} us ({med[m] / med['fp32']:4.2f}x)"
                                                    for m in MODES), flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "rounds": args.rounds,
-                               "reps": args.reps, "rows": rows}, indent=1))
-    tmp.replace(args.out)
+    write_json({"heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "rounds": args.rounds,
+                "reps": args.reps, "rows": rows}, args.out)
     print(f"wrote {args.out}")
 
 

@@ -15,12 +15,13 @@ transformers' argmax (or a near-tie within 0.05). Prints a table and writes JSON
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from common import write_json
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = ["The capital of France is", "Write a haiku about the sea:", "def fibonacci(n):",
@@ -143,11 +144,7 @@ def main() -> None:
             rows.append(check_quantized(work, device, args.tokens))
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(rows, indent=1))
-    tmp.replace(out)
+    out = write_json(rows, args.out)
     print(f"wrote {out}")
 
 

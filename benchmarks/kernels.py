@@ -22,7 +22,6 @@ Each kernel is also checked against its ``*_ref`` on the same inputs before it i
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -31,6 +30,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from common import write_json
 from kernel_common import (
     DATASHEET_GBS,
     Timer,
@@ -284,11 +284,7 @@ def main() -> None:
             traceback.print_exc()
             result[key] = {"error": f"{type(e).__name__}: {e}"}
         print(f"[{key} done at {time.perf_counter() - t0:.0f} s]", flush=True)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result, indent=1))
-    tmp.replace(out)
+    out = write_json(result, args.out)
     print_tables(result, peak)
     print(f"wrote {out}")
 

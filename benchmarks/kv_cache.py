@@ -28,12 +28,13 @@ for the fp32, FP8 per-token, int8, k8v4 and int4 caches on their default backend
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 import time
 from pathlib import Path
 from typing import Any
+
+from common import write_json
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT.parent / "shared" / "data" / "wikitext2" / "test.txt"
@@ -66,13 +67,6 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--context", type=int, nargs="+", default=[512, 2048],
                    help="--speed: prompt lengths in tokens (taken from --data)")
     return p.parse_args()
-
-
-def write_json(result: dict[str, Any], out: Path) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result, indent=1))
-    tmp.replace(out)
 
 
 def speed(args: argparse.Namespace) -> None:

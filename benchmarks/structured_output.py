@@ -28,6 +28,8 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
+from common import write_json
+
 ROOT = Path(__file__).resolve().parent.parent
 CHAT = [{"role": "user", "content": "List forty people with their name, age and city, as JSON."}]
 RECORD = {"type": "object", "required": ["name", "age", "city"], "properties": {
@@ -200,11 +202,7 @@ def main() -> None:
     speed = decode_speed(args)
     result = dict(tokens=args.tokens, rounds=args.rounds, schema="array of 40 {name, age, city} records",
                   speed=speed, engine_mask=mask, libraries=libs)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result, indent=1))
-    tmp.replace(out)
+    out = write_json(result, args.out)
     print(f"\ndecode tokens/s (default model, {args.tokens} tokens per request, median of {args.rounds} rounds)")
     print(f"{'batch':>5} {'unconstrained':>14} {'json schema':>12} {'ratio':>6}")
     for r in speed:

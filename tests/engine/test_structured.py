@@ -49,9 +49,9 @@ def test_regex_choice_grammar_and_json_object(llm: Any) -> None:
         assert c.text in choices
     for c in _texts(llm, StructuredOutputsParams(grammar='root ::= "Answer: " [0-9]+ ("." [0-9])?')):
         assert re.fullmatch(r"Answer: [0-9]+(\.[0-9])?", c.text), c.text
-    for c in _texts(llm, GuidedDecodingParams(json_object=True), max_tokens=300):
-        if c.finish_reason == "stop":
-            assert isinstance(json.loads(c.text), dict)
+    done = [c for c in _texts(llm, GuidedDecodingParams(json_object=True), max_tokens=300)
+            if c.finish_reason == "stop"]  # an object may run past max_tokens at temperature 1.0
+    assert done and all(isinstance(json.loads(c.text), dict) for c in done)
 
 
 def test_guided_decoding_is_the_older_name(llm: Any) -> None:
@@ -89,7 +89,7 @@ def test_free_requests_unchanged_by_constrained_neighbours(llm: Any) -> None:
 
 
 def test_preempted_request_resumes_its_grammar(llm_factory: Any) -> None:
-    # 24 blocks x 16 = 384 tokens for 8 requests of ~40 prompt + up to 120 tokens: preemptions.
+    # 24 blocks x 16 = 384 tokens for 8 requests of ~40 prompt + up to 200 tokens: preemptions.
     llm = llm_factory(kv_cache_memory=24 * 16 * 46080, max_model_len=256)
     so = StructuredOutputsParams(json={"type": "array", "items": PERSON, "minItems": 3, "maxItems": 3})
     before = llm.get_metrics()["qpage:num_preemptions_total"]
