@@ -110,9 +110,9 @@ def decode_b1(gen: Any, n: int = 128) -> float:
 def child(args: argparse.Namespace) -> None:
     from transformers import AutoTokenizer
 
-    from qpage.models.loader import resolve_model_dir
+    from qpage.models.loader import resolve_hf_folder
 
-    model_dir = resolve_model_dir(None)
+    model_dir = resolve_hf_folder(None)  # transformers' copy: the default GGUF's weights, dequantized
     work = workload(AutoTokenizer.from_pretrained(model_dir), args.requests, args.seed)
     res = run_qpage(work, args) if args.child == "qpage" else run_hf(work, args, model_dir)
     import torch

@@ -80,13 +80,13 @@ def _perplexity(engines: list[Any], text: Path, seq_len: int, windows: int, chun
 
 
 def cmd_quantize(args: argparse.Namespace) -> int:
-    from qpage.models.loader import resolve_model_dir
+    from qpage.models.loader import resolve_hf_folder
     from qpage.quantizers.pipeline import quantize_checkpoint
     from qpage.quantizers.scheme import QuantScheme
 
     scheme = QuantScheme.parse(args.scheme, group_size=args.group_size or None, sym=args.sym,
                                act_order=args.act_order, static_groups=args.static_groups)
-    src = resolve_model_dir(None if args.src == "default" else args.src)
+    src = resolve_hf_folder(None if args.src == "default" else args.src)
     calib = None
     if args.calib:
         from transformers import AutoTokenizer

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from qpage.kernels.cpu import native
+from qpage.kernels.cpu import native, native_gguf
 from qpage.kernels.triton_utils import HAS_TRITON, triton, triton_unavailable_reason
 from qpage.layers.backends import select_attention_backend
 from qpage.layers.kv_format import KVCacheSpec
@@ -85,6 +85,14 @@ def paths(device: torch.device) -> list[tuple[str, str]]:
     return rows
 
 
+def gguf_line() -> str:
+    """The instruction path the block-format matmuls take on this CPU."""
+    if native.load() is None:
+        return f"unavailable ({native.unavailable_reason()})"
+    have = [isa for isa in ("vnni", "avx2", "scalar") if native_gguf.isa_supported(isa)]
+    return f"{native_gguf.best_isa()} (this CPU runs: {', '.join(have)})"
+
+
 def report() -> str:
     """The ``qpage --version`` text."""
     devices = [torch.device("cpu")] + ([torch.device("cuda")] if torch.cuda.is_available() else [])
@@ -93,6 +101,7 @@ def report() -> str:
              f"python {platform.python_version()}, torch {torch.__version__}",
              f"cpu: {cpu_line()}",
              f"C kernels (cpu-native): {native.build_status()}",
+             f"GGUF block kernels (cpu-gguf): {gguf_line()}",
              f"cuda: {cuda_line()}",
              f"triton: {triton_line('cuda' if torch.cuda.is_available() else 'cpu')}"]
     lines += [f"paths on {device.type} with {dtype}: {row}" for device, dtype, row in rows]

@@ -44,9 +44,11 @@ machine's memory."""
 
 
 @pytest.fixture(scope="session")
-def llm_factory() -> Callable[..., Any]:
-    """LLM instances on the default model, one per distinct set of arguments, the most recently
-    used ``LLM_CACHE_SIZE`` kept (tests that use one set of arguments sit together)."""
+def llm_factory(default_model_dir: Path) -> Callable[..., Any]:
+    """LLM instances, one per distinct set of arguments, the most recently used
+    ``LLM_CACHE_SIZE`` kept (tests that use one set of arguments sit together). Without a
+    ``model`` they run the default model's weights dequantized to a float32 folder (exactly the
+    weights transformers runs in the reference tests); ``model=None`` runs the GGUF natively."""
     import gc
     from collections import OrderedDict
 
@@ -55,6 +57,7 @@ def llm_factory() -> Callable[..., Any]:
     cache: OrderedDict[tuple, Any] = OrderedDict()
 
     def make(**kwargs: Any) -> Any:
+        kwargs.setdefault("model", str(default_model_dir))
         key = tuple(sorted(kwargs.items()))
         if key in cache:
             cache.move_to_end(key)

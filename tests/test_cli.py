@@ -122,10 +122,15 @@ def test_inspect_default_gguf(hf_model: Any) -> None:
     size = default_gguf_path().stat().st_size
     assert info["format"] == "gguf" and info["scheme"] == "Q4_1" and info["size_bytes"] == size
     assert 0.95 * size <= info["bits_per_weight"] * n_params / 8 <= size  # tensor bytes within the file
+    assert {t["type"] for t in info["tensors"]} == {"Q4_1", "Q8_0", "F32"}
+    assert sum(t["type"] == "Q4_1" for t in info["tensors"]) == info["tensor_types"]["Q4_1"] == 210
     loaded = info["loaded"]
-    assert loaded["dtype"] == "float32" and abs(loaded["memory_bytes"] / (4 * n_params) - 1) < 0.01
-    # qkv, o, gate_up and down per decoder layer (q/k/v and gate/up fused)
-    assert sum(v["layers"] for v in loaded["linear_paths"].values()) == 4 * info["layers"]
+    # Loaded natively: the weights stay in their blocks (the fp32 copy would be 4 bytes a weight).
+    assert loaded["dtype"] == "float32" and loaded["memory_bytes"] <= 1.05 * info["tensor_bytes"]
+    # qkv, o, gate_up and down per decoder layer (q/k/v and gate/up fused), and the embedding
+    # whose table the tied head multiplies with, all on the block-format kernels
+    assert loaded["linear_paths"] == {"cpu-gguf": {"layers": 4 * info["layers"] + 1,
+                                                   "bytes": loaded["linear_paths"]["cpu-gguf"]["bytes"]}}
     table = qpage("inspect").stdout
     assert "Q4_1" in table and "bits per weight" in table and "in memory (cpu, float32)" in table, table
 

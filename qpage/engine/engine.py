@@ -20,6 +20,11 @@ from qpage.engine.outputs import CompletionOutput, RequestOutput
 from qpage.engine.request import Request, RequestStatus
 from qpage.engine.scheduler import Scheduler
 from qpage.engine.structured import GrammarCompiler, Guide
+from qpage.formats import gguf_model
+from qpage.formats.gguf_model import is_gguf
+from qpage.formats.gguf_reader import GgufFile
+from qpage.kernels.cpu import blas
+from qpage.layers.gguf_linear import GgufLinear
 from qpage.layers.kv_format import KVCacheSpec
 from qpage.models.arch import ArchConfig
 from qpage.models.loader import load_model, read_arch_config, resolve_dtype, resolve_model_dir
@@ -32,6 +37,8 @@ log = logging.getLogger("qpage.engine")
 
 
 def load_tokenizer(model_dir: Path) -> Any:
+    if is_gguf(model_dir):
+        return gguf_model.load_tokenizer(GgufFile(model_dir))
     from transformers import AutoTokenizer
 
     try:
@@ -46,7 +53,9 @@ def load_tokenizer(model_dir: Path) -> Any:
 def eos_token_ids(model_dir: Path, tokenizer: Any) -> set[int]:
     ids: set[int] = set()
     gen = model_dir / "generation_config.json"
-    if gen.is_file():
+    if is_gguf(model_dir):
+        ids.update(gguf_model.eos_token_ids(GgufFile(model_dir)))
+    elif gen.is_file():
         eos = json.loads(gen.read_text()).get("eos_token_id")
         ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
     if tokenizer.eos_token_id is not None:
@@ -94,6 +103,8 @@ class LLMEngine:
         )
         if self.model.ops.torch_threads is not None:  # the chosen ops' thread count (layers.ops)
             torch.set_num_threads(self.model.ops.torch_threads)
+        if self.device.type == "cpu":  # one BLAS thread beside the block-format kernels' own (kernels.cpu.blas)
+            blas.set_threads(1 if self.model.runs_own_threads() else None)
         self.kv = KVCacheManager(num_blocks, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
         self.runner = ModelRunner(self.model, self.arch, self.kv, self.dtype, self.device,
@@ -126,7 +137,16 @@ class LLMEngine:
         paths = self.kernel_paths()["quantized_linears"]
         mib = sum(m.weight_bytes for m in mods) / 2**20
         note = f"; quantized linears: {', '.join(f'{n} {p}' for p, n in sorted(paths.items()))} ({mib:.0f} MiB)"
-        if paths.get("cpu-dequantized") and self.dtype == torch.float32:
+        embed = self.model.embed_tokens
+        if hasattr(embed, "kernel_path"):  # a GGUF embedding, kept in its blocks where a kernel reads them
+            note += f", embedding {embed.kernel_path} ({embed.weight_bytes / 2**20:.0f} MiB)"
+        if self.model.decode_stack is not None:
+            note += "; decode steps in one C call"
+        gguf = isinstance(self.model.quant_linears()[0], GgufLinear)
+        if paths.get("cpu-dequantized") and gguf:
+            note += (" - the layers on cpu-dequantized hold float32 copies: their GGUF types have no native "
+                     "kernel yet (those run: Q4_0, Q4_1, Q8_0)")
+        elif paths.get("cpu-dequantized") and self.dtype == torch.float32:
             note += (" - dequantized to float32 on CPU; dtype='bfloat16' keeps INT4/INT8 weights packed "
                      "(about 1/7 and 1/4 of this memory)")
         return note

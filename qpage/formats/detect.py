@@ -7,15 +7,18 @@ from typing import Any
 from qpage.formats.awq import AwqConfig
 from qpage.formats.compressed_tensors import CtIntConfig
 from qpage.formats.fp8 import Fp8Config
+from qpage.formats.gguf_model import GgufConfig
 from qpage.formats.gptq import GptqConfig
 
-LinearConfig = GptqConfig | AwqConfig | CtIntConfig | Fp8Config
-SUPPORTED = ("gptq", "awq (GEMM)", "compressed-tensors (pack-quantized INT4/INT8, FP8)", "fp8")
+LinearConfig = GptqConfig | AwqConfig | CtIntConfig | Fp8Config | GgufConfig
+SUPPORTED = ("gptq", "awq (GEMM)", "compressed-tensors (pack-quantized INT4/INT8, FP8)", "fp8", "gguf (a .gguf file)")
 
 
 def linear_config(qc: dict[str, Any], where: str) -> LinearConfig:
     """Parse and check ``qc``; the error names the setting and what qpage reads instead."""
     method = qc.get("quant_method") if isinstance(qc, dict) else None
+    if method == "gguf":
+        return GgufConfig()
     if method == "gptq":
         return GptqConfig.from_json(qc, where)
     if method == "awq":

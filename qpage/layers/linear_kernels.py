@@ -8,9 +8,10 @@ kernel's matmul with the layer's bias added (or fused by the kernel), so a layer
 that one call. A kernel's ``name`` is the layer's ``kernel_path``, which the start line and
 ``qpage:quantized_linear_layers{path=...}`` report.
 
-Priority: the fused Triton kernels on CUDA; on CPU torch's packed INT4/INT8 kernels (fast only
-with bf16 activations), else the weight dequantized once and multiplied on NumPy's BLAS (fp32)
-or by torch; anywhere else the dequantized torch fallback, which the doctor reports.
+Priority: the fused Triton kernels on CUDA; on CPU the block-format kernels for GGUF weights,
+torch's packed INT4/INT8 kernels (fast only with bf16 activations), else the weight
+dequantized once and multiplied on NumPy's BLAS (fp32) or by torch; anywhere else the
+dequantized torch fallback, which the doctor reports.
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from qpage.kernels.cpu import blas, packed
+from qpage.formats.gguf_model import GgufTensor
+from qpage.formats.gguf_reader import BF16, FLOAT_TYPES, type_name
+from qpage.kernels.cpu import blas, native, native_gguf, packed
 from qpage.kernels.fp8.matmul import fp8_matmul
 from qpage.kernels.int_matmul import int_matmul
 from qpage.kernels.packing import unpack_cols, unpack_rows
@@ -52,6 +55,8 @@ class LinearSpec:
     """Act-order row -> group map (INT), None without act-order."""
     fp8_block_aligned: bool = True
     """FP8 block scales: every fused projection starts on a scale block boundary."""
+    ggml_types: tuple[int, ...] = ()
+    """GGUF: the ggml type of each part of the (possibly fused) weight."""
 
 
 @dataclass
@@ -63,6 +68,9 @@ class Built:
     """Whether ``mm`` reads the layer's packed tensors (else the layer drops them)."""
     adds_bias: bool = False
     """Whether ``mm`` adds the layer's bias itself (fused into the matmul)."""
+    kernel_mm: Matmul | None = None
+    """The kernel's own matmul, before ``build_linear`` adds the layer's bias to ``mm`` (the same
+    as ``mm`` when the kernel adds the bias itself)."""
 
 
 class LinearKernel(Protocol):
@@ -155,12 +163,56 @@ class CpuPackedInt:
         return Built(lambda x: packed.int8_mm(x, p8), p8.nbytes())
 
 
+def gguf_packed_reason(device: torch.device, ggml_types: tuple[int, ...], k: int) -> str | None:
+    """Why ``cpu-gguf`` cannot run a weight with parts in ``ggml_types`` (None: it can)."""
+    if device.type != "cpu":
+        return f"runs on cpu, not {device.type}"
+    if native.load() is None:
+        return f"the C kernels are unavailable ({native.unavailable_reason()})"
+    for t in ggml_types:
+        if t in FLOAT_TYPES or t == BF16:
+            continue
+        why = native_gguf.unsupported_reason(t, k)
+        if why is not None:
+            return f"{type_name(t)}: {why}"
+    return None
+
+
+class CpuGguf:
+    """GGUF block formats kept packed on CPU (``kernels.cpu.native_gguf``): each run of
+    consecutive parts in one format is repacked into one weight; float parts run on BLAS."""
+
+    name, schemes = "cpu-gguf", ("gguf",)
+
+    def can_implement(self, spec: LinearSpec) -> str | None:
+        return gguf_packed_reason(spec.device, spec.ggml_types, spec.in_features)
+
+    def build(self, layer: Any, spec: LinearSpec) -> Built:
+        k = spec.in_features
+        runs: list[tuple[int, int, list[Any]]] = []  # (first column, ggml type, parts)
+        for offset, value in layer.parts:
+            t = value.ggml_type if isinstance(value, GgufTensor) else -1
+            if runs and runs[-1][1] == t and t != -1:
+                runs[-1][2].append(value)
+            else:
+                runs.append((offset, t, [value]))
+        pieces: list[native_gguf.Piece] = []
+        for offset, t, values in runs:
+            if t == -1:
+                w = values[0].float().t().contiguous().numpy()
+            else:
+                w = native_gguf.repack([v.rows for v in values], t, k)
+            pieces.append((offset, offset + sum(v.shape[0] for v in values), w))
+        mm = native_gguf.PiecewiseMatmul(pieces, k, spec.out_features)
+        return Built(mm, mm.weight_bytes())
+
+
 class Dequantized:
     """The weight dequantized once at ``prepare`` and multiplied like a dense layer: the fp32
     CPU path by design (BLAS beats torch's packed kernels there, docs/cpu.md), and elsewhere
     a slow fallback with dense memory, which the server's doctor reports."""
 
-    schemes = ("int", "fp8")
+    schemes = ("int", "fp8", "gguf")
 
     def __init__(self, name: str, devices: tuple[str, ...] | None) -> None:
         self.name, self.devices = name, devices
@@ -207,7 +259,7 @@ class DenseTorch:
 
 
 LINEAR_KERNELS: tuple[LinearKernel, ...] = (
-    TritonInt(), TritonFp8(), CpuPackedInt(4), CpuPackedInt(8),
+    TritonInt(), TritonFp8(), CpuGguf(), CpuPackedInt(4), CpuPackedInt(8),
     Dequantized("cpu-dequantized", ("cpu",)), Dequantized("dequantized-fallback", None),
     DenseBlas(), DenseTorch(),
 )
@@ -234,6 +286,7 @@ def build_linear(layer: Any, spec: LinearSpec) -> tuple[LinearKernel, Built]:
     layer's ``bias`` (if any) is added here unless the kernel fused it."""
     kernel = select_linear_kernel(spec)
     built = kernel.build(layer, spec)
+    built.kernel_mm = built.mm
     bias = layer.bias
     if bias is not None and not built.adds_bias:
         mm = built.mm

@@ -19,6 +19,9 @@ class QuantLinearBase(nn.Module):
         self.weight_bytes = 0
         """Bytes the weight occupies in memory on the chosen path."""
         self._mm: Matmul | None = None
+        self.kernel_mm: Matmul | None = None
+        """The chosen kernel's own matmul, before ``build_linear`` adds the bias to it (a kernel
+        that fuses the bias adds it here too): what a fused caller runs itself."""
 
     def spec(self, dtype: torch.dtype) -> LinearSpec:
         """What the kernel must handle, for activations of ``dtype``."""
@@ -36,6 +39,7 @@ class QuantLinearBase(nn.Module):
         """Choose and build the kernel, once the weights are loaded and on their device."""
         kernel, built = build_linear(self, self.spec(dtype))
         self._mm, self.kernel_path, self.weight_bytes = built.mm, kernel.name, built.weight_bytes
+        self.kernel_mm = built.kernel_mm
         if not built.keeps_packed:
             self.drop_packed()
 

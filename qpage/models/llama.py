@@ -15,9 +15,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from qpage.formats.detect import LinearConfig, linear_config
+from qpage.formats.gguf_model import GgufConfig
+from qpage.kernels.cpu.native_decode import DecodeStack
 from qpage.layers.attention import AttentionBackend
 from qpage.layers.attention_metadata import StepMetadata
 from qpage.layers.fp8_linear import Fp8Linear
+from qpage.layers.gguf_linear import GgufEmbedding, GgufLinear
 from qpage.layers.kv_format import LayerKV
 from qpage.layers.linear import Linear, make_linear
 from qpage.layers.linear_kernels import Matmul, tied_head
@@ -26,10 +29,11 @@ from qpage.layers.ops import TORCH_OPS, TorchOps, select_ops
 from qpage.layers.quant_linear import IntLinear
 from qpage.layers.rotary import RotaryEmbedding, apply_rotary
 from qpage.models.arch import ArchConfig
+from qpage.models.fused_decode import build_decode_stack, run_decode_stack, step_fits
 
 KVCache = LayerKV
-QuantLinear = IntLinear | Fp8Linear
-QUANT_LINEARS = (IntLinear, Fp8Linear)
+QuantLinear = IntLinear | Fp8Linear | GgufLinear
+QUANT_LINEARS = (IntLinear, Fp8Linear, GgufLinear)
 QUANT_SUFFIXES = ("qweight", "qzeros", "scales", "g_idx", "weight", "weight_scale", "weight_scale_inv", "input_scale",
                   "weight_packed", "weight_shape", "weight_zero_point", "weight_g_idx")
 _KV_SCALE = re.compile(r"^model\.layers\.(\d+)\.self_attn\.([kv])_scale$")
@@ -142,14 +146,20 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, c: ArchConfig, max_positions: int, dtype: torch.dtype) -> None:
         super().__init__()
         self.config = c
-        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.dtype = dtype
+        gguf = isinstance(_quant(c), GgufConfig)  # a GGUF file: every tensor keeps its own format
+        self.embed_tokens: nn.Embedding | GgufEmbedding = (
+            GgufEmbedding(c.vocab_size, c.hidden_size) if gguf else nn.Embedding(c.vocab_size, c.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.lm_head = None if c.tie_word_embeddings else make_linear(c.hidden_size, c.vocab_size, False)
+        self.lm_head = None if c.tie_word_embeddings else make_linear(c.hidden_size, c.vocab_size, False,
+                                                                       _quant(c) if gguf else None)
         self.rotary = RotaryEmbedding(c.head_dim, max_positions, c.rope_theta, c.rope_scaling, dtype)
         self.ops: TorchOps = TORCH_OPS
         """The small ops every layer uses (``layers.ops``), chosen at ``prepare``."""
         self._tied_head: Matmul | None = None
+        self.decode_stack: DecodeStack | None = None
+        """Decode steps in one C call (``models.fused_decode``), when the model fits; else None."""
         self.kv_scales: dict[int, tuple[float, float]] = {}
         """Static FP8 KV scales per layer from the checkpoint (vLLM's ``self_attn.k_scale``)."""
 
@@ -160,19 +170,27 @@ class LlamaForCausalLM(nn.Module):
 
     def prepare(self) -> None:
         """Pick kernels for the loaded weights (once, after loading and moving)."""
-        e = self.embed_tokens.weight.data
+        device, dtype = self.norm.weight.device, self.dtype
         for m in self.modules():
             if isinstance(m, Linear):
                 m.prepare()
-            elif isinstance(m, QUANT_LINEARS):
-                m.prepare(e.dtype)
-        self.ops = select_ops(e.device, e.dtype)
+            elif isinstance(m, (*QUANT_LINEARS, GgufEmbedding)):
+                m.prepare(dtype)
+        self.ops = select_ops(device, dtype)
         self.norm.ops = self.ops
         for layer in self.layers:  # not q_norm/k_norm: they normalise [T, heads, head_dim] views
             for m in (layer.input_layernorm, layer.post_attention_layernorm, layer.self_attn, layer.mlp):
                 m.ops = self.ops
         if self.lm_head is None:
-            self._tied_head = tied_head(e)
+            e = self.embed_tokens
+            self._tied_head = e.head() if isinstance(e, GgufEmbedding) else tied_head(e.weight.data)
+        self.decode_stack = build_decode_stack(self)
+
+    def runs_own_threads(self) -> bool:
+        """Whether matmuls run on the block-format kernels, which split rows across the cores
+        themselves: NumPy's BLAS should then not keep a second pool of spinning threads (both
+        pools on the same cores slowed decode ~1.8x, even with a large matrix left on BLAS)."""
+        return any(m.kernel_path == "cpu-gguf" for m in self.quant_linears())
 
     def quant_linears(self) -> list[QuantLinear]:
         """The model's quantized linear layers."""
@@ -184,8 +202,11 @@ class LlamaForCausalLM(nn.Module):
         meta: StepMetadata, backend: AttentionBackend,
     ) -> torch.Tensor:
         """Hidden states after the final norm, [num_tokens, hidden]."""
-        h = self.embed_tokens(input_ids)
+        h = self.embed_tokens.forward(input_ids)
         cos, sin = self.rotary.lookup(positions)
+        if self.decode_stack is not None and step_fits(backend, caches, meta):
+            h, res = run_decode_stack(self.decode_stack, h, cos, sin, caches, meta)  # type: ignore[arg-type]
+            return self.norm.forward(h, res)[0]
         residual = None
         for layer, cache in zip(self.layers, caches, strict=True):
             h, residual = layer.step(h, residual, cos, sin, cache, meta, backend)
@@ -196,6 +217,7 @@ class LlamaForCausalLM(nn.Module):
         if self.lm_head is None:
             if self._tied_head is not None:
                 return self._tied_head(hidden.contiguous())
+            assert isinstance(self.embed_tokens, nn.Embedding)
             return F.linear(hidden, self.embed_tokens.weight)
         return self.lm_head(hidden)
 
@@ -212,9 +234,10 @@ class LlamaForCausalLM(nn.Module):
         def whole(name: str, p: torch.Tensor) -> None:
             out[name] = (p, 0, p.shape[0])
 
-        whole("model.embed_tokens.weight", self.embed_tokens.weight)
+        if isinstance(self.embed_tokens, nn.Embedding):
+            whole("model.embed_tokens.weight", self.embed_tokens.weight)
         whole("model.norm.weight", self.norm.weight)
-        if self.lm_head is not None:
+        if isinstance(self.lm_head, Linear):
             whole("lm_head.weight", self.lm_head.weight)
         for i, layer in enumerate(self.layers):
             pre = f"model.layers.{i}."
@@ -247,9 +270,13 @@ class LlamaForCausalLM(nn.Module):
             whole(f"{pre}post_attention_layernorm.weight", layer.post_attention_layernorm.weight)
         return out
 
-    def quant_targets(self) -> dict[str, tuple[QuantLinear, int, int]]:
+    def quant_targets(self) -> dict[str, tuple[QuantLinear | GgufEmbedding, int, int]]:
         """Quantized projection prefix -> (fused layer, first output column, columns)."""
-        out: dict[str, tuple[QuantLinear, int, int]] = {}
+        out: dict[str, tuple[QuantLinear | GgufEmbedding, int, int]] = {}
+        if isinstance(self.embed_tokens, GgufEmbedding):
+            out["model.embed_tokens"] = (self.embed_tokens, 0, self.config.vocab_size)
+        if isinstance(self.lm_head, QUANT_LINEARS):
+            out["lm_head"] = (self.lm_head, 0, self.config.vocab_size)
         for i, layer in enumerate(self.layers):
             for name, fused, off, cols in projections(self.config):
                 mod = layer.get_submodule(fused)
@@ -314,7 +341,8 @@ class LlamaForCausalLM(nn.Module):
             )
 
     @staticmethod
-    def _load_quant(prefix: str, parts: dict[str, torch.Tensor], qtargets: dict[str, tuple[QuantLinear, int, int]],
+    def _load_quant(prefix: str, parts: dict[str, torch.Tensor],
+                    qtargets: dict[str, tuple[QuantLinear | GgufEmbedding, int, int]],
                     file: str) -> None:
         mod, off, cols = qtargets[prefix]
         mod.load_part(prefix, parts, off, cols, file)

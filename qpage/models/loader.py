@@ -1,6 +1,6 @@
-"""Find a model folder, read its config and build the model with its weights.
+"""Find a model (a folder or a .gguf file), read its config and build the model with its weights.
 
-Weights are read with safetensors only. Pickle ``.bin`` checkpoints can run arbitrary code
+Weights are read from safetensors or GGUF only. Pickle ``.bin`` checkpoints can run arbitrary code
 when loaded; they are refused unless the caller passes ``allow_pickle=True``.
 """
 
@@ -12,6 +12,11 @@ from pathlib import Path
 
 import torch
 
+from qpage.config import cache_root
+from qpage.formats.gguf import convert_gguf, default_gguf_path, default_model_dir
+from qpage.formats.gguf_model import hf_config, is_gguf
+from qpage.formats.gguf_model import iter_tensors as iter_gguf_tensors
+from qpage.formats.gguf_reader import GgufFile
 from qpage.models.arch import ArchConfig, parse_arch_config
 from qpage.models.registry import model_class
 
@@ -19,32 +24,41 @@ DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": 
 
 
 def resolve_model_dir(model: str | None) -> Path:
-    """The folder of ``model``; None means the default model (converted once from its GGUF)."""
+    """The folder of ``model``, or its ``.gguf`` file (run natively); None means the default
+    model's GGUF."""
     if model is None:
-        from qpage.formats.gguf import default_model_dir
-
-        return default_model_dir()
+        return default_gguf_path()
     path = Path(model).expanduser()
     if not path.exists():
         raise FileNotFoundError(
             f"model path {model!r} does not exist; pass a local Hugging Face model folder "
-            "(config.json + *.safetensors), or leave --model out for the default model"
+            "(config.json + *.safetensors) or a .gguf file, or leave --model out for the default model"
         )
-    if path.is_file() and path.suffix == ".gguf":
-        from qpage.config import cache_root
-        from qpage.formats.gguf import convert_gguf
-
-        out = cache_root() / "models" / f"{path.stem}-{path.stat().st_size:x}"
-        return out if (out / "model.safetensors").is_file() else convert_gguf(path, out)
+    if is_gguf(path):
+        return path
     if not (path / "config.json").is_file():
         raise FileNotFoundError(
             f"{path} has no config.json; pass a Hugging Face model folder (config.json, "
-            "tokenizer files, *.safetensors)"
+            "tokenizer files, *.safetensors) or a .gguf file"
         )
     return path
 
 
+def resolve_hf_folder(model: str | None) -> Path:
+    """A Hugging Face folder for ``model``: a GGUF (the default model's too) is converted to
+    a float32 safetensors folder once; what the quantizers read."""
+    path = resolve_model_dir(model)
+    if not is_gguf(path):
+        return path
+    if model is None:
+        return default_model_dir()
+    out = cache_root() / "models" / f"{path.stem}-{path.stat().st_size:x}"
+    return out if (out / "model.safetensors").is_file() else convert_gguf(path, out)
+
+
 def read_arch_config(model_dir: Path) -> ArchConfig:
+    if is_gguf(model_dir):
+        return parse_arch_config(hf_config(GgufFile(model_dir)), str(model_dir))
     cfg_path = model_dir / "config.json"
     try:
         cfg = json.loads(cfg_path.read_text())
@@ -101,12 +115,14 @@ def load_model(
     model_dir: Path, arch: ArchConfig, dtype: torch.dtype, device: torch.device,
     max_positions: int, allow_pickle: bool = False,
 ) -> torch.nn.Module:
-    files = weight_files(model_dir, allow_pickle)
     cls = model_class(arch.architecture)
     with torch.device("cpu"):
         model = cls(arch, max_positions, dtype)
     model.to(dtype)
-    model.load_weights(iter_tensors(files))
+    if is_gguf(model_dir):
+        model.load_weights(iter_gguf_tensors(GgufFile(model_dir)))
+    else:
+        model.load_weights(iter_tensors(weight_files(model_dir, allow_pickle)))
     model.to_device(device)
     model.prepare()
     model.eval()

@@ -15,8 +15,9 @@ CHAT = [{"role": "user", "content": "Name three fruits, one per line."}]
 
 
 @pytest.fixture(scope="module")
-def offline(llm: Any) -> Any:
-    return llm
+def offline(llm_factory: Any) -> Any:
+    """The offline engine on what the server runs: the default model's GGUF, natively."""
+    return llm_factory(model=None)
 
 
 def test_models_and_health(client: Any, server: Server) -> None:

@@ -2,7 +2,9 @@
 called through ctypes: paged decode attention and the cache write (``cpu_attention.c``),
 RMSNorm with the residual add, SiLU-and-mul and rotary embedding (``cpu_ops.c``), and the
 same two cache kernels for the FP8 cache (``cpu_fp8.c``; wrappers in ``native_fp8``) and for
-the int8/int4 cache (``cpu_int.c``; wrappers in ``native_int``).
+the int8/int4 cache (``cpu_int.c``; wrappers in ``native_int``), and matmuls on weights in
+llama.cpp's block formats (``cpu_gguf.c``; wrappers in ``native_gguf``) with a whole decode
+step over them (``cpu_decode.c``; ``native_decode``).
 
 Why: at batch 1 the torch path spends most of its attention time gathering the sequence's
 blocks into one tensor and dispatching ops, and each norm and activation is several small
@@ -36,9 +38,12 @@ from qpage.config import cache_root
 logger = logging.getLogger("qpage")
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = (CSRC / "cpu_attention.c", CSRC / "cpu_ops.c", CSRC / "cpu_fp8.c", CSRC / "cpu_int.c")
+SOURCES = (CSRC / "cpu_attention.c", CSRC / "cpu_ops.c", CSRC / "cpu_fp8.c", CSRC / "cpu_int.c", CSRC / "cpu_gguf.c",
+           CSRC / "cpu_decode.c")
 HEADERS = (CSRC / "qp_math.h", CSRC / "qp_half.h")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-std=c11", "-shared", "-fPIC")
+OPENMP = "-fopenmp"
+"""Threads for the block-quantized matmuls (``cpu_gguf.c``); without it they run on one thread."""
 _lib: ctypes.CDLL | None = None
 _tried = False
 _why_not = ""
@@ -77,9 +82,12 @@ def _build(cc: str) -> Path:
     fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=out_dir)
     os.close(fd)
     try:
-        proc = subprocess.run([cc, *FLAGS, "-o", tmp, *map(str, SOURCES), "-lm"], capture_output=True, text=True,
-                              timeout=120, check=False)
-        if proc.returncode != 0:
+        for extra in ((OPENMP,), ()):  # a compiler without OpenMP builds single-threaded matmuls
+            proc = subprocess.run([cc, *FLAGS, *extra, "-o", tmp, *map(str, SOURCES), "-lm"], capture_output=True,
+                                  text=True, timeout=120, check=False)
+            if proc.returncode == 0:
+                break
+        else:
             raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[-500:]}")
         os.replace(tmp, lib)
     finally:
@@ -134,6 +142,18 @@ def load() -> ctypes.CDLL | None:
             lib.qp_paged_decode_int.restype = _int
             lib.qp_read_blocks_int.argtypes = [_ptr, _ptr, _int, _ptr, _i64, _int, _int, _int, _i64, _ptr]
             lib.qp_read_blocks_int.restype = _int
+            lib.qp_quantize_act.argtypes = [_ptr, _i64, _int, _int, _ptr, _ptr, _ptr]
+            lib.qp_quantize_act.restype = None
+            lib.qp_gguf_repack.argtypes = [_int, _ptr, _i64, _int, _ptr, _i64, _int]
+            lib.qp_gguf_repack.restype = _int
+            lib.qp_gguf_matmul.argtypes = [_int, _ptr, _i64, _int, _ptr, _ptr, _ptr, _int, _ptr, _i64, _int, _int]
+            lib.qp_gguf_matmul.restype = _int
+            lib.qp_gguf_dequant_rows.argtypes = [_int, _ptr, _i64, _int, _ptr, _i64, _ptr]
+            lib.qp_gguf_dequant_rows.restype = _int
+            lib.qp_gguf_isa_supported.argtypes = [_int]
+            lib.qp_gguf_isa_supported.restype = _int
+            lib.qp_gguf_best_isa.argtypes = []
+            lib.qp_gguf_best_isa.restype = _int
             _lib = lib
         except (OSError, RuntimeError, subprocess.SubprocessError) as e:
             _why_not = f"building the C kernels in {CSRC} failed: {e}"

@@ -1,0 +1,225 @@
+"""A GGUF file as a qpage model: its config (from llama.cpp's metadata keys), its tokenizer and
+chat template (built by transformers from the metadata), and its tensors under Hugging Face
+names, quantized ones still in their blocks (``GgufTensor``).
+
+llama.cpp stores a Llama's q and k projections with each head's rows interleaved for its
+rotary layout; they are put back in Hugging Face order here, on whole rows, which for block
+formats are whole runs of blocks, so packed data moves without being decoded. Qwen files
+are stored in Hugging Face order already.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf.quants import dequantize
+
+from qpage.config import cache_root
+from qpage.formats.gguf_reader import BF16, F16, F32, GgufFile, GgufFormatError, TensorInfo
+
+logger = logging.getLogger("qpage")
+
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+"""GGUF ``general.architecture`` -> the Hugging Face class qpage runs it as (Mistral files say "llama")."""
+PERMUTED = ("llama",)
+"""Architectures whose q/k rows llama.cpp's converter interleaves."""
+
+_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+}
+_TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+              "output.weight": "lm_head.weight"}
+_IGNORED = ("rope_freqs.weight",)
+
+
+@dataclass(frozen=True)
+class GgufConfig:
+    """The ``quantization_config`` of a GGUF model: each tensor carries its own format."""
+
+    quant_method: str = "gguf"
+
+
+@dataclass
+class GgufTensor:
+    """A quantized tensor as stored: ``rows`` uint8 [out_features, bytes per row] (a view of
+    the file or a reordered copy), its ggml type, and its shape [out_features, in_features]."""
+
+    rows: np.ndarray
+    ggml_type: int
+    shape: tuple[int, int]
+    name: str
+    """The GGUF tensor name (for errors)."""
+
+    def dequantize(self) -> torch.Tensor:
+        """fp32 [out, in] through the ``gguf`` package (the reference dequantization)."""
+        return torch.from_numpy(np.ascontiguousarray(dequantize(self.rows, self.ggml_type), dtype=np.float32))
+
+
+def is_gguf(path: Path) -> bool:
+    return path.is_file() and path.suffix.lower() == ".gguf"
+
+
+def hf_config(f: GgufFile) -> dict[str, Any]:
+    """The file's model shape as a Hugging Face ``config.json`` dict (``models.arch`` parses it)."""
+    arch = f.require("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise GgufFormatError(f"{f.path}: architecture {arch!r} is not supported; qpage runs GGUF files of "
+                              f"{', '.join(ARCHITECTURES)} (Llama 2/3, Mistral, SmolLM, Qwen2/2.5, Qwen3)")
+    if "rope_freqs.weight" in f.tensors:
+        raise GgufFormatError(f"{f.path}: rope_freqs.weight (Llama 3.1-style rotary frequency factors) is not "
+                              "supported yet in GGUF files; run the model's safetensors checkpoint instead")
+    scaling = f.get(f"{arch}.rope.scaling.type")
+    if scaling not in (None, "none"):
+        raise GgufFormatError(f"{f.path}: rotary scaling {scaling!r} is not supported yet in GGUF files")
+    heads = _positive(f, f"{arch}.attention.head_count")
+    hidden = _positive(f, f"{arch}.embedding_length")
+    vocab = f.get(f"{arch}.vocab_size") or len(f.get("tokenizer.ggml.tokens") or [])
+    if not vocab and "token_embd.weight" in f.tensors:
+        vocab = f.tensors["token_embd.weight"].shape[0]
+    cfg: dict[str, Any] = {
+        "architectures": [ARCHITECTURES[arch]],
+        "hidden_size": hidden,
+        "intermediate_size": int(f.require(f"{arch}.feed_forward_length")),
+        "num_hidden_layers": int(f.require(f"{arch}.block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(f.get(f"{arch}.attention.head_count_kv", heads)),
+        "head_dim": int(f.get(f"{arch}.attention.key_length", hidden // heads)),
+        "rms_norm_eps": float(f.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(f.get(f"{arch}.rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(f.get(f"{arch}.context_length", 4096)),
+        "vocab_size": int(vocab),
+        "tie_word_embeddings": "output.weight" not in f.tensors,
+        "attention_bias": "blk.0.attn_q.bias" in f.tensors and arch != "qwen2",
+        "torch_dtype": "float16",
+        "quantization_config": {"quant_method": "gguf"},
+    }
+    window = f.get(f"{arch}.attention.sliding_window")
+    if window:
+        cfg["sliding_window"] = int(window)
+        cfg["use_sliding_window"] = True
+    return cfg
+
+
+def _positive(f: GgufFile, key: str) -> int:
+    v = f.require(key)
+    if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+        raise GgufFormatError(f"{f.path}: metadata {key} is {v!r}; expected a positive integer")
+    return v
+
+
+def _unpermute(rows: np.ndarray, heads: int) -> np.ndarray:
+    """Undo llama.cpp's interleave of each head's rotary halves: its row (head, j, i) holds
+    Hugging Face row (head, i, j), i < 2, j < head_dim / 2 (rows stay whole)."""
+    n = rows.shape[0]
+    return rows[np.arange(n).reshape(heads, n // heads // 2, 2).swapaxes(1, 2).reshape(n)]
+
+
+def hf_name(name: str) -> str | None:
+    """The Hugging Face name of a GGUF tensor, None for tensors qpage does not use."""
+    if name in _TOP_NAMES:
+        return _TOP_NAMES[name]
+    if name in _IGNORED:
+        return None
+    parts = name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    raise GgufFormatError(f"tensor {name!r} is not part of a model qpage runs")
+
+
+def iter_tensors(f: GgufFile) -> Iterator[tuple[str, str, torch.Tensor | GgufTensor]]:
+    """(file name, Hugging Face name, value): float tensors as fp32 torch tensors, block formats
+    as ``GgufTensor``; q/k rows in Hugging Face order."""
+    arch = f.require("general.architecture")
+    heads = _positive(f, f"{arch}.attention.head_count")
+    kv_heads = f.get(f"{arch}.attention.head_count_kv", heads)
+    for name, info in f.tensors.items():
+        target = hf_name(name)
+        if target is None:
+            continue
+        value = _value(f, info)
+        if arch in PERMUTED and name.endswith(("attn_q.weight", "attn_k.weight", "attn_q.bias", "attn_k.bias")):
+            h = heads if ".attn_q." in name else kv_heads
+            if not isinstance(h, int) or h <= 0 or info.shape[0] % (2 * h):
+                raise GgufFormatError(f"{f.path}: tensor {name!r} has {info.shape[0]} rows, not a whole number of "
+                                      f"rotary head pairs for {h} heads; the file and its metadata disagree")
+            value = _permuted(value, h)
+        yield f.path.name, target, value
+
+
+def _value(f: GgufFile, info: TensorInfo) -> torch.Tensor | GgufTensor:
+    data = f.data(info.name)
+    if info.ggml_type in (F32, F16):
+        return torch.from_numpy(data.astype(np.float32))
+    if info.ggml_type == BF16:
+        bits = data.reshape(-1).view(np.uint16).astype(np.uint32) << 16
+        return torch.from_numpy(bits.view(np.float32).reshape(info.shape))
+    if len(info.shape) != 2:
+        raise GgufFormatError(f"{f.path}: tensor {info.name!r} is a {len(info.shape)}-d {info.type_name} tensor; "
+                              "qpage reads quantized tensors as 2-d weights only")
+    return GgufTensor(data, info.ggml_type, (info.shape[0], info.shape[1]), info.name)
+
+
+def _permuted(value: torch.Tensor | GgufTensor, heads: int) -> torch.Tensor | GgufTensor:
+    if isinstance(value, GgufTensor):
+        return GgufTensor(_unpermute(value.rows, heads), value.ggml_type, value.shape, value.name)
+    flat = value.reshape(value.shape[0], -1).numpy()
+    return torch.from_numpy(_unpermute(flat, heads).reshape(value.shape))
+
+
+def load_tokenizer(f: GgufFile) -> Any:
+    """The tokenizer and chat template the metadata describes, built by transformers; the
+    built tokenizer is cached under ``$QPAGE_CACHE/tokenizers`` (keyed by the file's path,
+    size and modification time, written then renamed), since building it reads the whole
+    vocabulary and takes about a second."""
+    from transformers import PreTrainedTokenizerFast
+
+    tok_file, config_file = _tokenizer_cache(f.path)
+    try:
+        config = json.loads(config_file.read_text())
+        return PreTrainedTokenizerFast(tokenizer_file=str(tok_file), **config)
+    except Exception as e:  # not cached yet, or unreadable (tokenizers raises plain Exception): build it
+        logger.debug("building the tokenizer of %s (%s)", f.path, e)
+    try:
+        from transformers.integrations.gguf import convert_gguf_tokenizer, get_gguf_tokenizer
+
+        arch, tok, tok_config = get_gguf_tokenizer(str(f.path))
+        backend, extra = convert_gguf_tokenizer(arch, tok)
+    except (ImportError, KeyError, ValueError) as e:
+        raise GgufFormatError(f"{f.path}: cannot build the tokenizer from the GGUF metadata ({e}); the file needs "
+                              "tokenizer.ggml.model and tokenizer.ggml.tokens") from None
+    config = {**tok_config, **extra}
+    try:
+        tok_file.parent.mkdir(parents=True, exist_ok=True)
+        for dst, text in ((tok_file, backend.to_str()), (config_file, json.dumps(config))):  # config last: it marks
+            tmp = dst.with_name(f"{dst.name}.tmp-{os.getpid()}")                           # the pair complete
+            tmp.write_text(text)
+            tmp.replace(dst)
+    except (OSError, TypeError) as e:  # a read-only cache folder: build it again next time
+        logger.debug("could not cache the tokenizer of %s: %s", f.path, e)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, **config)
+
+
+def _tokenizer_cache(path: Path) -> tuple[Path, Path]:
+    """(tokenizer.json, its transformers settings) for this file's built tokenizer."""
+    st = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    base = cache_root() / "tokenizers" / f"{path.stem}-{key}"
+    return base.with_name(base.name + ".tokenizer.json"), base.with_name(base.name + ".config.json")
+
+
+def eos_token_ids(f: GgufFile) -> set[int]:
+    """The end-of-sequence ids the metadata names (end of text and end of turn)."""
+    keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+    return {int(f.get(k)) for k in keys if f.get(k) is not None}

@@ -1,0 +1,142 @@
+/* A whole decode step of a Llama-family model in one call: every decoder layer, for rows
+ * that each add one token to a sequence, with weights in llama.cpp's block formats
+ * (cpu_gguf.c) and an fp32 paged KV cache (cpu_attention.c).
+ *
+ * Why: at batch 1 the default model's weights are read in a few milliseconds, while the
+ * Python around ~10 kernel calls per layer cost more than that; here each layer is the same
+ * calls made from C. It computes what LlamaForCausalLM.forward computes with the same
+ * kernels in the same order (vLLM's residual form: the layer output is h + residual, the add
+ * fused into the next norm), so its results equal the Python path's
+ * (tests/models/test_fused_decode.py).
+ *
+ * Per layer: residual += h; x = rms_norm(residual) (layer 0: residual = h); qkv = x W_qkv (+ b);
+ * rotary on the q and k heads; k, v written at their slots; attention over each sequence's
+ * blocks; h = attn W_o; residual += h; x = rms_norm(residual); h = silu(x W_gate) * (x W_up) W_down.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* cpu_gguf.c */
+void qp_quantize_act(const float *x, int64_t ldx, int m, int k, int8_t *q, float *d, float *s);
+int qp_gguf_matmul(int type, const uint8_t *w, int64_t n, int k, const int8_t *xq, const float *xd, const float *xs,
+                   int m, float *out, int64_t ldo, int threads, int isa);
+/* cpu_ops.c */
+void qp_rms_norm_f32(const float *x, int64_t x_stride, float *out, const float *w, int rows, int dim, float eps);
+void qp_add_rms_norm_f32(float *x, float *residual, const float *w, int rows, int dim, float eps);
+void qp_silu_mul_f32(const float *gate_up, int64_t gu_stride, float *out, int rows, int inter);
+int qp_rope_f32(float *x, int64_t x_stride, const float *cos, const float *sin, int rows, int heads, int head_dim);
+/* cpu_attention.c */
+int qp_paged_decode_f32(const float *q, int64_t q_seq_stride, const float *k_cache, const float *v_cache,
+                        const int64_t *block_table, int64_t table_stride, int64_t table_cols,
+                        const int64_t *seq_lens, float *out, int num_seqs, int num_heads, int num_kv_heads,
+                        int head_dim, int block_size, float scale, int64_t num_blocks);
+int qp_write_kv_f32(const float *k, int64_t k_stride, const float *v, int64_t v_stride, float *k_cache,
+                    float *v_cache, const int64_t *slots, int num_tokens, int64_t row, int64_t num_slots);
+
+/* Output columns [col0, col0 + n) of a projection, one packed weight (cpu_gguf.c's layout). */
+typedef struct {
+    int32_t type, pad;
+    const uint8_t *w;
+    int64_t n, col0;
+} qp_piece;
+
+/* A projection: its pieces (in column order) and an optional bias [n]. */
+typedef struct {
+    const qp_piece *pieces;
+    int32_t num_pieces, pad;
+    const float *bias;
+} qp_proj;
+
+typedef struct {
+    const float *in_norm, *post_norm; /* [hidden] */
+    qp_proj qkv, o, gate_up, down;
+    float *k_cache, *v_cache; /* [num_blocks, block_size, kv_heads, head_dim] */
+} qp_layer;
+
+/* Decode rows [start, end) whose sequences share one block table layout. */
+typedef struct {
+    int32_t start, end;
+    const int64_t *block_table;
+    int64_t table_stride, table_cols;
+    const int64_t *seq_lens;
+} qp_group;
+
+typedef struct {
+    int32_t hidden, heads, kv_heads, head_dim, inter, block_size, threads, pad;
+    float eps, scale;
+    int64_t num_blocks;
+} qp_shape;
+
+/* out[rows, n] = x[rows, k] W^T (+ bias) over the projection's pieces. */
+static int project(const qp_proj *p, const float *x, int rows, int k, float *out, int64_t n, int8_t *q, float *d,
+                   float *s, int threads) {
+    qp_quantize_act(x, k, rows, k, q, d, s);
+    for (int i = 0; i < p->num_pieces; i++) {
+        const qp_piece *c = p->pieces + i;
+        if (qp_gguf_matmul(c->type, c->w, c->n, k, q, d, s, rows, out + c->col0, n, threads, 0) != 0) return -1;
+    }
+    if (p->bias)
+        for (int r = 0; r < rows; r++)
+            for (int64_t j = 0; j < n; j++) out[r * n + j] += p->bias[j];
+    return 0;
+}
+
+/* h [rows, hidden]: the embedding output in, the last layer's MLP output out; residual
+ * [rows, hidden] out. cos, sin [rows, head_dim] (sin signed as qp_rope_f32 takes it).
+ * Returns 0, -1 (a weight format or head size this build cannot run), -2 (a slot, seq_len or
+ * block id out of range; checked before anything is read), -3 (out of memory). */
+int qp_gguf_decode_layers(const qp_layer *layers, int num_layers, const qp_shape *sh, float *h, float *residual,
+                          int rows, const float *cos, const float *sin, const int64_t *slots, const qp_group *groups,
+                          int num_groups) {
+    const int hd = sh->head_dim, hidden = sh->hidden, inter = sh->inter;
+    const int64_t qkv_n = (int64_t)(sh->heads + 2 * sh->kv_heads) * hd, q_n = (int64_t)sh->heads * hd;
+    const int64_t widest = qkv_n > 2 * inter ? qkv_n : 2 * inter, k_max = hidden > inter ? hidden : inter;
+    const int64_t k_max2 = k_max > q_n ? k_max : q_n;
+    float *qkv = malloc(sizeof(float) * (size_t)(rows * widest));
+    float *attn = malloc(sizeof(float) * (size_t)(rows * (q_n > inter ? q_n : inter)));
+    int8_t *aq = malloc((size_t)(rows * k_max2));
+    float *ad = malloc(sizeof(float) * (size_t)(rows * (k_max2 / 32 + 1)));
+    float *as = malloc(sizeof(float) * (size_t)(rows * (k_max2 / 32 + 1)));
+    int rc = (qkv && attn && aq && ad && as) ? 0 : -3;
+    const int64_t num_slots = sh->num_blocks * sh->block_size;
+    for (int l = 0; l < num_layers && rc == 0; l++) {
+        const qp_layer *L = layers + l;
+        if (l == 0) {
+            memcpy(residual, h, sizeof(float) * (size_t)rows * (size_t)hidden);
+            qp_rms_norm_f32(residual, hidden, h, L->in_norm, rows, hidden, sh->eps);
+        } else {
+            qp_add_rms_norm_f32(h, residual, L->in_norm, rows, hidden, sh->eps);
+        }
+        if ((rc = project(&L->qkv, h, rows, hidden, qkv, qkv_n, aq, ad, as, sh->threads))) break;
+        if (qp_rope_f32(qkv, qkv_n, cos, sin, rows, sh->heads + sh->kv_heads, hd)) {
+            rc = -1; /* a head size rotary cannot run */
+            break;
+        }
+        if (qp_write_kv_f32(qkv + q_n, qkv_n, qkv + q_n + (int64_t)sh->kv_heads * hd, qkv_n, L->k_cache, L->v_cache,
+                            slots, rows, (int64_t)sh->kv_heads * hd, num_slots)) {
+            rc = -2;
+            break;
+        }
+        for (int g = 0; g < num_groups && rc == 0; g++) {
+            const qp_group *G = groups + g;
+            const int r = qp_paged_decode_f32(qkv + G->start * qkv_n, qkv_n, L->k_cache, L->v_cache, G->block_table,
+                                              G->table_stride, G->table_cols, G->seq_lens, attn + G->start * q_n,
+                                              G->end - G->start, sh->heads, sh->kv_heads, hd, sh->block_size,
+                                              sh->scale, sh->num_blocks);
+            rc = r == -2 ? -2 : r != 0 ? -3 : 0; /* the attention's -1: its scratch allocation failed */
+        }
+        if (rc) break;
+        if ((rc = project(&L->o, attn, rows, (int)q_n, h, hidden, aq, ad, as, sh->threads))) break;
+        qp_add_rms_norm_f32(h, residual, L->post_norm, rows, hidden, sh->eps);
+        if ((rc = project(&L->gate_up, h, rows, hidden, qkv, 2 * (int64_t)inter, aq, ad, as, sh->threads))) break;
+        qp_silu_mul_f32(qkv, 2 * (int64_t)inter, attn, rows, inter);
+        if ((rc = project(&L->down, attn, rows, inter, h, hidden, aq, ad, as, sh->threads))) break;
+    }
+    free(qkv);
+    free(attn);
+    free(aq);
+    free(ad);
+    free(as);
+    return rc;
+}

@@ -1,0 +1,387 @@
+/* Matmuls on weights in llama.cpp's block formats: out[M, N] = x[M, K] . W[N, K]^T.
+ *
+ * Formats (per row, K/32 blocks of 32 weights; fp16 d and m): Q4_0 (18 B: d, 16 B of nibbles;
+ * w = d (q - 8)), Q4_1 (20 B: d, m, nibbles; w = d q + m), Q8_0 (34 B: d, 32 int8; w = d q).
+ * In a nibble block byte j holds weight j in its low and weight j + 16 in its high half.
+ *
+ * Kernel layout ("x16", same bytes as the file): rows in groups of 16; a group holds its
+ * blocks in order, and block b of a group is the 16 rows' d (16 fp16), for Q4_1 their m
+ * (16 fp16), then the codes as 64-byte vectors whose 4-byte lane j belongs to row j:
+ *   Q4: 4 vectors; vector c, lane j = bytes 4c..4c+3 of row j's nibbles, so its low nibbles
+ *       are weights 4c..4c+3 and its high nibbles weights 16+4c..16+4c+3;
+ *   Q8: 8 vectors; vector t, lane j = weights 4t..4t+3 of row j, stored + 128 (unsigned).
+ * One dpbusd of a code vector with 4 activation bytes broadcast adds 4 products to each of
+ * 16 rows, so a block's 16 integer dot products end in 16 lanes with no horizontal sums, and
+ * the 16 rows' scales convert in one instruction. Q8_0's + 128 makes its codes unsigned (what
+ * dpbusd takes); the extra 128 sum(x) per block is removed with the activations' sums.
+ *
+ * Activations are quantized once per row to int8 blocks (qp_quantize_act): codes qx, scale
+ * dx = amax / 127, and xs = dx sum(qx). Per block, row n gets
+ *   d_n dx isum_n + o_n xs,   o = m (Q4_1), -8 d (Q4_0), -128 d (Q8_0 as stored).
+ *
+ * Paths, chosen at run time (each compiled with its own target attributes, so every path
+ * this CPU has can run and be tested): AVX-512 VNNI, AVX2 (maddubs + madd: two 8-row halves; Q8 codes go back to signed there,
+ * since maddubs saturates on 255 x 127 pairs) and portable C. Groups are split across OpenMP
+ * threads; each group's block is unpacked once for up to 4 activation rows.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include "qp_half.h"
+
+enum { QT_Q4_0 = 2, QT_Q4_1 = 3, QT_Q8_0 = 8 };
+enum { ISA_AUTO = 0, ISA_SCALAR = 1, ISA_AVX2 = 2, ISA_VNNI = 3 };
+enum { BLOCK = 32, ROWS = 16, MT_MAX = 4 };
+
+#define VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
+#define AVX2_TARGET __attribute__((target("avx2,f16c,fma")))
+#define INLINE static inline __attribute__((always_inline))
+
+/* Bytes of one row's block in the file; a group's block is 16 times that. */
+static int block_bytes(int type) {
+    return type == QT_Q4_0 ? 18 : type == QT_Q4_1 ? 20 : type == QT_Q8_0 ? 34 : 0;
+}
+
+/* Where a group's block keeps its codes (after d, and m for Q4_1). */
+static inline int codes_at(int type) { return type == QT_Q4_1 ? 64 : 32; }
+
+/* The per-block offset factor o / d for the formats whose offset is a multiple of d. */
+static inline float offset_mul(int type) { return type == QT_Q4_0 ? -8.0f : -128.0f; }
+
+static inline uint16_t rd16(const uint8_t *p) {
+    uint16_t v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline int32_t rd32(const void *p) {
+    int32_t v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* ------------------------------------------------------------------ layout */
+
+/* File rows src [n, k/32 blocks] -> rows [first_row, first_row + n) of an x16 weight dst
+ * (first_row a multiple of 16; rows of the last group past n are 0). Groups in parallel. */
+int qp_gguf_repack(int type, const uint8_t *src, int64_t n, int k, uint8_t *dst, int64_t first_row, int threads) {
+    const int bs = block_bytes(type), nb = k / BLOCK, at = codes_at(type);
+    if (bs == 0 || k % BLOCK || first_row % ROWS) return -1;
+    const int64_t groups = (n + ROWS - 1) / ROWS, gbs = (int64_t)ROWS * bs, row_bytes = (int64_t)nb * bs;
+    uint8_t *base = dst + first_row / ROWS * nb * gbs;
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(threads > 0 ? threads : 1) schedule(static)
+#endif
+    for (int64_t g = 0; g < groups; g++) {
+        memset(base + g * nb * gbs, 0, (size_t)(nb * gbs));
+        for (int b = 0; b < nb; b++) {
+            uint8_t *out = base + (g * nb + b) * gbs;
+            for (int j = 0; j < ROWS && g * ROWS + j < n; j++) {
+                const uint8_t *blk = src + (g * ROWS + j) * row_bytes + (int64_t)b * bs;
+                memcpy(out + 2 * j, blk, 2);
+                if (type == QT_Q4_1) memcpy(out + 32 + 2 * j, blk + 2, 2);
+                const uint8_t *qs = blk + (type == QT_Q4_1 ? 4 : 2);
+                const int vecs = type == QT_Q8_0 ? 8 : 4;
+                for (int c = 0; c < vecs; c++) {
+                    uint32_t lane;
+                    memcpy(&lane, qs + 4 * c, 4);
+                    if (type == QT_Q8_0) lane ^= 0x80808080u;
+                    memcpy(out + at + 64 * c + 4 * j, &lane, 4);
+                }
+            }
+        }
+    }
+#ifndef _OPENMP
+    (void)threads;
+#endif
+    return 0;
+}
+
+/* Rows ids[i] (< n) of an x16 weight, dequantized into out [count, k] exactly as llama.cpp
+ * dequantizes them. Returns 0, -1 for an unknown format, -2 for an id outside [0, n). */
+int qp_gguf_dequant_rows(int type, const uint8_t *w, int64_t n, int k, const int64_t *ids, int64_t count,
+                         float *out) {
+    const int bs = block_bytes(type), nb = k / BLOCK, at = codes_at(type);
+    if (bs == 0 || k % BLOCK) return -1;
+    for (int64_t i = 0; i < count; i++)
+        if (ids[i] < 0 || ids[i] >= n) return -2;
+    for (int64_t i = 0; i < count; i++) {
+        const int64_t g = ids[i] / ROWS;
+        const int j = (int)(ids[i] % ROWS);
+        for (int b = 0; b < nb; b++) {
+            const uint8_t *blk = w + (g * nb + b) * (int64_t)ROWS * bs;
+            float *o = out + i * k + b * BLOCK;
+            const float d = half_to_f32(rd16(blk + 2 * j));
+            if (type == QT_Q8_0) {
+                for (int t = 0; t < BLOCK; t++) o[t] = d * (float)((int)blk[at + 64 * (t / 4) + 4 * j + t % 4] - 128);
+                continue;
+            }
+            const int shift = type == QT_Q4_0 ? 8 : 0;
+            const float m = type == QT_Q4_1 ? half_to_f32(rd16(blk + 32 + 2 * j)) : 0.0f;
+            for (int t = 0; t < 16; t++) {
+                const uint8_t q = blk[at + 64 * (t / 4) + 4 * j + t % 4];
+                o[t] = d * (float)((q & 15) - shift) + m;
+                o[t + 16] = d * (float)((q >> 4) - shift) + m;
+            }
+        }
+    }
+    return 0;
+}
+
+/* ------------------------------------------------------------------ activations */
+
+/* x fp32 [m, k] (row stride ldx, k % 32 == 0) -> qx int8 [m, k], dx and xs float [m, k / 32]. */
+void qp_quantize_act(const float *x, int64_t ldx, int m, int k, int8_t *q, float *d, float *s) {
+    const int nb = k / BLOCK;
+    for (int r = 0; r < m; r++) {
+        for (int b = 0; b < nb; b++) {
+            const float *xb = x + r * ldx + b * BLOCK;
+            float amax = 0.0f;
+            for (int j = 0; j < BLOCK; j++) {
+                const float a = xb[j] < 0 ? -xb[j] : xb[j];
+                amax = (a > amax || a != a) ? a : amax; /* a NaN sticks */
+            }
+            int8_t *qb = q + (int64_t)r * k + b * BLOCK;
+            if (!(amax <= 3.4e38f)) { /* a NaN or infinity: no codes, and the block's outputs become NaN */
+                memset(qb, 0, BLOCK);
+                d[(int64_t)r * nb + b] = s[(int64_t)r * nb + b] = NAN;
+                continue;
+            }
+            const float inv = amax > 0 ? 127.0f / amax : 0.0f;
+            int sum = 0;
+            for (int j = 0; j < BLOCK; j++) {
+                /* Round to nearest even by adding and subtracting 1.5 * 2^23 (vectorizes). */
+                const float v = (xb[j] * inv + 12582912.0f) - 12582912.0f;
+                qb[j] = (int8_t)v;
+                sum += (int)v;
+            }
+            d[(int64_t)r * nb + b] = amax / 127.0f;
+            s[(int64_t)r * nb + b] = amax / 127.0f * (float)sum;
+        }
+    }
+}
+
+/* The arguments every path takes: one group of 16 rows, MT activation rows. */
+typedef struct {
+    const uint8_t *w; /* the group's first block */
+    int nb;
+    const int8_t *xq;
+    const float *xd, *xs;
+    float *out; /* out[r * ldo + j] for row j of the group */
+    int64_t ldo;
+    int rows; /* valid rows of the group (<= 16) */
+} group_args;
+
+/* ------------------------------------------------------------------ portable C */
+
+static void group_scalar(int type, const group_args *a, int mt) {
+    const int bs = block_bytes(type), at = codes_at(type), k = a->nb * BLOCK;
+    for (int r = 0; r < mt; r++)
+        for (int j = 0; j < a->rows; j++) {
+            float acc = 0.0f;
+            for (int b = 0; b < a->nb; b++) {
+                const uint8_t *blk = a->w + (int64_t)b * ROWS * bs;
+                const int8_t *x = a->xq + (int64_t)r * k + b * BLOCK;
+                int isum = 0;
+                for (int c = 0; c < (type == QT_Q8_0 ? 8 : 4); c++)
+                    for (int u = 0; u < 4; u++) {
+                        const int q = blk[at + 64 * c + 4 * j + u];
+                        isum += type == QT_Q8_0 ? q * x[4 * c + u] : (q & 15) * x[4 * c + u] + (q >> 4) * x[16 + 4 * c + u];
+                    }
+                const float d = half_to_f32(rd16(blk + 2 * j));
+                const float o = type == QT_Q4_1 ? half_to_f32(rd16(blk + 32 + 2 * j)) : offset_mul(type) * d;
+                const int64_t xi = (int64_t)r * a->nb + b;
+                acc += d * a->xd[xi] * (float)isum + o * a->xs[xi];
+            }
+            a->out[r * a->ldo + j] = acc;
+        }
+}
+
+/* ------------------------------------------------------------------ AVX2 */
+
+/* Rows half*8 .. half*8+7 of the group, MT activation rows. */
+AVX2_TARGET INLINE void avx2_half(const int type, const int MT, const group_args *a, int half) {
+    const int bs = block_bytes(type), at = codes_at(type), k = a->nb * BLOCK;
+    const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(15), flip = _mm256_set1_epi8((char)0x80);
+    __m256 acc[MT_MAX];
+    for (int r = 0; r < MT; r++) acc[r] = _mm256_setzero_ps();
+    for (int b = 0; b < a->nb; b++) {
+        const uint8_t *blk = a->w + (int64_t)b * ROWS * bs;
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16 * half)));
+        const __m256 o = type == QT_Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 32 + 16 * half)))
+                                         : _mm256_mul_ps(d, _mm256_set1_ps(offset_mul(type)));
+        __m256i wv[8];
+        if (type == QT_Q8_0) {
+            for (int t = 0; t < 8; t++)
+                wv[t] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(blk + at + 64 * t + 32 * half)), flip);
+        } else {
+            for (int c = 0; c < 4; c++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + at + 64 * c + 32 * half));
+                wv[c] = _mm256_and_si256(v, low);
+                wv[4 + c] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+            }
+        }
+        for (int r = 0; r < MT; r++) {
+            const int8_t *x = a->xq + (int64_t)r * k + b * BLOCK;
+            __m256i isum = _mm256_setzero_si256();
+            for (int t = 0; t < 8; t++) {
+                /* Q4: wv[c] pairs with x[4c..], wv[4+c] with x[16+4c..]; Q8: wv[t] with x[4t..]. */
+                const int xo = type == QT_Q8_0 ? 4 * t : t < 4 ? 4 * t : 16 + 4 * (t - 4);
+                __m256i xv = _mm256_set1_epi32(rd32(x + xo)), wu = wv[t];
+                if (type == QT_Q8_0) xv = _mm256_sign_epi8(xv, wu), wu = _mm256_abs_epi8(wu);
+                isum = _mm256_add_epi32(isum, _mm256_madd_epi16(_mm256_maddubs_epi16(wu, xv), ones));
+            }
+            const int64_t xi = (int64_t)r * a->nb + b;
+            const __m256 dot = _mm256_cvtepi32_ps(isum);
+            /* Q8_0 codes are signed here, so its offset term is 0. */
+            acc[r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, _mm256_set1_ps(a->xd[xi])), acc[r]);
+            if (type != QT_Q8_0) acc[r] = _mm256_fmadd_ps(o, _mm256_set1_ps(a->xs[xi]), acc[r]);
+        }
+    }
+    for (int r = 0; r < MT; r++) {
+        float tmp[8];
+        _mm256_storeu_ps(tmp, acc[r]);
+        for (int j = 0; j < 8 && 8 * half + j < a->rows; j++) a->out[r * a->ldo + 8 * half + j] = tmp[j];
+    }
+}
+
+AVX2_TARGET static void group_avx2(int type, const group_args *a, int mt) {
+    for (int half = 0; half < 2 && 8 * half < a->rows; half++) {
+#define AVX2_CASE(T) \
+    switch (mt) { \
+    case 1: avx2_half(T, 1, a, half); break; \
+    case 2: avx2_half(T, 2, a, half); break; \
+    case 3: avx2_half(T, 3, a, half); break; \
+    default: avx2_half(T, 4, a, half); break; \
+    }
+        if (type == QT_Q4_0) AVX2_CASE(QT_Q4_0)
+        else if (type == QT_Q4_1) AVX2_CASE(QT_Q4_1)
+        else AVX2_CASE(QT_Q8_0)
+#undef AVX2_CASE
+    }
+}
+
+/* ------------------------------------------------------------------ AVX-512 VNNI */
+
+VNNI_TARGET INLINE void vnni_group(const int type, const int MT, const group_args *a) {
+    const int bs = block_bytes(type), at = codes_at(type), k = a->nb * BLOCK;
+    const __m512i low = _mm512_set1_epi8(15);
+    __m512 acc[MT_MAX];
+    for (int r = 0; r < MT; r++) acc[r] = _mm512_setzero_ps();
+    for (int b = 0; b < a->nb; b++) {
+        const uint8_t *blk = a->w + (int64_t)b * ROWS * bs;
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
+        const __m512 o = type == QT_Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 32)))
+                                         : _mm512_mul_ps(d, _mm512_set1_ps(offset_mul(type)));
+        __m512i wv[8];
+        if (type == QT_Q8_0) {
+            for (int t = 0; t < 8; t++) wv[t] = _mm512_loadu_si512(blk + at + 64 * t);
+        } else {
+            for (int c = 0; c < 4; c++) {
+                const __m512i v = _mm512_loadu_si512(blk + at + 64 * c);
+                wv[c] = _mm512_and_si512(v, low);
+                wv[4 + c] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+            }
+        }
+        for (int r = 0; r < MT; r++) {
+            const int8_t *x = a->xq + (int64_t)r * k + b * BLOCK;
+            /* Two chains, so consecutive dpbusds do not wait on each other. */
+            __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+            for (int t = 0; t < 8; t += 2) {
+                const int x0 = type == QT_Q8_0 ? 4 * t : t < 4 ? 4 * t : 16 + 4 * (t - 4);
+                const int x1 = type == QT_Q8_0 ? 4 * t + 4 : t + 1 < 4 ? 4 * t + 4 : 16 + 4 * (t - 3);
+                s0 = _mm512_dpbusd_epi32(s0, wv[t], _mm512_set1_epi32(rd32(x + x0)));
+                s1 = _mm512_dpbusd_epi32(s1, wv[t + 1], _mm512_set1_epi32(rd32(x + x1)));
+            }
+            const int64_t xi = (int64_t)r * a->nb + b;
+            const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
+            acc[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(d, _mm512_set1_ps(a->xd[xi])), acc[r]);
+            acc[r] = _mm512_fmadd_ps(o, _mm512_set1_ps(a->xs[xi]), acc[r]);
+        }
+    }
+    const __mmask16 keep = (__mmask16)((1u << a->rows) - 1);
+    for (int r = 0; r < MT; r++) _mm512_mask_storeu_ps(a->out + r * a->ldo, keep, acc[r]);
+}
+
+VNNI_TARGET static void group_vnni(int type, const group_args *a, int mt) {
+#define VNNI_CASE(T) \
+    switch (mt) { \
+    case 1: vnni_group(T, 1, a); break; \
+    case 2: vnni_group(T, 2, a); break; \
+    case 3: vnni_group(T, 3, a); break; \
+    default: vnni_group(T, 4, a); break; \
+    }
+    if (type == QT_Q4_0) VNNI_CASE(QT_Q4_0)
+    else if (type == QT_Q4_1) VNNI_CASE(QT_Q4_1)
+    else VNNI_CASE(QT_Q8_0)
+#undef VNNI_CASE
+}
+
+/* ------------------------------------------------------------------ entry points */
+
+typedef void (*group_fn)(int, const group_args *, int);
+
+/* 1 when this CPU can run the path (ISA_AUTO: the best one it can), else 0. */
+int qp_gguf_isa_supported(int isa) {
+    __builtin_cpu_init();
+    const int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                     __builtin_cpu_supports("f16c");
+    switch (isa) {
+    case ISA_AUTO:
+    case ISA_SCALAR: return 1;
+    case ISA_AVX2: return avx2;
+    case ISA_VNNI:
+        return avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+               __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+    default: return 0;
+    }
+}
+
+/* The path ISA_AUTO resolves to. */
+int qp_gguf_best_isa(void) {
+    return qp_gguf_isa_supported(ISA_VNNI) ? ISA_VNNI : qp_gguf_isa_supported(ISA_AVX2) ? ISA_AVX2 : ISA_SCALAR;
+}
+
+/* Groups [g0, g1) against all m activation rows, 4 rows at a time. */
+static void run_groups(group_fn f, int type, const uint8_t *w, int64_t n, int nb, const int8_t *xq, const float *xd,
+                       const float *xs, int m, float *out, int64_t ldo, int64_t g0, int64_t g1) {
+    const int64_t gbytes = (int64_t)nb * ROWS * block_bytes(type);
+    for (int64_t g = g0; g < g1; g++)
+        for (int r = 0; r < m; r += MT_MAX) {
+            const int64_t rows = n - g * ROWS;
+            const group_args a = {w + g * gbytes, nb, xq + (int64_t)r * nb * BLOCK, xd + (int64_t)r * nb,
+                                  xs + (int64_t)r * nb, out + r * ldo + g * ROWS, ldo, rows < ROWS ? (int)rows : ROWS};
+            f(type, &a, m - r < MT_MAX ? m - r : MT_MAX);
+        }
+}
+
+/* out[m, n] (row stride ldo) = activations (from qp_quantize_act; k = 32 nb) . W^T, W an x16
+ * weight of n rows. Returns 0, or -1 for a format or path this build or CPU cannot run. */
+int qp_gguf_matmul(int type, const uint8_t *w, int64_t n, int k, const int8_t *xq, const float *xd, const float *xs,
+                   int m, float *out, int64_t ldo, int threads, int isa) {
+    if (block_bytes(type) == 0 || k % BLOCK) return -1;
+    if (isa == ISA_AUTO) isa = qp_gguf_best_isa();
+    if (!qp_gguf_isa_supported(isa)) return -1;
+    const group_fn f = isa == ISA_VNNI ? group_vnni : isa == ISA_AVX2 ? group_avx2 : group_scalar;
+    const int nb = k / BLOCK;
+    const int64_t groups = (n + ROWS - 1) / ROWS;
+    /* Small matmuls stay on one thread: waking the others costs more than they save. */
+    if (n * k * (int64_t)m < (1 << 16) || groups < 2) threads = 1;
+#ifdef _OPENMP
+#pragma omp parallel num_threads(threads > 0 ? threads : 1)
+    {
+        const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads(), per = (groups + nt - 1) / nt;
+        const int64_t g0 = per * t, g1 = g0 + per < groups ? g0 + per : groups;
+        if (g0 < g1) run_groups(f, type, w, n, nb, xq, xd, xs, m, out, ldo, g0, g1);
+    }
+#else
+    (void)threads;
+    run_groups(f, type, w, n, nb, xq, xd, xs, m, out, ldo, 0, groups);
+#endif
+    return 0;
+}

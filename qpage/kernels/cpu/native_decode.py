@@ -1,0 +1,143 @@
+"""A whole decode step in one C call (``csrc/cpu_decode.c``): the per-layer weights, norms and
+caches are described once as C structs (``DecodeStack``), and each step passes the rows'
+hidden states, rotary rows, slots and block tables.
+
+It runs only what it was built for: block-format weights on the native kernels (every
+projection packed, ``native_gguf``), an fp32 paged cache, decode rows only; the caller keeps
+the Python path for everything else and as the reference.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from itertools import pairwise
+
+import torch
+
+from qpage.kernels.cpu.native import as_i64, load
+from qpage.kernels.cpu.native_gguf import PiecewiseMatmul
+
+_p, _i32, _i64, _f = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
+
+
+class _Piece(ctypes.Structure):
+    _fields_ = [("type", _i32), ("pad", _i32), ("w", _p), ("n", _i64), ("col0", _i64)]
+
+
+class _Proj(ctypes.Structure):
+    _fields_ = [("pieces", ctypes.POINTER(_Piece)), ("num_pieces", _i32), ("pad", _i32), ("bias", _p)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("in_norm", _p), ("post_norm", _p), ("qkv", _Proj), ("o", _Proj), ("gate_up", _Proj),
+                ("down", _Proj), ("k_cache", _p), ("v_cache", _p)]
+
+
+class _Group(ctypes.Structure):
+    _fields_ = [("start", _i32), ("end", _i32), ("block_table", _p), ("table_stride", _i64), ("table_cols", _i64),
+                ("seq_lens", _p)]
+
+
+class _Shape(ctypes.Structure):
+    _fields_ = [("hidden", _i32), ("heads", _i32), ("kv_heads", _i32), ("head_dim", _i32), ("inter", _i32),
+                ("block_size", _i32), ("threads", _i32), ("pad", _i32), ("eps", _f), ("scale", _f),
+                ("num_blocks", _i64)]
+
+
+@dataclass
+class LayerWeights:
+    """One decoder layer as the step needs it (tensors fp32 and contiguous)."""
+
+    in_norm: torch.Tensor
+    post_norm: torch.Tensor
+    qkv: PiecewiseMatmul
+    qkv_bias: torch.Tensor | None
+    o: PiecewiseMatmul
+    gate_up: PiecewiseMatmul
+    down: PiecewiseMatmul
+
+
+def unfit_reason(mm: PiecewiseMatmul) -> str | None:
+    """Why a projection cannot run inside the step (None: it can)."""
+    return "a part of it runs on BLAS (a float tensor)" if mm.dense_pieces() else None
+
+
+class DecodeStack:
+    """The decoder layers of one model for ``qp_gguf_decode_layers``; bound to the runner's
+    caches on first use (and again if they change)."""
+
+    def __init__(self, layers: list[LayerWeights], heads: int, kv_heads: int, head_dim: int, eps: float,
+                 scale: float) -> None:
+        lib = load()
+        assert lib is not None, "DecodeStack needs the native kernels; check load() first"
+        lib.qp_gguf_decode_layers.argtypes = [ctypes.POINTER(_Layer), ctypes.c_int, ctypes.POINTER(_Shape), _p, _p,
+                                              ctypes.c_int, _p, _p, _p, ctypes.POINTER(_Group), ctypes.c_int]
+        lib.qp_gguf_decode_layers.restype = ctypes.c_int
+        self._lib, self.layers = lib, layers
+        first = layers[0]
+        self.hidden, self.inter = first.in_norm.numel(), first.down.k
+        self.shape = _Shape(self.hidden, heads, kv_heads, head_dim, self.inter, 0, first.qkv.threads, 0, eps, scale, 0)
+        self._keep: list[object] = []  # what the layer structs point into: ctypes arrays, the caches
+        self._structs: ctypes.Array[_Layer] | None = None
+        self._bound: tuple[object, ...] = ()
+
+    def _proj(self, mm: PiecewiseMatmul, bias: torch.Tensor | None) -> _Proj:
+        pieces = (_Piece * len(mm.packed_pieces()))(*[_Piece(t, 0, w, n, c0) for c0, t, w, n in mm.packed_pieces()])
+        self._keep.append(pieces)
+        return _Proj(pieces, len(pieces), 0, bias.data_ptr() if bias is not None else None)
+
+    def bind(self, caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Point the layer structs at the fp32 caches [num_blocks, block, kv_heads, head_dim]
+        (kept referenced here, so the addresses stay valid while bound)."""
+        key = tuple((t.data_ptr(), tuple(t.shape)) for pair in caches for t in pair)
+        if key == self._bound:
+            return
+        k0 = caches[0][0]
+        want = (k0.shape[0], k0.shape[1], self.shape.kv_heads, self.shape.head_dim)
+        for k, v in caches:
+            if any(t.dtype != torch.float32 or tuple(t.shape) != want or not t.is_contiguous() for t in (k, v)):
+                raise ValueError(f"decode step: caches must be contiguous fp32 {want}, got {k.dtype} {tuple(k.shape)}")
+        self._keep = [caches]
+        structs = (_Layer * len(self.layers))()
+        for s, w, (k, v) in zip(structs, self.layers, caches, strict=True):
+            s.in_norm, s.post_norm = w.in_norm.data_ptr(), w.post_norm.data_ptr()
+            s.qkv, s.o = self._proj(w.qkv, w.qkv_bias), self._proj(w.o, None)
+            s.gate_up, s.down = self._proj(w.gate_up, None), self._proj(w.down, None)
+            s.k_cache, s.v_cache = k.data_ptr(), v.data_ptr()
+        self.shape.num_blocks, self.shape.block_size = want[0], want[1]
+        self._structs, self._bound = structs, key
+
+    def __call__(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot_mapping: torch.Tensor,
+                 groups: list[tuple[int, int, torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """h fp32 [rows, hidden] (the embeddings; overwritten) -> (h, residual) after the last
+        layer; groups: (first row, end row, int64 block table, int64 seq_lens), covering the rows."""
+        assert self._structs is not None, "bind() the caches first"
+        rows, hd = h.shape[0], self.shape.head_dim
+        h = h.contiguous()
+        cos, sin, slots = cos.reshape(rows, -1).contiguous(), sin.reshape(rows, -1).contiguous(), as_i64(slot_mapping)
+        keep = [(as_i64(bt), as_i64(lens)) for _, _, bt, lens in groups]
+        spans = sorted((a, b) for a, b, _, _ in groups)
+        ok = (h.dtype == torch.float32 and tuple(h.shape) == (rows, self.hidden) and cos.shape == (rows, hd)
+              and sin.shape == (rows, hd) and cos.dtype == sin.dtype == torch.float32 and slots.shape == (rows,)
+              and spans and spans[0][0] == 0 and spans[-1][1] == rows
+              and all(a[1] == b[0] for a, b in pairwise(spans))
+              and all(bt.dim() == 2 and bt.shape[0] == b - a and lens.shape == (b - a,)
+                      for (a, b, _, _), (bt, lens) in zip(groups, keep, strict=True)))
+        if not ok:
+            raise ValueError(f"decode step: inputs do not describe {rows} decode rows of hidden {self.hidden} "
+                             f"(h {tuple(h.shape)} {h.dtype}, cos {tuple(cos.shape)}, slots {tuple(slots.shape)}, "
+                             f"groups {spans})")
+        residual = torch.empty_like(h)
+        cg = (_Group * len(groups))(*[_Group(a, b, bt.data_ptr(), bt.stride(0), bt.shape[1], lens.data_ptr())
+                                      for (a, b, _, _), (bt, lens) in zip(groups, keep, strict=True)])
+        rc = self._lib.qp_gguf_decode_layers(self._structs, len(self.layers), ctypes.byref(self.shape), h.data_ptr(),
+                                            residual.data_ptr(), rows, cos.data_ptr(), sin.data_ptr(),
+                                            slots.data_ptr(), cg, len(groups))
+        if rc != 0:
+            raise (MemoryError if rc == -3 else ValueError)(f"decode step: {_ERRORS.get(rc, f'error {rc}')}")
+        return h, residual
+
+
+_ERRORS = {-1: "a weight format or head size the kernels cannot run", -2: "a slot, seq_len or block id outside "
+           "the cache", -3: "out of memory for the step's scratch"}

@@ -1,0 +1,217 @@
+"""Matmuls on weights in llama.cpp's block formats (``csrc/cpu_gguf.c``): the weight keeps
+its file's bytes, regrouped once at load into the kernels' 16-row layout (``repack``);
+activations are quantized to int8 blocks once per call and each block's dot product is an
+integer one (layout and math in the C file).
+
+Formats the kernels run, by ggml type id: Q4_0, Q4_1, Q8_0. ``isa`` picks the instruction
+path ("vnni", "avx2", "scalar"; "auto" is the best this CPU has); the paths agree up to the
+order of float additions. The reference is ``gguf.quants.dequantize`` and an fp32 matmul on
+the same int8-quantized activations (tests/kernels/test_cpu_gguf.py).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass
+from itertools import pairwise
+
+import numpy as np
+import torch
+
+from qpage.kernels.cpu.native import as_i64, load
+
+BLOCK = 32
+ROWS = 16
+"""Rows per group of the kernels' layout; a weight's rows are padded to a multiple."""
+BLOCK_BYTES = {2: 18, 3: 20, 8: 34}
+"""Bytes per 32-weight block of each format the kernels run (ggml type id -> bytes)."""
+ISAS = {"auto": 0, "scalar": 1, "avx2": 2, "vnni": 3}
+ISA_NAMES = {v: k for k, v in ISAS.items()}
+
+
+def num_threads() -> int:
+    """The cores this process may run on (the matmuls split their rows across them)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # pragma: no cover - not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def isa_supported(isa: str) -> bool:
+    """Whether this CPU (and build) can run the instruction path ``isa``."""
+    lib = load()
+    return lib is not None and bool(lib.qp_gguf_isa_supported(ISAS[isa]))
+
+
+def best_isa() -> str:
+    """The path ``auto`` runs here."""
+    lib = load()
+    assert lib is not None, "best_isa needs the native kernels; check load() first"
+    return ISA_NAMES[lib.qp_gguf_best_isa()]
+
+
+def unsupported_reason(ggml_type: int, k: int) -> str | None:
+    """Why the kernels cannot run a weight of this format and row length (None: they can)."""
+    if ggml_type not in BLOCK_BYTES:
+        return f"ggml type {ggml_type} has no native kernel (those run: Q4_0, Q4_1, Q8_0)"
+    if k % BLOCK:
+        return f"rows of {k} weights are not whole 32-weight blocks"
+    return None
+
+
+@dataclass
+class PackedWeight:
+    """A weight [n, k] in the kernels' 16-row layout: ``data`` uint8, the file's bytes for n
+    rows plus zero rows up to a multiple of 16."""
+
+    data: torch.Tensor
+    ggml_type: int
+    n: int
+    k: int
+
+
+def repack(rows: torch.Tensor | np.ndarray | list[np.ndarray], ggml_type: int, k: int) -> PackedWeight:
+    """File rows uint8 [n, k / 32 * block bytes] -> the kernels' layout (a new tensor). A list
+    of row blocks (the parts of a fused projection) is packed as their concatenation; parts
+    other than the last must have a multiple of 16 rows (else they are concatenated first)."""
+    lib = load()
+    assert lib is not None, "repack needs the native kernels; check load() first"
+    parts = [r.numpy() if isinstance(r, torch.Tensor) else r for r in (rows if isinstance(rows, list) else [rows])]
+    if any(p.shape[0] % ROWS for p in parts[:-1]):
+        parts = [np.concatenate(parts)]
+    why = unsupported_reason(ggml_type, k)
+    want = k // BLOCK * BLOCK_BYTES.get(ggml_type, 0)
+    for p in parts:
+        if why is None and (p.dtype != np.uint8 or p.ndim != 2 or p.shape[1] != want):
+            why = f"rows must be uint8 [n, {want}], got {p.dtype} {tuple(p.shape)}"
+    if why is not None:
+        raise ValueError(f"gguf repack: {why}")
+    n = sum(p.shape[0] for p in parts)
+    out = torch.empty(-(-n // ROWS) * ROWS * want, dtype=torch.uint8)
+    first = 0
+    for p in parts:
+        src = np.ascontiguousarray(p)
+        lib.qp_gguf_repack(ggml_type, src.ctypes.data, src.shape[0], k, out.data_ptr(), first, num_threads())
+        first += src.shape[0]
+    return PackedWeight(out, ggml_type, n, k)
+
+
+@dataclass
+class QuantizedActivations:
+    """x [m, k] as int8 blocks: codes q [m, k], scales d [m, k / 32], d * sum(codes) s."""
+
+    q: torch.Tensor
+    d: torch.Tensor
+    s: torch.Tensor
+
+
+def quantize_activations(x: torch.Tensor) -> QuantizedActivations:
+    """fp32 x [m, k] (rows contiguous, k % 32 == 0) -> int8 blocks, per block amax / 127."""
+    lib = load()
+    assert lib is not None, "quantize_activations needs the native kernels; check load() first"
+    m, k = x.shape
+    if x.dtype != torch.float32 or x.device.type != "cpu" or x.stride(1) != 1 or k % BLOCK:
+        raise ValueError(f"quantize_activations: needs fp32 rows of whole 32-blocks on cpu, got {tuple(x.shape)} "
+                         f"{x.dtype} stride {x.stride()}")
+    q = torch.empty(m, k, dtype=torch.int8)
+    d = torch.empty(m, k // BLOCK, dtype=torch.float32)
+    s = torch.empty(m, k // BLOCK, dtype=torch.float32)
+    lib.qp_quantize_act(x.data_ptr(), x.stride(0), m, k, q.data_ptr(), d.data_ptr(), s.data_ptr())
+    return QuantizedActivations(q, d, s)
+
+
+def matmul_into(out: torch.Tensor, act: QuantizedActivations, w: PackedWeight, threads: int | None = None,
+                isa: str = "auto") -> None:
+    """out [m, n] (fp32, rows contiguous; may be a column slice of a wider output) = act . W^T."""
+    lib = load()
+    assert lib is not None, "matmul_into needs the native kernels; check load() first"
+    m, k = act.q.shape
+    if k != w.k or out.dtype != torch.float32 or tuple(out.shape) != (m, w.n) or out.stride(1) != 1:
+        raise ValueError(f"gguf matmul: activations [{m}, {k}] and weight [{w.n}, {w.k}] need fp32 out [{m}, {w.n}] "
+                         f"with contiguous rows, got {out.dtype} {tuple(out.shape)}")
+    rc = lib.qp_gguf_matmul(w.ggml_type, w.data.data_ptr(), w.n, k, act.q.data_ptr(), act.d.data_ptr(),
+                            act.s.data_ptr(), m, out.data_ptr(), out.stride(0), threads or num_threads(), ISAS[isa])
+    if rc != 0:
+        raise ValueError(f"gguf matmul: the {isa} path cannot run on this CPU")
+
+
+def dequantize_rows(w: PackedWeight, ids: torch.Tensor) -> torch.Tensor:
+    """fp32 [*ids.shape, k]: rows ``ids`` of W dequantized, as llama.cpp does (an embedding lookup)."""
+    lib = load()
+    assert lib is not None, "dequantize_rows needs the native kernels; check load() first"
+    idx = as_i64(ids.reshape(-1))
+    out = torch.empty(idx.numel(), w.k, dtype=torch.float32)
+    rc = lib.qp_gguf_dequant_rows(w.ggml_type, w.data.data_ptr(), w.n, w.k, idx.data_ptr(), idx.numel(),
+                                  out.data_ptr())
+    if rc != 0:
+        raise ValueError(f"gguf dequantize_rows: a row id outside [0, {w.n})")
+    return out.reshape(*ids.shape, w.k)
+
+
+_SCRATCH = threading.local()
+"""Per thread: the quantized activations of the matmul running on it."""
+
+Piece = tuple[int, int, "PackedWeight | np.ndarray"]
+"""Output columns [c0, c1) of a matmul and their weight: packed, or fp32 [in, c1 - c0] for BLAS."""
+
+
+class PiecewiseMatmul:
+    """x [m, k] -> [m, n] over weights stored in pieces of output columns (a fused projection
+    whose parts have different formats): activations are quantized once for all packed
+    pieces, and each piece writes its own columns of one output. The checks are made once
+    here; a call is one C call per piece plus the quantization."""
+
+    def __init__(self, pieces: list[Piece], k: int, n: int, threads: int | None = None) -> None:
+        edges = sorted((c0, c1) for c0, c1, _ in pieces)
+        if not edges or edges[0][0] != 0 or edges[-1][1] != n or any(a[1] != b[0] for a, b in pairwise(edges)):
+            raise ValueError(f"pieces {edges} do not tile the output columns [0, {n})")
+        for c0, c1, w in pieces:
+            if isinstance(w, PackedWeight) and (w.k != k or w.n != c1 - c0):
+                raise ValueError(f"piece [{c0}, {c1}) holds a [{w.n}, {w.k}] weight, expected [{c1 - c0}, {k}]")
+        lib = load()
+        assert lib is not None, "PiecewiseMatmul needs the native kernels; check load() first"
+        self._lib, self.pieces, self.k, self.n = lib, pieces, k, n
+        self.threads = threads or num_threads()
+        self._packed = [(c0, w.ggml_type, w.data.data_ptr(), w.n) for c0, _, w in pieces if isinstance(w, PackedWeight)]
+        self._dense = [(c0, c1, w) for c0, c1, w in pieces if not isinstance(w, PackedWeight)]
+
+    def weight_bytes(self) -> int:
+        return sum(w.data.numel() if isinstance(w, PackedWeight) else w.nbytes for _, _, w in self.pieces)
+
+    def packed_pieces(self) -> list[tuple[int, int, int, int]]:
+        """(first column, ggml type, weight address, rows) of each packed piece."""
+        return list(self._packed)
+
+    def dense_pieces(self) -> list[tuple[int, int, np.ndarray]]:
+        """(first column, end column, fp32 [k, columns]) of each piece that runs on BLAS."""
+        return list(self._dense)
+
+    def _activation_buffers(self, m: int) -> tuple[torch.Tensor, int, int, int]:
+        """m rows of quantized activations in this thread's scratch, which every matmul shares
+        (each call quantizes its input and consumes it before returning)."""
+        buf = getattr(_SCRATCH, "buf", None)
+        need = m * self.k + 8 * m * (self.k // BLOCK)
+        if buf is None or buf.numel() < need:
+            buf = _SCRATCH.buf = torch.empty(need, dtype=torch.uint8)
+        base = buf.data_ptr()
+        return buf, base, base + m * self.k, base + m * self.k + 4 * m * (self.k // BLOCK)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        shape, dtype = x.shape, x.dtype
+        x2 = x.reshape(-1, self.k)
+        if dtype != torch.float32 or x2.stride(1) != 1 or x2.device.type != "cpu":
+            x2 = x2.to("cpu", torch.float32).contiguous()
+        m = x2.shape[0]
+        out = torch.empty(m, self.n, dtype=torch.float32)
+        if self._packed:
+            _, q, d, s = self._activation_buffers(m)
+            lib = self._lib
+            lib.qp_quantize_act(x2.data_ptr(), x2.stride(0), m, self.k, q, d, s)
+            optr = out.data_ptr()
+            for c0, t, w, n in self._packed:
+                if lib.qp_gguf_matmul(t, w, n, self.k, q, d, s, m, optr + 4 * c0, self.n, self.threads, 0) != 0:
+                    raise ValueError(f"gguf matmul: ggml type {t} cannot run on this CPU")
+        for c0, c1, w in self._dense:
+            out[:, c0:c1] = torch.from_numpy(np.matmul(x2.contiguous().numpy(), w))
+        return out.reshape(*shape[:-1], self.n).to(dtype)

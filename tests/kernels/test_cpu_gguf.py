@@ -1,0 +1,171 @@
+"""The block-format matmuls (``kernels.cpu.native_gguf``) against the ``gguf`` package.
+
+Weights are quantized by ``gguf.quants.quantize`` (llama.cpp's reference quantizers) and the
+reference is ``gguf.quants.dequantize`` times the activations as the kernel quantized them
+(codes x block scale), in fp64: the kernel's only differences are fp32 rounding and the
+order of additions, held to 1e-5 relative to the output's norm. Against the unquantized
+fp32 activations the int8 blocks cost more (amax/254 per element at most): held to 1e-2.
+Every format runs on every instruction path this CPU has (others are skipped, by name).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+
+from qpage.kernels.cpu import native as cpu_native  # noqa: E402
+from qpage.kernels.cpu import native_gguf as ng  # noqa: E402
+from tests.kernels.conftest import rel_err  # noqa: E402
+
+if cpu_native.no_compiler_or_disabled():  # pragma: no cover
+    pytest.skip(f"native CPU kernels unavailable: {cpu_native.unavailable_reason()}", allow_module_level=True)
+
+TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
+ISAS = ("scalar", "avx2", "vnni")
+# (m, n, k): decode rows, a 4-row tile plus a remainder, rows not a multiple of 16 (a last
+# group of 6, 1, 8 and 12 rows: both AVX2 halves and the VNNI store mask), an odd number of
+# blocks, and a row of one block.
+SHAPES = [(1, 70, 576), (3, 33, 96), (5, 64, 1536), (17, 40, 64), (2, 16, 32), (2, 44, 96)]
+TOL, TOL_FP32 = 1e-5, 1e-2
+
+
+def isa_or_skip(isa: str) -> None:
+    if not ng.isa_supported(isa):
+        pytest.skip(f"this CPU has no {isa} path")
+
+
+def quantized_weight(name: str, n: int, k: int, seed: int) -> tuple[np.ndarray, torch.Tensor]:
+    """(file rows uint8 [n, row bytes], their fp32 dequantization [n, k])."""
+    w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
+    qt = gguf.GGMLQuantizationType[name]
+    rows = gguf.quants.quantize(w, qt)
+    return rows, torch.from_numpy(gguf.quants.dequantize(rows, qt).astype(np.float32))
+
+
+def activations(m: int, k: int, seed: int) -> torch.Tensor:
+    return torch.from_numpy(np.random.default_rng(seed + 1).standard_normal((m, k)).astype(np.float32) * 3)
+
+
+def act_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 codes and per-block scales: amax / 127, codes rounded half to even."""
+    m, k = x.shape
+    blocks = x.double().view(m, k // 32, 32)
+    d = blocks.abs().amax(-1) / 127
+    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    q = torch.round(blocks * inv[..., None])
+    return q.view(m, k).to(torch.int8), d
+
+
+def test_activation_quantization_matches_reference() -> None:
+    x = activations(6, 128, 0)
+    x[2, :32] = 0  # an all-zero block: scale 0, codes 0
+    act = ng.quantize_activations(x)
+    q, d = act_ref(x)
+    assert torch.equal(act.q, q)
+    assert torch.allclose(act.d.double(), d, rtol=1e-7, atol=0)
+    sums = act.q.view(6, 4, 32).sum(-1).double()
+    assert torch.allclose(act.s.double(), act.d.double() * sums, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("name", TYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_matmul_matches_gguf_dequantize(name: str, isa: str, shape: tuple[int, int, int]) -> None:
+    isa_or_skip(isa)
+    m, n, k = shape
+    rows, w = quantized_weight(name, n, k, seed=m + n + k)
+    x = activations(m, k, seed=n)
+    act = ng.quantize_activations(x)
+    x_seen = (act.q.double().view(m, k // 32, 32) * act.d.double()[..., None]).view(m, k)
+    ref = x_seen @ w.double().t()
+    out = torch.full((m, n), float("nan"))
+    ng.matmul_into(out, act, ng.repack(rows, TYPES[name], k), isa=isa)
+    assert rel_err(out, ref) < TOL
+    assert rel_err(out, x.double() @ w.double().t()) < TOL_FP32
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_threads_and_paths_agree(name: str) -> None:
+    """Splitting rows across threads changes no row's arithmetic: equal bit for bit."""
+    rows, _ = quantized_weight(name, 200, 256, seed=3)
+    w = ng.repack(rows, TYPES[name], 256)
+    act = ng.quantize_activations(activations(7, 256, 3))
+    one, two = torch.empty(7, 200), torch.empty(7, 200)
+    ng.matmul_into(one, act, w, threads=1)
+    ng.matmul_into(two, act, w, threads=2)
+    assert torch.equal(one, two)
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_paths_agree(name: str) -> None:
+    """Every path this CPU has computes the same sums, in its own order of float additions."""
+    rows, _ = quantized_weight(name, 60, 320, seed=4)
+    w = ng.repack(rows, TYPES[name], 320)
+    act = ng.quantize_activations(activations(5, 320, 4))
+    outs = {}
+    for isa in ISAS:
+        if ng.isa_supported(isa):
+            outs[isa] = torch.empty(5, 60)
+            ng.matmul_into(outs[isa], act, w, isa=isa)
+    for isa, out in outs.items():
+        assert rel_err(out, outs["scalar"]) < TOL, isa
+
+
+def test_non_finite_activations_give_nan_rows() -> None:
+    rows, _ = quantized_weight("Q4_1", 16, 64, seed=2)
+    x = activations(3, 64, 2)
+    x[1, 5], x[2, 40] = float("nan"), float("inf")
+    out = torch.empty(3, 16)
+    ng.matmul_into(out, ng.quantize_activations(x), ng.repack(rows, TYPES["Q4_1"], 64))
+    assert torch.isfinite(out[0]).all() and torch.isnan(out[1:]).all()
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_rows_dequantize_exactly(name: str) -> None:
+    """Embedding rows read from the kernels' layout equal llama.cpp's dequantization exactly."""
+    rows, w = quantized_weight(name, 37, 96, seed=5)
+    packed = ng.repack(rows, TYPES[name], 96)
+    ids = torch.tensor([[0, 36], [17, 16]])
+    assert torch.equal(ng.dequantize_rows(packed, ids), w[ids])
+    with pytest.raises(ValueError, match=r"outside \[0, 37\)"):
+        ng.dequantize_rows(packed, torch.tensor([37]))
+
+
+def test_pieces_of_mixed_formats_fill_their_columns() -> None:
+    """A fused projection whose parts are Q4_1, Q8_0 and fp32 (BLAS): one output, each part
+    in its columns, activations quantized once."""
+    k = 128
+    parts = [("Q4_1", 48), ("Q8_0", 16), ("F32", 20)]
+    x = activations(3, k, 9)
+    act = ng.quantize_activations(x)
+    x_seen = (act.q.double().view(3, k // 32, 32) * act.d.double()[..., None]).view(3, k)
+    pieces, refs, c0 = [], [], 0
+    for i, (name, n) in enumerate(parts):
+        if name == "F32":
+            w = torch.randn(n, k, generator=torch.Generator().manual_seed(i))
+            pieces.append((c0, c0 + n, w.t().contiguous().numpy()))
+            refs.append(x.double() @ w.double().t())
+        else:
+            rows, w = quantized_weight(name, n, k, seed=i)
+            pieces.append((c0, c0 + n, ng.repack(rows, TYPES[name], k)))
+            refs.append(x_seen @ w.double().t())
+        c0 += n
+    out = ng.PiecewiseMatmul(pieces, k, c0)(x)
+    assert rel_err(out, torch.cat(refs, 1)) < TOL
+    with pytest.raises(ValueError, match="do not tile"):
+        ng.PiecewiseMatmul(pieces[:1] + pieces[2:], k, c0)
+
+
+def test_unsupported_inputs_are_named() -> None:
+    assert "no native kernel" in (ng.unsupported_reason(12, 256) or "")  # Q4_K
+    assert "32-weight blocks" in (ng.unsupported_reason(2, 48) or "")
+    rows, _ = quantized_weight("Q8_0", 16, 64, seed=1)
+    with pytest.raises(ValueError, match=r"uint8 \[n, 68\]"):
+        ng.repack(rows[:, :60], TYPES["Q8_0"], 64)
+    w = ng.repack(rows, TYPES["Q8_0"], 64)
+    with pytest.raises(ValueError, match="need fp32 out"):
+        ng.matmul_into(torch.empty(1, 15), ng.quantize_activations(activations(1, 64, 0)), w)
+    assert ng.best_isa() in ISAS and ng.isa_supported(ng.best_isa())

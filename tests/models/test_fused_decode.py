@@ -1,0 +1,70 @@
+"""The whole decode step in one C call (``models.fused_decode``) against the Python layers it
+replaces, on the default model's GGUF: the same kernels in the same order, so the tokens and
+their log-probabilities must be equal, bit for bit, over batches that hold several decode
+groups (sequences of different lengths) and rows. Bad step inputs are refused before C runs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import qpage.models.llama as llama_module
+from qpage import SamplingParams
+from qpage.kernels.cpu import native as cpu_native
+
+if cpu_native.no_compiler_or_disabled():  # pragma: no cover
+    pytest.skip(f"native CPU kernels unavailable: {cpu_native.unavailable_reason()}", allow_module_level=True)
+
+LENGTHS = (7, 20, 40, 150, 300)  # 1 to 19 blocks: several decode groups
+
+
+@pytest.fixture(scope="module")
+def gguf_llm(llm_factory: Any) -> Any:
+    return llm_factory(model=None)
+
+
+def run(llm: Any) -> list[Any]:
+    prompts = [{"prompt_token_ids": list(range(1000 + 37 * i, 1000 + 37 * i + n))} for i, n in enumerate(LENGTHS)]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=2)
+    return [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def test_fused_step_equals_the_python_layers(gguf_llm: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    model = gguf_llm.llm_engine.model
+    stack = model.decode_stack
+    assert stack is not None, "the default GGUF model should fit the fused step"
+    calls = []
+    real = llama_module.run_decode_stack
+
+    def counted(*args: Any) -> Any:
+        calls.append(args[1].shape[0])
+        return real(*args)
+
+    monkeypatch.setattr(llama_module, "run_decode_stack", counted)
+    fused = run(gguf_llm)
+    assert calls and max(calls) == len(LENGTHS)  # it ran, on whole batches
+    monkeypatch.setattr(model, "decode_stack", None)
+    python = run(gguf_llm)
+    for a, b in zip(fused, python, strict=True):
+        assert a.token_ids == b.token_ids
+        for la, lb in zip(a.logprobs, b.logprobs, strict=True):
+            assert {k: v.logprob for k, v in la.items()} == {k: v.logprob for k, v in lb.items()}
+
+
+def test_bad_step_inputs_are_refused(gguf_llm: Any) -> None:
+    stack = gguf_llm.llm_engine.model.decode_stack
+    assert stack is not None
+    caches = gguf_llm.llm_engine.runner.caches
+    stack.bind([(c.k, c.v) for c in caches])
+    hidden, hd = stack.hidden, stack.shape.head_dim
+    h, cs = torch.zeros(2, hidden), torch.zeros(2, hd)
+    table, lens = torch.zeros(2, 1, dtype=torch.long), torch.ones(2, dtype=torch.long)
+    with pytest.raises(ValueError, match="do not describe 2 decode rows"):
+        stack(h, cs, cs, torch.zeros(1, dtype=torch.long), [(0, 2, table, lens)])  # one slot for two rows
+    with pytest.raises(ValueError, match="do not describe 2 decode rows"):
+        stack(h, cs, cs, torch.zeros(2, dtype=torch.long), [(0, 1, table[:1], lens[:1])])  # a row without a group
+    with pytest.raises(ValueError, match="outside the cache"):
+        stack(h, cs, cs, torch.full((2,), 10**9, dtype=torch.long), [(0, 2, table, lens)])
