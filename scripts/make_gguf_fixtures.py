@@ -1,6 +1,7 @@
 """Write the GGUF test fixtures in tests/fixtures/gguf/: a tiny random Llama (2 layers, hidden
 256, so that every width is a multiple of the K-quants' 256-weight super-blocks) quantized by
-llama.cpp's own quantizer to each ggml type qpage reads.
+llama.cpp's own quantizer to each ggml type qpage reads, and the same shapes as a Qwen2 (with
+q/k/v biases) in Q8_0.
 
 The tokenizer is the default model's, cut to its first 512 tokens (and the merges among
 them), so transformers can build it from the metadata. Weights are random (seeded): the
@@ -27,6 +28,8 @@ TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 8, "Q5_1": 9, "Q8_0": 7, "Q2_K": 10, "Q3_
          "Q6_K": 18, "IQ4_NL": 25, "IQ4_XS": 30}
 MIXED = {"Q4_K_M": 15}
 """llama.cpp's usual mix (Q4_K with Q6_K for some tensors), not pure."""
+QWEN2 = {"Q8_0": 7}
+"""The same shapes as a Qwen2 (biases on q, k and v; rows stored in Hugging Face order)."""
 
 
 def default_gguf() -> Path:
@@ -36,7 +39,7 @@ def default_gguf() -> Path:
     return next(Path(spec.origin).parent.glob("*.gguf"))
 
 
-def write_f32(path: Path) -> None:
+def write_f32(path: Path, arch: str = "llama") -> None:
     import gguf
 
     from qpage.formats.gguf_reader import GgufFile
@@ -46,7 +49,7 @@ def write_f32(path: Path) -> None:
     kept = set(tokens)
     merges = [m for m in src.metadata["tokenizer.ggml.merges"]
               if all(p in kept for p in m.split(" ")) and m.replace(" ", "") in kept]
-    w = gguf.GGUFWriter(str(path), "llama")
+    w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(LAYERS)
     w.add_context_length(512)
     w.add_embedding_length(HIDDEN)
@@ -76,6 +79,8 @@ def write_f32(path: Path) -> None:
                             ("attn_output", (HIDDEN, HIDDEN)), ("ffn_gate", (INTER, HIDDEN)),
                             ("ffn_up", (INTER, HIDDEN)), ("ffn_down", (HIDDEN, INTER))):
             w.add_tensor(f"blk.{i}.{name}.weight", rand(*shape))
+            if arch == "qwen2" and name in ("attn_q", "attn_k", "attn_v"):
+                w.add_tensor(f"blk.{i}.{name}.bias", rand(shape[0]) * 10)
         w.add_tensor(f"blk.{i}.attn_norm.weight", 1 + rand(HIDDEN))
         w.add_tensor(f"blk.{i}.ffn_norm.weight", 1 + rand(HIDDEN))
     w.write_header_to_file()
@@ -108,6 +113,12 @@ def main() -> None:
         for name, ftype in {**TYPES, **MIXED}.items():
             dst = args.out / f"tiny-llama.{name}.gguf"
             quantize(f32, dst, ftype, pure=name in TYPES)
+            print(f"wrote {dst} ({dst.stat().st_size / 1024:,.0f} KiB)")
+        qwen = Path(tmp) / "tiny-qwen2.F32.gguf"
+        write_f32(qwen, "qwen2")
+        for name, ftype in QWEN2.items():
+            dst = args.out / f"tiny-qwen2.{name}.gguf"
+            quantize(qwen, dst, ftype, pure=True)
             print(f"wrote {dst} ({dst.stat().st_size / 1024:,.0f} KiB)")
 
 
