@@ -1,18 +1,22 @@
 """Which CPU path is fastest for each quantized scheme.
 
 Part 1, per layer: one quantized weight, y = x @ W at M rows, on every CPU path qpage has:
+- ``blocks (C)``: the weight written as Q4_0/Q4_1/Q8_0 blocks, int8 activations, qpage's C
+  kernels (``cpu-blocks``, the default in every dtype);
 - ``fp32 dequant (BLAS)``: dequantized once to fp32, NumPy/OpenBLAS matmul (qpage's fp32 path);
 - ``bf16 dequant (torch)``: dequantized once to bf16, torch matmul;
-- ``bf16 packed``: torch's int4pack / int8pack kernel on the packed weight (qpage's bf16 path);
+- ``bf16 packed``: torch's int4pack / int8pack kernel on the packed weight (for weights the
+  blocks cannot hold);
 - ``fp16 packed``, ``fp32 packed``: torch's packed kernels with fp16 / fp32 activations
   (M=1 only: they are the slow ones).
 Shapes: the default model's (576 -> 960 fused qkv, 576 -> 3072 gate/up, 1536 -> 576 down)
 and two of Llama-3-8B (4096 -> 4096, 4096 -> 14336).
 
 Part 2, end to end on the default model: an RTN INT4 (g128, asym) and INT8 (per channel)
-checkpoint, loaded with dtype float32 (with and without qpage's C kernels, ``QPAGE_NATIVE=0``)
-and bfloat16 (and the dense model for scale): batch-1 decode tokens/s, the attention backend
-and the memory the linear weights take. Each configuration runs in its own
+checkpoint and the shipped Q4_1 GGUF, loaded with dtype float32 (packed on the block kernels;
+``dequantize_weights=True``; without qpage's C kernels, ``QPAGE_NATIVE=0``) and bfloat16 (and
+the dense model for scale): batch-1 decode tokens/s, the attention backend and the memory the
+linear weights take. Each configuration runs in its own
 process. FP8 has no CPU kernel (``_scaled_mm`` is 20-50x slower than fp32, docs/quantization.md):
 FP8 checkpoints dequantize, like the fp32 rows here.
 
@@ -59,6 +63,7 @@ def layer_rows(ms: list[int], reps: int, shapes: list[tuple[str, int, int]]) -> 
     """
     import numpy as np
 
+    from qpage.kernels.cpu import int_blocks, native_gguf
     from qpage.kernels.cpu import packed as cpu_packed
     from qpage.kernels.packing import dequantize_ref, pack_cols, pack_rows
 
@@ -80,7 +85,13 @@ def layer_rows(ms: list[int], reps: int, shapes: list[tuple[str, int, int]]) -> 
                 packed[dt] = (cpu_packed.pack_int4(q, s, z, g_idx, gs, dt) if bits == 4
                               else cpu_packed.pack_int8(q, s, z, dt))
             mm = cpu_packed.int4_mm if bits == 4 else cpu_packed.int8_mm
+            if bits == 8:
+                z.fill_(128)  # the blocks hold symmetric 8-bit weights (as qpage's INT8 schemes write)
+            b = int_blocks.to_block_rows(q, s, z, g_idx, bits, gs)
+            blocks = native_gguf.PiecewiseMatmul([(0, n, native_gguf.repack(b.rows, b.ggml_type, k))], k, n,
+                                                 input_perm=b.perm)
             fns: dict[str, Callable[[torch.Tensor], Any]] = {
+                "blocks (C)": lambda x, f=blocks: f(x),
                 "fp32 dequant (BLAS)": lambda x, w=w32: np.matmul(x.numpy(), w),
                 "bf16 dequant (torch)": lambda x, w=wbf: torch.nn.functional.linear(x.bfloat16(), w),
                 "bf16 packed": lambda x, p=packed[torch.bfloat16], f=mm: f(x, p),
@@ -89,10 +100,12 @@ def layer_rows(ms: list[int], reps: int, shapes: list[tuple[str, int, int]]) -> 
             }
             for m in ms:
                 x = torch.randn(m, k)
-                inputs = {"fp32 dequant (BLAS)": x, "bf16 dequant (torch)": x.bfloat16(), "bf16 packed": x.bfloat16(),
+                inputs = {"blocks (C)": x, "fp32 dequant (BLAS)": x, "bf16 dequant (torch)": x.bfloat16(),
+                          "bf16 packed": x.bfloat16(),
                           "fp16 packed": x.half(), "fp32 packed": x}
                 row: dict[str, Any] = dict(shape=shape, k=k, n=n, scheme=scheme, m=m, bytes={
-                    "fp32 dequant": w32.nbytes, "bf16 dequant": 2 * k * n, "packed": packed[torch.bfloat16].nbytes()})
+                    "fp32 dequant": w32.nbytes, "bf16 dequant": 2 * k * n, "packed": packed[torch.bfloat16].nbytes(),
+                    "blocks": blocks.weight_bytes()})
                 cases.append((row, fns, inputs))
     for path in PATHS:
         for row, fns, inputs in cases:
@@ -105,7 +118,7 @@ def layer_rows(ms: list[int], reps: int, shapes: list[tuple[str, int, int]]) -> 
     return [row for row, _, _ in cases]
 
 
-PATHS = ["fp32 dequant (BLAS)", "bf16 dequant (torch)", "bf16 packed", "fp16 packed", "fp32 packed"]
+PATHS = ["blocks (C)", "fp32 dequant (BLAS)", "bf16 dequant (torch)", "bf16 packed", "fp16 packed", "fp32 packed"]
 
 
 def _layer_line(r: dict[str, Any]) -> str:
@@ -114,12 +127,13 @@ def _layer_line(r: dict[str, Any]) -> str:
     return f"{r['shape']:<13}{r['scheme']:<21}{r['m']:>4}{cells}   {fastest}"
 
 
-def e2e_child(model: str, dtype: str, tokens: int) -> dict[str, Any]:
+def e2e_child(model: str, dtype: str, tokens: int, dequantize: bool) -> dict[str, Any]:
     from throughput import decode_b1  # this folder is on sys.path when run as a script
 
     from qpage import LLM, SamplingParams
 
-    llm = LLM(model=model or None, dtype=dtype, kv_cache_memory="256MiB", log_stats=False)
+    llm = LLM(model=model or None, dtype=dtype, kv_cache_memory="256MiB", log_stats=False,
+              dequantize_weights=dequantize)
     eng = llm.llm_engine
     prompt = {"prompt_token_ids": list(range(1000, 1128))}
 
@@ -133,7 +147,8 @@ def e2e_child(model: str, dtype: str, tokens: int) -> dict[str, Any]:
         if hasattr(mod, "weight_bytes"):  # every linear layer, dense or quantized
             linear_bytes += mod.weight_bytes
     return dict(decode_tokens_per_s=tokens_per_s, linear_weight_bytes=linear_bytes,
-                paths=eng.kernel_paths()["quantized_linears"], attention=eng.runner.backend.name)
+                paths=eng.kernel_paths()["quantized_linears"], attention=eng.runner.backend.name,
+                one_call_decode=eng.model.decode_stack is not None)
 
 
 def e2e_rows(tokens: int) -> list[dict[str, Any]]:
@@ -142,25 +157,29 @@ def e2e_rows(tokens: int) -> list[dict[str, Any]]:
     from qpage.quantizers.scheme import QuantScheme
 
     work = Path(tempfile.mkdtemp(prefix="qpage-cpu-paths-"))
-    models = {"dense": ""}
+    models = {"dense": str(default_model_dir()), "gguf Q4_1": ""}
     for name, scheme in (("int4 g128 asym", QuantScheme(4, 128, False)), ("int8 channel", QuantScheme(8, None, True))):
         out = work / name.replace(" ", "_")
         quantize_checkpoint(default_model_dir(), out, scheme, progress=False)
         models[name] = str(out)
     rows = []
-    # fp32 twice: with qpage's C kernels (attention, norms, activations) and without
-    # (QPAGE_NATIVE=0: BLAS attention, torch ops). bf16 does not use them.
+    # fp32 three times: packed on the block kernels, dequantized on request, and without qpage's
+    # C kernels (QPAGE_NATIVE=0: dequantized, BLAS attention, torch ops).
+    configs = (("float32", "1", "0"), ("float32", "1", "1"), ("float32", "0", "0"), ("bfloat16", "1", "0"))
     for name, path in models.items():
-        for dtype, native in (("float32", "1"), ("float32", "0"), ("bfloat16", "1")):
-            cmd = [sys.executable, __file__, "--child", path, dtype, str(tokens)]
+        for dtype, native, dequant in configs:
+            if name == "dense" and dequant == "1":
+                continue
+            cmd = [sys.executable, __file__, "--child", path, dtype, str(tokens), dequant]
             proc = subprocess.run(cmd, capture_output=True, text=True, check=False,
                                   env={**os.environ, "QPAGE_NATIVE": native})
             line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
             if line is None:
                 raise SystemExit(f"{name} {dtype} failed:\n{proc.stderr[-3000:]}")
-            r = dict(model=name, dtype=dtype, native=native == "1", **json.loads(line[7:]))
+            r = dict(model=name, dtype=dtype, native=native == "1", dequantized=dequant == "1", **json.loads(line[7:]))
             rows.append(r)
-            print(f"{name:<16}{dtype:<10}{r['attention']:<12}{r['decode_tokens_per_s']:>10.1f}"
+            how = "dequantized" if dequant == "1" else "C off" if native == "0" else "default"
+            print(f"{name:<16}{dtype:<10}{how:<13}{r['attention']:<12}{r['decode_tokens_per_s']:>10.1f}"
                   f"{r['linear_weight_bytes'] / 2**20:>12.1f}   {r['paths']}", flush=True)
     import shutil
 
@@ -176,10 +195,11 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64, help="tokens decoded for the end-to-end figure")
     ap.add_argument("--no-e2e", action="store_true")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "cpu_paths.json"))
-    ap.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
+    ap.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        print("RESULT " + json.dumps(e2e_child(args.child[0], args.child[1], int(args.child[2]))), flush=True)
+        result = e2e_child(args.child[0], args.child[1], int(args.child[2]), args.child[3] == "1")
+        print("RESULT " + json.dumps(result), flush=True)
         return
     print(f"per layer, best of {args.reps}, ms (torch threads {torch.get_num_threads()})")
     print(f"{'shape':<13}{'scheme':<21}{'M':>4}" + "".join(f"{p[:11]:>12}" for p in PATHS) + "   fastest")
@@ -187,7 +207,7 @@ def main() -> None:
     result: dict[str, Any] = {"layers": layer_rows(args.m, args.reps, shapes)}
     if not args.no_e2e:
         print(f"\nend to end, default model, batch-1 decode of {args.tokens} tokens")
-        print(f"{'model':<16}{'dtype':<10}{'attention':<12}{'tokens/s':>10}{'linears MiB':>12}   "
+        print(f"{'model':<16}{'dtype':<10}{'weights':<13}{'attention':<12}{'tokens/s':>10}{'linears MiB':>12}   "
               "quantized linear paths")
         result["e2e"] = e2e_rows(args.tokens)
     out = Path(args.out)

@@ -16,7 +16,8 @@ from typing import Any
 from qpage.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, field_doc
 
 ENGINE_FIELDS: dict[type, tuple[str, ...]] = {
-    ModelConfig: ("model", "dtype", "max_model_len", "allow_pickle", "device", "attention_backend"),
+    ModelConfig: ("model", "dtype", "max_model_len", "allow_pickle", "device", "attention_backend",
+                  "dequantize_weights"),
     CacheConfig: ("kv_cache_memory", "enable_prefix_caching", "kv_cache_dtype", "kv_cache_scales", "kv_cache_rotation"),
     SchedulerConfig: ("max_num_seqs", "max_num_batched_tokens"),
     EngineConfig: ("seed",),

@@ -81,6 +81,9 @@ class ModelConfig:
     attention_backend: str = "auto"
     """Attention kernels: auto (Triton on CUDA; on CPU fp32 the C kernels, else BLAS; else torch), triton,
     cpu-native, cpu-blas, torch."""
+    dequantize_weights: bool = False
+    """Dequantize quantized weights once at load instead of keeping them packed (on CPU fp32 copies:
+    about 7x the memory of 4-bit weights). For comparisons; the packed kernels are the default."""
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ATTENTION_BACKENDS:

@@ -101,7 +101,7 @@ def report() -> str:
              f"python {platform.python_version()}, torch {torch.__version__}",
              f"cpu: {cpu_line()}",
              f"C kernels (cpu-native): {native.build_status()}",
-             f"GGUF block kernels (cpu-gguf): {gguf_line()}",
+             f"block kernels (cpu-blocks): {gguf_line()}",
              f"cuda: {cuda_line()}",
              f"triton: {triton_line('cuda' if torch.cuda.is_available() else 'cpu')}"]
     lines += [f"paths on {device.type} with {dtype}: {row}" for device, dtype, row in rows]

@@ -18,9 +18,10 @@ class RunnerHarness:
     """A model + paged cache + runner, stepped by hand (what the scheduler would do)."""
 
     def __init__(self, model_dir: Path, num_blocks: int = 64, max_len: int = 512,
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype = torch.float32, dequantize_weights: bool = False) -> None:
         self.arch = read_arch_config(model_dir)
-        self.model = load_model(model_dir, self.arch, dtype, torch.device("cpu"), max_len)
+        self.model = load_model(model_dir, self.arch, dtype, torch.device("cpu"), max_len,
+                                dequantize_weights=dequantize_weights)
         self.kv = KVCacheManager(num_blocks, enable_caching=False)
         self.runner = ModelRunner(self.model, self.arch, self.kv, dtype, torch.device("cpu"))
 

@@ -129,8 +129,8 @@ def test_inspect_default_gguf(hf_model: Any) -> None:
     assert loaded["dtype"] == "float32" and loaded["memory_bytes"] <= 1.05 * info["tensor_bytes"]
     # qkv, o, gate_up and down per decoder layer (q/k/v and gate/up fused), and the embedding
     # whose table the tied head multiplies with, all on the block-format kernels
-    assert loaded["linear_paths"] == {"cpu-gguf": {"layers": 4 * info["layers"] + 1,
-                                                   "bytes": loaded["linear_paths"]["cpu-gguf"]["bytes"]}}
+    assert loaded["linear_paths"] == {"cpu-blocks": {"layers": 4 * info["layers"] + 1,
+                                                   "bytes": loaded["linear_paths"]["cpu-blocks"]["bytes"]}}
     table = qpage("inspect").stdout
     assert "Q4_1" in table and "bits per weight" in table and "in memory (cpu, float32)" in table, table
 

@@ -99,7 +99,8 @@ class LLMEngine:
         num_blocks, block_bytes = plan_capacity(self.arch, self.kv_spec, int(cc.kv_cache_memory))
         self.max_model_len = self._decide_max_model_len(num_blocks * BLOCK_SIZE, block_bytes)
         self.model = load_model(
-            self.model_dir, self.arch, self.dtype, self.device, self.max_model_len, mc.allow_pickle
+            self.model_dir, self.arch, self.dtype, self.device, self.max_model_len, mc.allow_pickle,
+            mc.dequantize_weights,
         )
         if self.model.ops.torch_threads is not None:  # the chosen ops' thread count (layers.ops)
             torch.set_num_threads(self.model.ops.torch_threads)
@@ -142,13 +143,15 @@ class LLMEngine:
             note += f", embedding {embed.kernel_path} ({embed.weight_bytes / 2**20:.0f} MiB)"
         if self.model.decode_stack is not None:
             note += "; decode steps in one C call"
-        gguf = isinstance(self.model.quant_linears()[0], GgufLinear)
-        if paths.get("cpu-dequantized") and gguf:
-            note += (" - the layers on cpu-dequantized hold float32 copies: their GGUF types have no native "
-                     "kernel yet (those run: Q4_0, Q4_1, Q8_0)")
-        elif paths.get("cpu-dequantized") and self.dtype == torch.float32:
-            note += (" - dequantized to float32 on CPU; dtype='bfloat16' keeps INT4/INT8 weights packed "
-                     "(about 1/7 and 1/4 of this memory)")
+        dequantized = paths.get("cpu-dequantized") or paths.get("dequantized-fallback")
+        if dequantized and self.config.model.dequantize_weights:
+            note += " - dequantized on request (dequantize_weights); the packed kernels hold a fraction of this"
+        elif dequantized and isinstance(mods[0], GgufLinear):
+            note += (f" - the {dequantized} layers on cpu-dequantized hold float32 copies: their GGUF types have "
+                     "no block kernel yet (those run: Q4_0, Q4_1, Q8_0)")
+        elif dequantized:
+            note += (f" - {dequantized} layers dequantized: no packed kernel runs them (the 'qpage' logger says "
+                     "why at DEBUG level)")
         return note
 
     def _decide_max_model_len(self, capacity: int, block_bytes: int) -> int:

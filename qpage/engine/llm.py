@@ -35,11 +35,13 @@ class LLM:
         kv_cache_scales: str = field_default(CacheConfig, "kv_cache_scales"),
         kv_cache_rotation: bool = field_default(CacheConfig, "kv_cache_rotation"),
         attention_backend: str = field_default(ModelConfig, "attention_backend"),
+        dequantize_weights: bool = field_default(ModelConfig, "dequantize_weights"),
     ) -> None:
         config = EngineConfig(
             model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len,
                               allow_pickle=allow_pickle, trust_remote_code=trust_remote_code,
-                              device=device, attention_backend=attention_backend),
+                              device=device, attention_backend=attention_backend,
+                              dequantize_weights=dequantize_weights),
             cache=CacheConfig(kv_cache_memory=kv_cache_memory, enable_prefix_caching=enable_prefix_caching,
                               kv_cache_dtype=kv_cache_dtype, kv_cache_scales=kv_cache_scales,
                               kv_cache_rotation=kv_cache_rotation),

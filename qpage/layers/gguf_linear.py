@@ -3,7 +3,7 @@ projections, each in its own ggml format) and the token embedding.
 
 The parts are kept as loaded (``formats.gguf_model.GgufTensor``, or fp32 for the file's
 float tensors); ``prepare`` hands them to the kernel selector (``linear_kernels``), which
-keeps block formats packed where a kernel runs them (``cpu-gguf``) and otherwise
+keeps block formats packed where a kernel runs them (``cpu-blocks``) and otherwise
 dequantizes once. The embedding reads its rows from the same packed table the tied LM head
 multiplies with, so a tied table is held once.
 """
@@ -88,14 +88,14 @@ class GgufEmbedding(nn.Module):
         _check(prefix, value, self.num_embeddings, self.embedding_dim, file)
         self.value = value
 
-    def prepare(self, dtype: torch.dtype) -> None:
+    def prepare(self, dtype: torch.dtype, dequantize: bool = False) -> None:
         if self.value is None:
             raise RuntimeError("the embedding has no weight; load_weights checks for it")
         v = self.value
         why = gguf_packed_reason(self.anchor.device, (ggml_type(v),), self.embedding_dim)
-        if isinstance(v, GgufTensor) and why is None:
+        if isinstance(v, GgufTensor) and why is None and not dequantize:
             self.packed = native_gguf.repack(v.rows, v.ggml_type, self.embedding_dim)
-            self.kernel_path, self.weight_bytes = "cpu-gguf", self.packed.data.numel()
+            self.kernel_path, self.weight_bytes = "cpu-blocks", self.packed.data.numel()
         else:
             self.dense = dequantized(v).to(self.anchor.device, dtype)
             self.kernel_path = "dense"

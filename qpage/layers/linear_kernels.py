@@ -8,10 +8,12 @@ kernel's matmul with the layer's bias added (or fused by the kernel), so a layer
 that one call. A kernel's ``name`` is the layer's ``kernel_path``, which the start line and
 ``qpage:quantized_linear_layers{path=...}`` report.
 
-Priority: the fused Triton kernels on CUDA; on CPU the block-format kernels for GGUF weights,
-torch's packed INT4/INT8 kernels (fast only with bf16 activations), else the weight
-dequantized once and multiplied on NumPy's BLAS (fp32) or by torch; anywhere else the
-dequantized torch fallback, which the doctor reports.
+Priority: the fused Triton kernels on CUDA; on CPU the block kernels (``cpu-blocks``) for
+GGUF weights and for GPTQ/AWQ/compressed-tensors INT4/INT8 written as blocks, in every
+dtype; torch's packed INT4/INT8 kernels (fast only with bf16 activations) for integer
+weights that have no block form; else the weight dequantized once and multiplied on NumPy's
+BLAS (fp32) or by torch; anywhere else the dequantized torch fallback, which the doctor
+reports. ``dequantize_weights=True`` (``LinearSpec.dequantize``) skips every packed kernel.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import torch.nn.functional as F
 
 from qpage.formats.gguf_model import GgufTensor
 from qpage.formats.gguf_reader import BF16, FLOAT_TYPES, type_name
-from qpage.kernels.cpu import blas, native, native_gguf, packed
+from qpage.kernels.cpu import blas, int_blocks, native, native_gguf, packed
 from qpage.kernels.fp8.matmul import fp8_matmul
 from qpage.kernels.int_matmul import int_matmul
 from qpage.kernels.packing import unpack_cols, unpack_rows
@@ -57,6 +59,10 @@ class LinearSpec:
     """FP8 block scales: every fused projection starts on a scale block boundary."""
     ggml_types: tuple[int, ...] = ()
     """GGUF: the ggml type of each part of the (possibly fused) weight."""
+    symmetric: bool = True
+    """INT: every zero point is 2^(bits - 1) (the codes are signed around it)."""
+    dequantize: bool = False
+    """The weight is to be dequantized once (``dequantize_weights``): no packed kernel runs it."""
 
 
 @dataclass
@@ -102,7 +108,12 @@ def tied_head(embedding: torch.Tensor) -> Matmul | None:
 
 
 def _needs_triton(spec: LinearSpec) -> str | None:
+    if spec.dequantize:
+        return DEQUANTIZE_ASKED
     return triton_unavailable_reason("cuda") if spec.device.type == "cuda" else f"runs on cuda, not {spec.device.type}"
+
+
+DEQUANTIZE_ASKED = "dequantize_weights=True asks for the dequantized path"
 
 
 class TritonInt:
@@ -146,6 +157,8 @@ class CpuPackedInt:
         self.bits, self.name = bits, f"cpu-int{bits}pack"
 
     def can_implement(self, spec: LinearSpec) -> str | None:
+        if spec.dequantize:
+            return DEQUANTIZE_ASKED
         if spec.device.type != "cpu":
             return f"runs on cpu, not {spec.device.type}"
         if spec.bits != self.bits:
@@ -163,12 +176,19 @@ class CpuPackedInt:
         return Built(lambda x: packed.int8_mm(x, p8), p8.nbytes())
 
 
-def gguf_packed_reason(device: torch.device, ggml_types: tuple[int, ...], k: int) -> str | None:
-    """Why ``cpu-gguf`` cannot run a weight with parts in ``ggml_types`` (None: it can)."""
+def _blocks_reason(device: torch.device) -> str | None:
     if device.type != "cpu":
         return f"runs on cpu, not {device.type}"
     if native.load() is None:
         return f"the C kernels are unavailable ({native.unavailable_reason()})"
+    return None
+
+
+def gguf_packed_reason(device: torch.device, ggml_types: tuple[int, ...], k: int) -> str | None:
+    """Why ``cpu-blocks`` cannot run a GGUF weight with parts in ``ggml_types`` (None: it can)."""
+    why = _blocks_reason(device)
+    if why is not None:
+        return why
     for t in ggml_types:
         if t in FLOAT_TYPES or t == BF16:
             continue
@@ -182,9 +202,11 @@ class CpuGguf:
     """GGUF block formats kept packed on CPU (``kernels.cpu.native_gguf``): each run of
     consecutive parts in one format is repacked into one weight; float parts run on BLAS."""
 
-    name, schemes = "cpu-gguf", ("gguf",)
+    name, schemes = "cpu-blocks", ("gguf",)
 
     def can_implement(self, spec: LinearSpec) -> str | None:
+        if spec.dequantize:
+            return DEQUANTIZE_ASKED
         return gguf_packed_reason(spec.device, spec.ggml_types, spec.in_features)
 
     def build(self, layer: Any, spec: LinearSpec) -> Built:
@@ -204,6 +226,28 @@ class CpuGguf:
                 w = native_gguf.repack([v.rows for v in values], t, k)
             pieces.append((offset, offset + sum(v.shape[0] for v in values), w))
         mm = native_gguf.PiecewiseMatmul(pieces, k, spec.out_features)
+        return Built(mm, mm.weight_bytes())
+
+
+class CpuIntBlocks:
+    """GPTQ/AWQ/compressed-tensors INT4/INT8 written once as Q4_0/Q4_1/Q8_0 blocks
+    (``kernels.cpu.int_blocks``) and run on the block kernels, act-order included."""
+
+    name, schemes = "cpu-blocks", ("int",)
+
+    def can_implement(self, spec: LinearSpec) -> str | None:
+        if spec.dequantize:
+            return DEQUANTIZE_ASKED
+        return _blocks_reason(spec.device) or int_blocks.int_blocks_reason(
+            spec.bits, spec.group_size, spec.g_idx, spec.in_features, spec.symmetric)
+
+    def build(self, layer: Any, spec: LinearSpec) -> Built:
+        b = int_blocks.to_block_rows(unpack_rows(layer.qweight, spec.bits, spec.in_features), layer.scales,
+                                     unpack_cols(layer.qzeros, spec.bits, spec.out_features), spec.g_idx,
+                                     spec.bits, spec.group_size)
+        w = native_gguf.repack(b.rows, b.ggml_type, spec.in_features)
+        mm = native_gguf.PiecewiseMatmul([(0, spec.out_features, w)], spec.in_features, spec.out_features,
+                                         input_perm=b.perm)
         return Built(mm, mm.weight_bytes())
 
 
@@ -259,7 +303,7 @@ class DenseTorch:
 
 
 LINEAR_KERNELS: tuple[LinearKernel, ...] = (
-    TritonInt(), TritonFp8(), CpuGguf(), CpuPackedInt(4), CpuPackedInt(8),
+    TritonInt(), TritonFp8(), CpuGguf(), CpuIntBlocks(), CpuPackedInt(4), CpuPackedInt(8),
     Dequantized("cpu-dequantized", ("cpu",)), Dequantized("dequantized-fallback", None),
     DenseBlas(), DenseTorch(),
 )

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import nn
 
@@ -35,9 +37,10 @@ class QuantLinearBase(nn.Module):
         """Release the packed tensors (the chosen kernel built its own copy)."""
         raise NotImplementedError
 
-    def prepare(self, dtype: torch.dtype) -> None:
-        """Choose and build the kernel, once the weights are loaded and on their device."""
-        kernel, built = build_linear(self, self.spec(dtype))
+    def prepare(self, dtype: torch.dtype, dequantize: bool = False) -> None:
+        """Choose and build the kernel, once the weights are loaded and on their device;
+        ``dequantize`` asks for the weight dequantized once rather than kept packed."""
+        kernel, built = build_linear(self, replace(self.spec(dtype), dequantize=dequantize))
         self._mm, self.kernel_path, self.weight_bytes = built.mm, kernel.name, built.weight_bytes
         self.kernel_mm = built.kernel_mm
         if not built.keeps_packed:

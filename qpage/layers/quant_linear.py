@@ -2,8 +2,8 @@
 
 The packed tensors are kept as loaded (``formats.gptq`` validates them and converts zeros
 to the kernels' convention); the kernel is chosen at ``prepare`` (``linear_kernels``): the
-Triton kernels on CUDA, torch's packed INT4/INT8 kernels on CPU with bf16 activations, else
-the weight dequantized once (the fp32 CPU path, on NumPy's BLAS).
+Triton kernels on CUDA, the block kernels on CPU (the weight written once as Q4_0/Q4_1/Q8_0
+blocks), torch's packed kernels for what has no block form, else the weight dequantized once.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from qpage.formats.awq import check_linear as awq_check_linear
 from qpage.formats.compressed_tensors import CtIntConfig
 from qpage.formats.compressed_tensors import check_linear as ct_check_linear
 from qpage.formats.gptq import GptqConfig, check_linear
-from qpage.kernels.packing import dequantize_ref
+from qpage.kernels.packing import dequantize_ref, unpack_cols
 from qpage.layers.linear_kernels import LinearSpec
 from qpage.layers.quant_base import QuantLinearBase
 
@@ -60,8 +60,10 @@ class IntLinear(QuantLinearBase):
         self.g_idx, self._g_idx_set = g, True
 
     def spec(self, dtype: torch.dtype) -> LinearSpec:
+        zeros = unpack_cols(self.qzeros, self.cfg.bits, self.out_features)
         return LinearSpec("int", self.qweight.device, dtype, self.in_features, self.out_features, bits=self.cfg.bits,
-                          group_size=self.cfg.group_size or self.in_features, g_idx=self.g_idx)
+                          group_size=self.cfg.group_size or self.in_features, g_idx=self.g_idx,
+                          symmetric=bool((zeros == 1 << (self.cfg.bits - 1)).all()))
 
     def dequantized_in_out(self) -> torch.Tensor:
         return dequantize_ref(self.qweight, self.scales, self.qzeros, self.g_idx, bits=self.cfg.bits,

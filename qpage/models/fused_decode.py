@@ -2,7 +2,7 @@
 and the glue that calls it: the decoder layers' weights gathered once, the step's caches
 and block tables passed each time.
 
-It fits a model whose every projection is a block-format weight on ``cpu-gguf`` with the C
+It fits a model whose every projection is a block-format weight on ``cpu-blocks`` with the C
 ops (fp32 on CPU), without q/k norms and with a bias on qkv at most; a step fits when all
 its rows are decodes on the ``cpu-native`` backend with plain fp32 caches. Anything else
 runs the Python path, which stays the reference.
@@ -25,8 +25,8 @@ logger = logging.getLogger("qpage")
 
 def _matmul(linear: Any, what: str) -> PiecewiseMatmul:
     mm = getattr(linear, "kernel_mm", None)
-    if getattr(linear, "kernel_path", None) != "cpu-gguf" or not isinstance(mm, PiecewiseMatmul):
-        raise ValueError(f"{what} runs on {getattr(linear, 'kernel_path', 'a dense linear')}, not cpu-gguf")
+    if getattr(linear, "kernel_path", None) != "cpu-blocks" or not isinstance(mm, PiecewiseMatmul):
+        raise ValueError(f"{what} runs on {getattr(linear, 'kernel_path', 'a dense linear')}, not cpu-blocks")
     why = unfit_reason(mm)
     if why is not None:
         raise ValueError(f"{what}: {why}")

@@ -168,14 +168,15 @@ class LlamaForCausalLM(nn.Module):
         self.rotary.cos = self.rotary.cos.to(device)
         self.rotary.sin = self.rotary.sin.to(device)
 
-    def prepare(self) -> None:
-        """Pick kernels for the loaded weights (once, after loading and moving)."""
+    def prepare(self, dequantize_weights: bool = False) -> None:
+        """Pick kernels for the loaded weights (once, after loading and moving); with
+        ``dequantize_weights`` quantized weights are dequantized rather than kept packed."""
         device, dtype = self.norm.weight.device, self.dtype
         for m in self.modules():
             if isinstance(m, Linear):
                 m.prepare()
             elif isinstance(m, (*QUANT_LINEARS, GgufEmbedding)):
-                m.prepare(dtype)
+                m.prepare(dtype, dequantize_weights)
         self.ops = select_ops(device, dtype)
         self.norm.ops = self.ops
         for layer in self.layers:  # not q_norm/k_norm: they normalise [T, heads, head_dim] views
@@ -190,7 +191,7 @@ class LlamaForCausalLM(nn.Module):
         """Whether matmuls run on the block-format kernels, which split rows across the cores
         themselves: NumPy's BLAS should then not keep a second pool of spinning threads (both
         pools on the same cores slowed decode ~1.8x, even with a large matrix left on BLAS)."""
-        return any(m.kernel_path == "cpu-gguf" for m in self.quant_linears())
+        return any(m.kernel_path == "cpu-blocks" for m in self.quant_linears())
 
     def quant_linears(self) -> list[QuantLinear]:
         """The model's quantized linear layers."""

@@ -113,7 +113,7 @@ def iter_tensors(files: list[Path]) -> Iterator[tuple[str, str, torch.Tensor]]:
 
 def load_model(
     model_dir: Path, arch: ArchConfig, dtype: torch.dtype, device: torch.device,
-    max_positions: int, allow_pickle: bool = False,
+    max_positions: int, allow_pickle: bool = False, dequantize_weights: bool = False,
 ) -> torch.nn.Module:
     cls = model_class(arch.architecture)
     with torch.device("cpu"):
@@ -124,6 +124,6 @@ def load_model(
     else:
         model.load_weights(iter_tensors(weight_files(model_dir, allow_pickle)))
     model.to_device(device)
-    model.prepare()
+    model.prepare(dequantize_weights)
     model.eval()
     return model

@@ -2,7 +2,8 @@
 package itself (its PackedQuantizationCompressor and calculate_qparams, as llm-compressor
 uses them) load in qpage and give the logits of the package's own decompression run as a dense
 transformers model, and, for symmetric ones, of transformers loading the folder directly.
-Both sides fp32 on the same weights, so the bound is the architecture tests' 2e-4."""
+Both sides fp32 on the same weights (qpage's dequantized on request: this tests the reader), so
+the bound is the architecture tests' 2e-4."""
 
 from __future__ import annotations
 
@@ -88,7 +89,7 @@ def test_peer_written_pack_quantized_loads(tmp_path: Path, bits: int, sym: bool,
     folder, state = _write(tmp_path, bits, sym, strategy)
     assert "model.layers.0.mlp.down_proj.weight_packed" in state
     assert ("model.layers.0.mlp.down_proj.weight_zero_point" in state) == (not sym)
-    h = RunnerHarness(folder, num_blocks=16, max_len=256)
+    h = RunnerHarness(folder, num_blocks=16, max_len=256, dequantize_weights=True)
     ours = h.step([(h.request("r", IDS), len(IDS))])["r"]
     # Reference 1: the package's own decompress of every module, run as a dense transformers model.
     ref_model: Any = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{
@@ -119,7 +120,7 @@ def test_bad_pack_quantized(tmp_path: Path) -> None:
     t["model.layers.1.self_attn.k_proj.weight_scale"] = t["model.layers.1.self_attn.k_proj.weight_scale"][:, :1].clone()
     save_file(t, folder / "model.safetensors")
     with pytest.raises(ValueError, match=r"k_proj\.weight_scale has shape \(64, 1\), expected \(64, 2\)"):
-        RunnerHarness(folder, num_blocks=16, max_len=256)
+        RunnerHarness(folder, num_blocks=16, max_len=256, dequantize_weights=True)
 
 
 def _dense_folder(tmp: Path) -> Path:
@@ -162,7 +163,7 @@ def test_qpage_writes_pack_quantized(tmp_path: Path, name: str, sym: bool, act_o
     cfg_group = QuantizationConfig.model_validate(qc).config_groups["group_0"]  # the package parses it
     runs = {}
     for fmt, folder in outs.items():
-        h = RunnerHarness(folder, num_blocks=16, max_len=256)
+        h = RunnerHarness(folder, num_blocks=16, max_len=256, dequantize_weights=True)
         runs[fmt] = (h.step([(h.request("r", IDS), len(IDS))])["r"],
                      effective_weight(h.model.layers[1].mlp.down_proj))
     assert torch.equal(runs["gptq"][0], runs["compressed-tensors"][0])

@@ -73,7 +73,7 @@ def test_file_matches_transformers_on_its_dequantized_weights(path: Path) -> Non
     kind = path.name.split(".")[1]
     h = RunnerHarness(path, num_blocks=8, max_len=64)
     paths = {m.kernel_path for m in h.model.modules() if hasattr(m, "kernel_path")}
-    assert paths == ({"cpu-gguf"} if kind in NATIVE else {"cpu-dequantized", "dense"}), paths
+    assert paths == ({"cpu-blocks"} if kind in NATIVE else {"cpu-dequantized", "dense"}), paths
     ours = h.step([(h.request("r", IDS), len(IDS))])["r"].double()
     ref = reference_logits(path)
     if kind in NATIVE:
@@ -88,7 +88,7 @@ def test_qwen2_with_biases_runs_natively_and_fused(llm_factory: Any) -> None:
     path = FIXTURES / "tiny-qwen2.Q8_0.gguf"
     h = RunnerHarness(path, num_blocks=8, max_len=64)
     assert h.arch.architecture == "Qwen2ForCausalLM" and h.arch.qkv_bias
-    assert {m.kernel_path for m in h.model.modules() if hasattr(m, "kernel_path")} == {"cpu-gguf"}
+    assert {m.kernel_path for m in h.model.modules() if hasattr(m, "kernel_path")} == {"cpu-blocks"}
     ours = h.step([(h.request("r", IDS), len(IDS))])["r"].double()
     p_ref, p_ours = torch.log_softmax(reference_logits(path), -1), torch.log_softmax(ours, -1)
     assert (p_ref.exp() * (p_ref - p_ours)).sum(-1).mean() < 0.01

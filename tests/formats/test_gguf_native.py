@@ -66,7 +66,7 @@ def test_default_model_stays_in_its_blocks(native: RunnerHarness) -> None:
     f = GgufFile(default_gguf_path())
     quantized = sum(t.nbytes for t in f.tensors.values() if t.type_name != "F32")
     mods = [m for m in native.model.modules() if hasattr(m, "kernel_path")]
-    assert {m.kernel_path for m in mods} == {"cpu-gguf"} and len(mods) == 4 * 30 + 1  # linears + the embedding
+    assert {m.kernel_path for m in mods} == {"cpu-blocks"} and len(mods) == 4 * 30 + 1  # linears + the embedding
     held = sum(m.weight_bytes for m in mods)
     assert quantized <= held <= 1.05 * quantized  # rows padded to groups of 16 at most
 

@@ -120,7 +120,7 @@ def test_gguf_package_file_loads_in_qpage(rewritten: tuple[Path, dict[str, np.nd
     assert (ours - ref).abs().max() < 2e-4
     # Natively, as LLM(model="x.gguf") runs it.
     h = RunnerHarness(path, num_blocks=16, max_len=256)
-    assert {m.kernel_path for m in h.model.modules() if hasattr(m, "kernel_path")} == {"cpu-gguf"}
+    assert {m.kernel_path for m in h.model.modules() if hasattr(m, "kernel_path")} == {"cpu-blocks"}
     native = h.step([(h.request("r", IDS), len(IDS))])["r"].double()
     p_ref, p_ours = torch.log_softmax(ref.double(), -1), torch.log_softmax(native, -1)
     assert (p_ref.exp() * (p_ref - p_ours)).sum(-1).mean() < 0.01

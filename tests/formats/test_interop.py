@@ -6,6 +6,8 @@ Both sides are compared on one linear's dequantized weight and on logits. GPTQMo
 kernel rounds dequantized weights to fp16, so weights agree to fp16 rounding (rtol 2^-10),
 and logits (same argmax everywhere) to 5e-3 absolute on the 2-layer model (measured 1.7e-3,
 logits ~3) and 0.1 on the 30-layer default model (measured 0.031, logits ~20), not to fp32.
+qpage runs the weights dequantized here (``dequantize_weights``): this tests the reader; the
+block kernels are tested against that path in tests/quantizers/test_packed_cpu.py.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ pytestmark = [pytest.mark.slow,
 
 def qpage_run(model_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
     """qpage's logits for IDS and layer 0's down_proj weight as qpage dequantized it ([out, in])."""
-    h = RunnerHarness(model_dir, num_blocks=16, max_len=256)
+    h = RunnerHarness(model_dir, num_blocks=16, max_len=256, dequantize_weights=True)
     logits = h.step([(h.request("r", IDS), len(IDS))])["r"]
     down = h.model.layers[0].mlp.down_proj
     return logits, effective_weight(down)

@@ -1,22 +1,13 @@
-"""GPTQ against RTN on correlated inputs, the act-order grouping, and a calibrated checkpoint
-of the default model that loads and runs in the engine."""
+"""GPTQ against RTN on correlated inputs and the act-order grouping (a calibrated act-order
+checkpoint of the default model runs in tests/quantizers/test_packed_cpu.py)."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-from typing import Any
-
 import pytest
 import torch
-from safetensors.torch import load_file
 
-from qpage import LLM, SamplingParams
-from qpage.eval.perplexity import token_windows
 from qpage.quantizers.gptq import gptq_quantize
-from qpage.quantizers.pipeline import quantize_checkpoint
 from qpage.quantizers.rtn import dequantize_rtn, quantize_rtn
-from qpage.quantizers.scheme import QuantScheme
 
 
 def _problem(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -50,22 +41,3 @@ def test_gptq_beats_rtn_on_layer_output(sym: bool, act_order: bool) -> None:
         assert g_idx is not None and torch.bincount(g_idx.long()).tolist() == [64] * 4
     else:
         assert g_idx is None
-
-
-@pytest.mark.slow
-def test_gptq_checkpoint_with_act_order_runs(default_model_dir: Path, tokenizer: Any, tmp_path: Path) -> None:
-    text = Path(__file__).resolve().parents[2] / "README.md"
-    calib = token_windows(tokenizer, text, 64, 2)
-    out = tmp_path / "gptq"
-    quantize_checkpoint(default_model_dir, out, QuantScheme(4, 128, True, method="gptq", act_order=True),
-                        progress=False, calib=calib)
-    cfg = json.loads((out / "config.json").read_text())["quantization_config"]
-    assert cfg["desc_act"] is True and cfg["meta"]["method"] == "gptq"
-    t = load_file(str(next(out.glob("*.safetensors"))))
-    g_idx = t["model.layers.0.self_attn.q_proj.g_idx"]
-    assert not torch.equal(g_idx.long(), torch.arange(576) // 128), "act-order should permute the groups"
-    assert torch.equal(g_idx, t["model.layers.0.self_attn.k_proj.g_idx"]), "q/k/v share one input and one order"
-    llm = LLM(model=str(out), kv_cache_memory="8MiB", log_stats=False)
-    text_out = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=6),
-                            use_tqdm=False)[0].outputs[0]
-    assert len(text_out.token_ids) == 6

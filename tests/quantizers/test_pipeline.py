@@ -56,42 +56,55 @@ def test_checkpoint_layout(int4_dir: Path) -> None:
 
 
 def test_quantized_model_runs_the_dequantized_weights(int4_dir: Path, default_model_dir: Path) -> None:
-    """The engine's dense weight for down_proj equals RTN's dequantization of the source."""
-    llm = LLM(model=str(int4_dir), kv_cache_memory="8MiB", log_stats=False)
+    """The engine's weight for down_proj equals RTN's dequantization of the source: exactly when
+    dequantized on request, and on the block kernels within the fp16 rounding of each block's
+    offset ``m = -s z`` (2^-11 |s z|, kernels.cpu.int_blocks)."""
     src = load_file(str(default_model_dir / "model.safetensors"))["model.layers.3.mlp.down_proj.weight"]
     q, s, z = quantize_rtn(src, 4, 128, False)
     want = dequantize_rtn(q, s, z, 128)  # [out, in]
-    got = effective_weight(llm.llm_engine.model.layers[3].mlp.down_proj)
-    assert torch.allclose(got, want, atol=1e-6)
+    llm = LLM(model=str(int4_dir), kv_cache_memory="8MiB", log_stats=False, dequantize_weights=True)
+    assert llm.llm_engine.kernel_paths()["quantized_linears"] == {"cpu-dequantized": 120}
+    assert torch.allclose(effective_weight(llm.llm_engine.model.layers[3].mlp.down_proj), want, atol=1e-6)
+    packed = LLM(model=str(int4_dir), kv_cache_memory="8MiB", log_stats=False)
+    assert packed.llm_engine.kernel_paths()["quantized_linears"] == {"cpu-blocks": 120}
+    got = effective_weight(packed.llm_engine.model.layers[3].mlp.down_proj)
+    bound = (s.float() * z.float()).abs().t().repeat_interleave(128, dim=1)[:, : want.shape[1]] * 2.0**-11
+    assert bool(((got - want).abs() <= bound + 1e-6).all())
 
 
 @pytest.mark.slow
-def test_bf16_runs_packed_int4(int4_dir: Path, tokenizer: Any) -> None:
-    """With bf16 activations on CPU the INT4 layers stay packed (torch's int4 kernel, K=576
-    padded to whole groups of 128) and score like the fp32 dequantized path: mean KL of the
-    next-token distributions below 2e-3 (measured 6e-4; bf16 activations are the difference)."""
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_int4_stays_packed(int4_dir: Path, tokenizer: Any, dtype: str) -> None:
+    """In either dtype the INT4 layers run on the block kernels (Q4_1 blocks, 5 bits a weight)
+    and score like the fp32 dequantized path: mean KL of the next-token distributions below
+    3e-3 (measured 1.0e-3 in fp32, 1.4e-3 in bf16; the int8 activation blocks are the
+    difference)."""
     ids = tokenizer.encode("The history of the river town is told in its mills and bridges. " * 12)[:160]
-    ref = LLM(model=str(int4_dir), kv_cache_memory="16MiB", log_stats=False).llm_engine
-    eng = LLM(model=str(int4_dir), kv_cache_memory="16MiB", dtype="bfloat16", log_stats=False).llm_engine
-    assert eng.kernel_paths()["quantized_linears"] == {"cpu-int4pack": 120}
+    ref = LLM(model=str(int4_dir), kv_cache_memory="16MiB", log_stats=False, dequantize_weights=True).llm_engine
+    eng = LLM(model=str(int4_dir), kv_cache_memory="16MiB", dtype=dtype, log_stats=False).llm_engine
+    assert eng.kernel_paths()["quantized_linears"] == {"cpu-blocks": 120}
     assert ref.kernel_paths()["quantized_linears"] == {"cpu-dequantized": 120}
 
     def weight_bytes(e: Any) -> int:
-        return sum(m.weight_bytes for m in e.model.modules() if hasattr(m, "weight_bytes"))
+        return sum(m.weight_bytes for m in e.model.quant_linears())
 
-    assert weight_bytes(eng) < weight_bytes(ref) / 6  # 4-bit codes + bf16 scale/zero pairs vs fp32
-    assert float(kl_rows(score_window(ref, ids, 64), score_window(eng, ids, 64)).mean()) < 2e-3
+    assert weight_bytes(eng) < weight_bytes(ref) / 6  # 5 bits a weight against 32
+    assert float(kl_rows(score_window(ref, ids, 64), score_window(eng, ids, 64)).mean()) < 3e-3
 
 
 @pytest.mark.slow
 def test_int8_close_to_dense(int8_dir: Path, llm_factory: Any, tokenizer: Any) -> None:
+    """INT8 per channel runs as Q8_0 blocks, close to the dense model and to its own weights
+    dequantized (the int8 activation blocks are the difference: measured mean KL 8e-4)."""
     ids = tokenizer.encode("The history of the river town is told in its mills and bridges. " * 12)[:160]
     dense = score_window(llm_factory(kv_cache_memory="16MiB").llm_engine, ids, 64)
-    q8 = score_window(LLM(model=str(int8_dir), kv_cache_memory="16MiB", log_stats=False).llm_engine, ids, 64)
+    packed = LLM(model=str(int8_dir), kv_cache_memory="16MiB", log_stats=False).llm_engine
+    deq = LLM(model=str(int8_dir), kv_cache_memory="16MiB", log_stats=False, dequantize_weights=True).llm_engine
+    assert packed.kernel_paths()["quantized_linears"] == {"cpu-blocks": 120}
+    assert deq.kernel_paths()["quantized_linears"] == {"cpu-dequantized": 120}
+    q8 = score_window(packed, ids, 64)
     assert float(kl_rows(dense, q8).mean()) < 0.01
-    packed = LLM(model=str(int8_dir), kv_cache_memory="16MiB", dtype="bfloat16", log_stats=False).llm_engine
-    assert packed.kernel_paths()["quantized_linears"] == {"cpu-int8pack": 120}
-    assert float(kl_rows(q8, score_window(packed, ids, 64)).mean()) < 2e-3  # bf16 activations vs fp32
+    assert float(kl_rows(score_window(deq, ids, 64), q8).mean()) < 3e-3
 
 
 def test_output_exists_and_interrupted_run(default_model_dir: Path, tmp_path: Path,

@@ -24,7 +24,9 @@ from qpage.kernels.cpu.native import as_i64, load
 BLOCK = 32
 ROWS = 16
 """Rows per group of the kernels' layout; a weight's rows are padded to a multiple."""
-BLOCK_BYTES = {2: 18, 3: 20, 8: 34}
+Q4_0, Q4_1, Q8_0 = 2, 3, 8
+"""The ggml type ids of the formats the kernels run."""
+BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}
 """Bytes per 32-weight block of each format the kernels run (ggml type id -> bytes)."""
 ISAS = {"auto": 0, "scalar": 1, "avx2": 2, "vnni": 3}
 ISA_NAMES = {v: k for k, v in ISAS.items()}
@@ -160,9 +162,12 @@ class PiecewiseMatmul:
     """x [m, k] -> [m, n] over weights stored in pieces of output columns (a fused projection
     whose parts have different formats): activations are quantized once for all packed
     pieces, and each piece writes its own columns of one output. The checks are made once
-    here; a call is one C call per piece plus the quantization."""
+    here; a call is one C call per piece plus the quantization. With ``input_perm`` the
+    weights hold their input rows in that order (act-order, ``int_blocks``), and the
+    activations' columns are gathered the same way first."""
 
-    def __init__(self, pieces: list[Piece], k: int, n: int, threads: int | None = None) -> None:
+    def __init__(self, pieces: list[Piece], k: int, n: int, threads: int | None = None,
+                 input_perm: torch.Tensor | None = None) -> None:
         edges = sorted((c0, c1) for c0, c1, _ in pieces)
         if not edges or edges[0][0] != 0 or edges[-1][1] != n or any(a[1] != b[0] for a, b in pairwise(edges)):
             raise ValueError(f"pieces {edges} do not tile the output columns [0, {n})")
@@ -171,7 +176,10 @@ class PiecewiseMatmul:
                 raise ValueError(f"piece [{c0}, {c1}) holds a [{w.n}, {w.k}] weight, expected [{c1 - c0}, {k}]")
         lib = load()
         assert lib is not None, "PiecewiseMatmul needs the native kernels; check load() first"
+        if input_perm is not None and tuple(input_perm.shape) != (k,):
+            raise ValueError(f"input_perm has shape {tuple(input_perm.shape)}, expected ({k},)")
         self._lib, self.pieces, self.k, self.n = lib, pieces, k, n
+        self.input_perm = None if input_perm is None else input_perm.long().cpu()
         self.threads = threads or num_threads()
         self._packed = [(c0, w.ggml_type, w.data.data_ptr(), w.n) for c0, _, w in pieces if isinstance(w, PackedWeight)]
         self._dense = [(c0, c1, w) for c0, c1, w in pieces if not isinstance(w, PackedWeight)]
@@ -202,6 +210,8 @@ class PiecewiseMatmul:
         x2 = x.reshape(-1, self.k)
         if dtype != torch.float32 or x2.stride(1) != 1 or x2.device.type != "cpu":
             x2 = x2.to("cpu", torch.float32).contiguous()
+        if self.input_perm is not None:
+            x2 = x2.index_select(1, self.input_perm)
         m = x2.shape[0]
         out = torch.empty(m, self.n, dtype=torch.float32)
         if self._packed:

@@ -1,0 +1,48 @@
+/* What the block-format matmuls share (cpu_gguf.c for the 32-weight formats, cpu_gguf_k.c
+ * for the 256-weight K-quant ones): type and path ids, the layout's constants, the
+ * arguments of one group of 16 rows, and the K-quant group functions cpu_gguf.c dispatches. */
+#ifndef QP_GGUF_H
+#define QP_GGUF_H
+#include <stdint.h>
+#include <string.h>
+
+enum { QT_Q4_0 = 2, QT_Q4_1 = 3, QT_Q8_0 = 8, QT_Q6_K = 14 };
+enum { ISA_AUTO = 0, ISA_SCALAR = 1, ISA_AVX2 = 2, ISA_VNNI = 3 };
+enum { BLOCK = 32, ROWS = 16, MT_MAX = 4, QK = 256, Q6K_BYTES = 210 };
+
+#define VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
+#define AVX2_TARGET __attribute__((target("avx2,f16c,fma")))
+#define INLINE static inline __attribute__((always_inline))
+
+/* The arguments every path takes: one group of 16 rows, MT activation rows. */
+typedef struct {
+    const uint8_t *w; /* the group's first block */
+    int nb;           /* 32-weight blocks per row */
+    const int8_t *xq;
+    const float *xd, *xs;
+    const int32_t *x16; /* sums of the codes per 16 weights, [MT, 2 nb] (K-quants only) */
+    float *out;         /* out[r * ldo + j] for row j of the group */
+    int64_t ldo;
+    int rows; /* valid rows of the group (<= 16) */
+} group_args;
+
+typedef void (*group_fn)(int, const group_args *, int);
+
+static inline uint16_t rd16(const uint8_t *p) {
+    uint16_t v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline int32_t rd32(const void *p) {
+    int32_t v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+void qp_q6k_group_scalar(int type, const group_args *a, int mt);
+void qp_q6k_group_avx2(int type, const group_args *a, int mt);
+void qp_q6k_group_vnni(int type, const group_args *a, int mt);
+void qp_q6k_dequant_row(const uint8_t *group, int k, int j, float *out);
+
+#endif
