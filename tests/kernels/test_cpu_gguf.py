@@ -1,6 +1,8 @@
 """The block-format matmuls (``kernels.cpu.native_gguf``) against the ``gguf`` package.
 
-Weights are quantized by ``gguf.quants.quantize`` (llama.cpp's reference quantizers) and the
+Weights are quantized by ``gguf.quants.quantize`` (llama.cpp's reference quantizers; the
+K-quants, which it cannot write, as random blocks with d in [0.001, 0.011): any other byte
+pattern is a valid block) and the
 reference is ``gguf.quants.dequantize`` times the activations as the kernel quantized them
 (codes x block scale), in fp64: the kernel's only differences are fp32 rounding and the
 order of additions, held to 1e-5 relative to the output's norm. Against the unquantized
@@ -23,12 +25,16 @@ from tests.kernels.conftest import rel_err  # noqa: E402
 if cpu_native.no_compiler_or_disabled():  # pragma: no cover
     pytest.skip(f"native CPU kernels unavailable: {cpu_native.unavailable_reason()}", allow_module_level=True)
 
-TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
+TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
+K_QUANTS = {"Q4_K": (144, (0, 2)), "Q6_K": (210, (208,))}
+"""Block bytes and where the block's fp16 scales sit."""
 ISAS = ("scalar", "avx2", "vnni")
 # (m, n, k): decode rows, a 4-row tile plus a remainder, rows not a multiple of 16 (a last
 # group of 6, 1, 8 and 12 rows: both AVX2 halves and the VNNI store mask), an odd number of
 # blocks, and a row of one block.
 SHAPES = [(1, 70, 576), (3, 33, 96), (5, 64, 1536), (17, 40, 64), (2, 16, 32), (2, 44, 96)]
+K_SHAPES = [(1, 70, 512), (3, 33, 256), (5, 64, 1536), (17, 40, 768), (2, 16, 256)]
+"""The same for the 256-weight K-quant blocks."""
 TOL, TOL_FP32 = 1e-5, 1e-2
 
 
@@ -39,9 +45,17 @@ def isa_or_skip(isa: str) -> None:
 
 def quantized_weight(name: str, n: int, k: int, seed: int) -> tuple[np.ndarray, torch.Tensor]:
     """(file rows uint8 [n, row bytes], their fp32 dequantization [n, k])."""
-    w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
+    rng = np.random.default_rng(seed)
     qt = gguf.GGMLQuantizationType[name]
-    rows = gguf.quants.quantize(w, qt)
+    if name in K_QUANTS:
+        size, scales = K_QUANTS[name]
+        raw = rng.integers(0, 256, (n, k // 256, size), dtype=np.uint8)
+        d = rng.random((n, k // 256)) * 0.01 + 0.001
+        for i, at in enumerate(scales):  # Q4_K's dmin = 7.5 d: weights centred on 0, as real blocks are
+            raw[..., at : at + 2] = (d * (1, 7.5)[i]).astype(np.float16).view(np.uint8).reshape(n, k // 256, 2)
+        rows = raw.reshape(n, -1)
+    else:
+        rows = gguf.quants.quantize(rng.standard_normal((n, k)).astype(np.float32), qt)
     return rows, torch.from_numpy(gguf.quants.dequantize(rows, qt).astype(np.float32))
 
 
@@ -72,10 +86,12 @@ def test_activation_quantization_matches_reference() -> None:
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("name", TYPES)
-@pytest.mark.parametrize("shape", SHAPES)
-def test_matmul_matches_gguf_dequantize(name: str, isa: str, shape: tuple[int, int, int]) -> None:
+@pytest.mark.parametrize("i", range(len(SHAPES)))
+def test_matmul_matches_gguf_dequantize(name: str, isa: str, i: int) -> None:
     isa_or_skip(isa)
-    m, n, k = shape
+    if i >= len(K_SHAPES) and name in K_QUANTS:
+        pytest.skip("fewer K-quant shapes")
+    m, n, k = (K_SHAPES if name in K_QUANTS else SHAPES)[i]
     rows, w = quantized_weight(name, n, k, seed=m + n + k)
     x = activations(m, k, seed=n)
     act = ng.quantize_activations(x)
@@ -90,7 +106,7 @@ def test_matmul_matches_gguf_dequantize(name: str, isa: str, shape: tuple[int, i
 @pytest.mark.parametrize("name", TYPES)
 def test_threads_and_paths_agree(name: str) -> None:
     """Splitting rows across threads changes no row's arithmetic: equal bit for bit."""
-    rows, _ = quantized_weight(name, 200, 256, seed=3)
+    rows, _ = quantized_weight(name, 200, 256, seed=3)  # k = 256 fits every format
     w = ng.repack(rows, TYPES[name], 256)
     act = ng.quantize_activations(activations(7, 256, 3))
     one, two = torch.empty(7, 200), torch.empty(7, 200)
@@ -102,9 +118,10 @@ def test_threads_and_paths_agree(name: str) -> None:
 @pytest.mark.parametrize("name", TYPES)
 def test_paths_agree(name: str) -> None:
     """Every path this CPU has computes the same sums, in its own order of float additions."""
-    rows, _ = quantized_weight(name, 60, 320, seed=4)
-    w = ng.repack(rows, TYPES[name], 320)
-    act = ng.quantize_activations(activations(5, 320, 4))
+    k = 512 if name in K_QUANTS else 320
+    rows, _ = quantized_weight(name, 60, k, seed=4)
+    w = ng.repack(rows, TYPES[name], k)
+    act = ng.quantize_activations(activations(5, k, 4))
     outs = {}
     for isa in ISAS:
         if ng.isa_supported(isa):
@@ -126,8 +143,9 @@ def test_non_finite_activations_give_nan_rows() -> None:
 @pytest.mark.parametrize("name", TYPES)
 def test_rows_dequantize_exactly(name: str) -> None:
     """Embedding rows read from the kernels' layout equal llama.cpp's dequantization exactly."""
-    rows, w = quantized_weight(name, 37, 96, seed=5)
-    packed = ng.repack(rows, TYPES[name], 96)
+    k = 256 if name in K_QUANTS else 96
+    rows, w = quantized_weight(name, 37, k, seed=5)
+    packed = ng.repack(rows, TYPES[name], k)
     ids = torch.tensor([[0, 36], [17, 16]])
     assert torch.equal(ng.dequantize_rows(packed, ids), w[ids])
     with pytest.raises(ValueError, match=r"outside \[0, 37\)"):
@@ -138,7 +156,7 @@ def test_pieces_of_mixed_formats_fill_their_columns() -> None:
     """A fused projection whose parts are Q4_1, Q8_0 and fp32 (BLAS): one output, each part
     in its columns, activations quantized once."""
     k = 128
-    parts = [("Q4_1", 48), ("Q8_0", 16), ("F32", 20)]
+    parts = [("Q4_1", 48), ("Q8_0", 16), ("F32", 20)]  # k = 128: no K-quant part
     x = activations(3, k, 9)
     act = ng.quantize_activations(x)
     x_seen = (act.q.double().view(3, k // 32, 32) * act.d.double()[..., None]).view(3, k)
@@ -160,8 +178,9 @@ def test_pieces_of_mixed_formats_fill_their_columns() -> None:
 
 
 def test_unsupported_inputs_are_named() -> None:
-    assert "no native kernel" in (ng.unsupported_reason(12, 256) or "")  # Q4_K
+    assert "no native kernel" in (ng.unsupported_reason(13, 256) or "")  # Q5_K
     assert "32-weight blocks" in (ng.unsupported_reason(2, 48) or "")
+    assert "256-weight blocks" in (ng.unsupported_reason(14, 576) or "")
     rows, _ = quantized_weight("Q8_0", 16, 64, seed=1)
     with pytest.raises(ValueError, match=r"uint8 \[n, 68\]"):
         ng.repack(rows[:, :60], TYPES["Q8_0"], 64)

@@ -1,11 +1,14 @@
 """The whole decode step in one C call (``models.fused_decode``) against the Python layers it
-replaces, on the default model's GGUF: the same kernels in the same order, so the tokens and
-their log-probabilities must be equal, bit for bit, over batches that hold several decode
-groups (sequences of different lengths) and rows. Bad step inputs are refused before C runs.
+replaces, on the default model's GGUF, on a Q4_K_M file (Q4_K and Q6_K layers) and on an INT4
+checkpoint written by ``qpage quantize`` (its Q4_1 blocks): the same kernels in the same
+order, so the tokens and their log-probabilities must be equal, bit for bit, over batches that
+hold several decode groups (sequences of different lengths) and rows. Bad step inputs are
+refused before C runs.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -14,11 +17,14 @@ import torch
 import qpage.models.llama as llama_module
 from qpage import SamplingParams
 from qpage.kernels.cpu import native as cpu_native
+from qpage.quantizers.pipeline import quantize_checkpoint
+from qpage.quantizers.scheme import QuantScheme
 
 if cpu_native.no_compiler_or_disabled():  # pragma: no cover
     pytest.skip(f"native CPU kernels unavailable: {cpu_native.unavailable_reason()}", allow_module_level=True)
 
 LENGTHS = (7, 20, 40, 150, 300)  # 1 to 19 blocks: several decode groups
+Q4_K_M = Path(__file__).resolve().parents[1] / "fixtures" / "gguf" / "tiny-llama.Q4_K_M.gguf"
 
 
 @pytest.fixture(scope="module")
@@ -27,15 +33,29 @@ def gguf_llm(llm_factory: Any) -> Any:
 
 
 def run(llm: Any) -> list[Any]:
-    prompts = [{"prompt_token_ids": list(range(1000 + 37 * i, 1000 + 37 * i + n))} for i, n in enumerate(LENGTHS)]
+    vocab = llm.llm_engine.arch.vocab_size
+    prompts = [{"prompt_token_ids": [(1000 + 37 * i + t) % vocab for t in range(n)]} for i, n in enumerate(LENGTHS)]
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=2)
     return [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
-def test_fused_step_equals_the_python_layers(gguf_llm: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture(scope="module", params=["default-gguf", "q4_k_m", "int4-rtn"])
+def fused_llm(request: pytest.FixtureRequest, gguf_llm: Any, llm_factory: Any, default_model_dir: Path,
+              tmp_path_factory: pytest.TempPathFactory) -> Any:
+    if request.param == "default-gguf":
+        return gguf_llm
+    if request.param == "q4_k_m":
+        return llm_factory(model=str(Q4_K_M), kv_cache_memory="16MiB")
+    out = tmp_path_factory.mktemp("fused") / "int4"
+    quantize_checkpoint(default_model_dir, out, QuantScheme(4, 128, False), progress=False)
+    return llm_factory(model=str(out))
+
+
+def test_fused_step_equals_the_python_layers(fused_llm: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    gguf_llm = fused_llm
     model = gguf_llm.llm_engine.model
     stack = model.decode_stack
-    assert stack is not None, "the default GGUF model should fit the fused step"
+    assert stack is not None, "the model should fit the fused step"
     calls = []
     real = llama_module.run_decode_stack
 

@@ -3,7 +3,8 @@ its file's bytes, regrouped once at load into the kernels' 16-row layout (``repa
 activations are quantized to int8 blocks once per call and each block's dot product is an
 integer one (layout and math in the C file).
 
-Formats the kernels run, by ggml type id: Q4_0, Q4_1, Q8_0. ``isa`` picks the instruction
+Formats the kernels run, by ggml type id: Q4_0, Q4_1, Q8_0 (``cpu_gguf.c``), Q4_K and Q6_K
+(``cpu_gguf_q4k.c``, ``cpu_gguf_q6k.c``). ``isa`` picks the instruction
 path ("vnni", "avx2", "scalar"; "auto" is the best this CPU has); the paths agree up to the
 order of float additions. The reference is ``gguf.quants.dequantize`` and an fp32 matmul on
 the same int8-quantized activations (tests/kernels/test_cpu_gguf.py).
@@ -24,10 +25,13 @@ from qpage.kernels.cpu.native import as_i64, load
 BLOCK = 32
 ROWS = 16
 """Rows per group of the kernels' layout; a weight's rows are padded to a multiple."""
-Q4_0, Q4_1, Q8_0 = 2, 3, 8
+Q4_0, Q4_1, Q8_0, Q4_K, Q6_K = 2, 3, 8, 12, 14
 """The ggml type ids of the formats the kernels run."""
-BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}
-"""Bytes per 32-weight block of each format the kernels run (ggml type id -> bytes)."""
+BLOCK_BYTES = {Q4_0: (32, 18), Q4_1: (32, 20), Q8_0: (32, 34), Q4_K: (256, 144), Q6_K: (256, 210)}
+"""Each format the kernels run: (weights, bytes) of one block in the file."""
+PACKED_BYTES = {Q4_K: 148}
+"""Bytes of one block in the kernels' layout, where it differs from the file (Q4_K's 6-bit
+scales unpacked to a byte each)."""
 ISAS = {"auto": 0, "scalar": 1, "avx2": 2, "vnni": 3}
 ISA_NAMES = {v: k for k, v in ISAS.items()}
 
@@ -56,10 +60,18 @@ def best_isa() -> str:
 def unsupported_reason(ggml_type: int, k: int) -> str | None:
     """Why the kernels cannot run a weight of this format and row length (None: they can)."""
     if ggml_type not in BLOCK_BYTES:
-        return f"ggml type {ggml_type} has no native kernel (those run: Q4_0, Q4_1, Q8_0)"
-    if k % BLOCK:
-        return f"rows of {k} weights are not whole 32-weight blocks"
+        return f"ggml type {ggml_type} has no native kernel (those run: Q4_0, Q4_1, Q8_0, Q4_K, Q6_K)"
+    size = BLOCK_BYTES[ggml_type][0]
+    if k % size:
+        return f"rows of {k} weights are not whole {size}-weight blocks"
     return None
+
+
+def row_bytes(ggml_type: int, k: int, packed: bool = False) -> int:
+    """Bytes of one row of k weights in a format the kernels run: in the file, or ``packed``
+    in the kernels' layout."""
+    size, nbytes = BLOCK_BYTES[ggml_type]
+    return k // size * (PACKED_BYTES.get(ggml_type, nbytes) if packed else nbytes)
 
 
 @dataclass
@@ -83,14 +95,14 @@ def repack(rows: torch.Tensor | np.ndarray | list[np.ndarray], ggml_type: int, k
     if any(p.shape[0] % ROWS for p in parts[:-1]):
         parts = [np.concatenate(parts)]
     why = unsupported_reason(ggml_type, k)
-    want = k // BLOCK * BLOCK_BYTES.get(ggml_type, 0)
+    want = row_bytes(ggml_type, k) if why is None else 0
     for p in parts:
         if why is None and (p.dtype != np.uint8 or p.ndim != 2 or p.shape[1] != want):
             why = f"rows must be uint8 [n, {want}], got {p.dtype} {tuple(p.shape)}"
     if why is not None:
         raise ValueError(f"gguf repack: {why}")
     n = sum(p.shape[0] for p in parts)
-    out = torch.empty(-(-n // ROWS) * ROWS * want, dtype=torch.uint8)
+    out = torch.empty(-(-n // ROWS) * ROWS * row_bytes(ggml_type, k, packed=True), dtype=torch.uint8)
     first = 0
     for p in parts:
         src = np.ascontiguousarray(p)
@@ -135,7 +147,8 @@ def matmul_into(out: torch.Tensor, act: QuantizedActivations, w: PackedWeight, t
     rc = lib.qp_gguf_matmul(w.ggml_type, w.data.data_ptr(), w.n, k, act.q.data_ptr(), act.d.data_ptr(),
                             act.s.data_ptr(), m, out.data_ptr(), out.stride(0), threads or num_threads(), ISAS[isa])
     if rc != 0:
-        raise ValueError(f"gguf matmul: the {isa} path cannot run on this CPU")
+        raise MemoryError("gguf matmul: no memory for its scratch") if rc == -2 else ValueError(
+            f"gguf matmul: the {isa} path cannot run on this CPU")
 
 
 def dequantize_rows(w: PackedWeight, ids: torch.Tensor) -> torch.Tensor:
@@ -220,8 +233,10 @@ class PiecewiseMatmul:
             lib.qp_quantize_act(x2.data_ptr(), x2.stride(0), m, self.k, q, d, s)
             optr = out.data_ptr()
             for c0, t, w, n in self._packed:
-                if lib.qp_gguf_matmul(t, w, n, self.k, q, d, s, m, optr + 4 * c0, self.n, self.threads, 0) != 0:
-                    raise ValueError(f"gguf matmul: ggml type {t} cannot run on this CPU")
+                rc = lib.qp_gguf_matmul(t, w, n, self.k, q, d, s, m, optr + 4 * c0, self.n, self.threads, 0)
+                if rc != 0:
+                    raise MemoryError("gguf matmul: no memory for its scratch") if rc == -2 else ValueError(
+                        f"gguf matmul: ggml type {t} cannot run on this CPU")
         for c0, c1, w in self._dense:
             out[:, c0:c1] = torch.from_numpy(np.matmul(x2.contiguous().numpy(), w))
         return out.reshape(*shape[:-1], self.n).to(dtype)

@@ -32,19 +32,31 @@
 #include <omp.h>
 #endif
 
+#include <stdlib.h>
+
+#include "qp_gguf.h"
 #include "qp_half.h"
 
-enum { QT_Q4_0 = 2, QT_Q4_1 = 3, QT_Q8_0 = 8 };
-enum { ISA_AUTO = 0, ISA_SCALAR = 1, ISA_AVX2 = 2, ISA_VNNI = 3 };
-enum { BLOCK = 32, ROWS = 16, MT_MAX = 4 };
-
-#define VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
-#define AVX2_TARGET __attribute__((target("avx2,f16c,fma")))
-#define INLINE static inline __attribute__((always_inline))
-
-/* Bytes of one row's block in the file; a group's block is 16 times that. */
+/* Bytes of one row's 32-weight block in the file (0: not a 32-weight format); a group's
+ * block is 16 times that. */
 static int block_bytes(int type) {
     return type == QT_Q4_0 ? 18 : type == QT_Q4_1 ? 20 : type == QT_Q8_0 ? 34 : 0;
+}
+
+/* Whether the kernels run this format at row length k. */
+static int runs(int type, int k) {
+    return type == QT_Q6_K || type == QT_Q4_K ? k % QK == 0 : block_bytes(type) != 0 && k % BLOCK == 0;
+}
+
+/* Bytes of one group of 16 rows of k weights (the file's bytes for 16 rows). */
+static int64_t group_bytes(int type, int k) {
+    if (type == QT_Q6_K || type == QT_Q4_K) return (int64_t)(k / QK) * ROWS * (type == QT_Q6_K ? Q6K_BYTES : Q4K_PACKED);
+    return (int64_t)(k / BLOCK) * ROWS * block_bytes(type);
+}
+
+/* Bytes of one file row of k weights. */
+static int64_t file_row_bytes(int type, int k) {
+    return type == QT_Q4_K ? (int64_t)(k / QK) * Q4K_BYTES : group_bytes(type, k) / ROWS;
 }
 
 /* Where a group's block keeps its codes (after d, and m for Q4_1). */
@@ -53,32 +65,27 @@ static inline int codes_at(int type) { return type == QT_Q4_1 ? 64 : 32; }
 /* The per-block offset factor o / d for the formats whose offset is a multiple of d. */
 static inline float offset_mul(int type) { return type == QT_Q4_0 ? -8.0f : -128.0f; }
 
-static inline uint16_t rd16(const uint8_t *p) {
-    uint16_t v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-static inline int32_t rd32(const void *p) {
-    int32_t v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
 /* ------------------------------------------------------------------ layout */
 
 /* File rows src [n, k/32 blocks] -> rows [first_row, first_row + n) of an x16 weight dst
  * (first_row a multiple of 16; rows of the last group past n are 0). Groups in parallel. */
 int qp_gguf_repack(int type, const uint8_t *src, int64_t n, int k, uint8_t *dst, int64_t first_row, int threads) {
     const int bs = block_bytes(type), nb = k / BLOCK, at = codes_at(type);
-    if (bs == 0 || k % BLOCK || first_row % ROWS) return -1;
-    const int64_t groups = (n + ROWS - 1) / ROWS, gbs = (int64_t)ROWS * bs, row_bytes = (int64_t)nb * bs;
-    uint8_t *base = dst + first_row / ROWS * nb * gbs;
+    if (!runs(type, k) || first_row % ROWS) return -1;
+    const int64_t groups = (n + ROWS - 1) / ROWS, gbs = (int64_t)ROWS * bs, gsize = group_bytes(type, k);
+    const int64_t row_bytes = file_row_bytes(type, k);
+    uint8_t *base = dst + first_row / ROWS * gsize;
 #ifdef _OPENMP
 #pragma omp parallel for num_threads(threads > 0 ? threads : 1) schedule(static)
 #endif
     for (int64_t g = 0; g < groups; g++) {
-        memset(base + g * nb * gbs, 0, (size_t)(nb * gbs));
+        memset(base + g * gsize, 0, (size_t)gsize);
+        if (type == QT_Q6_K || type == QT_Q4_K) {
+            for (int j = 0; j < ROWS && g * ROWS + j < n; j++)
+                (type == QT_Q6_K ? qp_q6k_repack_row : qp_q4k_repack_row)(src + (g * ROWS + j) * row_bytes, k,
+                                                                         base + g * gsize, j);
+            continue;
+        }
         for (int b = 0; b < nb; b++) {
             uint8_t *out = base + (g * nb + b) * gbs;
             for (int j = 0; j < ROWS && g * ROWS + j < n; j++) {
@@ -107,12 +114,16 @@ int qp_gguf_repack(int type, const uint8_t *src, int64_t n, int k, uint8_t *dst,
 int qp_gguf_dequant_rows(int type, const uint8_t *w, int64_t n, int k, const int64_t *ids, int64_t count,
                          float *out) {
     const int bs = block_bytes(type), nb = k / BLOCK, at = codes_at(type);
-    if (bs == 0 || k % BLOCK) return -1;
+    if (!runs(type, k)) return -1;
     for (int64_t i = 0; i < count; i++)
         if (ids[i] < 0 || ids[i] >= n) return -2;
     for (int64_t i = 0; i < count; i++) {
         const int64_t g = ids[i] / ROWS;
         const int j = (int)(ids[i] % ROWS);
+        if (type == QT_Q6_K || type == QT_Q4_K) {
+            (type == QT_Q6_K ? qp_q6k_dequant_row : qp_q4k_dequant_row)(w + g * group_bytes(type, k), k, j, out + i * k);
+            continue;
+        }
         for (int b = 0; b < nb; b++) {
             const uint8_t *blk = w + (g * nb + b) * (int64_t)ROWS * bs;
             float *o = out + i * k + b * BLOCK;
@@ -165,17 +176,6 @@ void qp_quantize_act(const float *x, int64_t ldx, int m, int k, int8_t *q, float
         }
     }
 }
-
-/* The arguments every path takes: one group of 16 rows, MT activation rows. */
-typedef struct {
-    const uint8_t *w; /* the group's first block */
-    int nb;
-    const int8_t *xq;
-    const float *xd, *xs;
-    float *out; /* out[r * ldo + j] for row j of the group */
-    int64_t ldo;
-    int rows; /* valid rows of the group (<= 16) */
-} group_args;
 
 /* ------------------------------------------------------------------ portable C */
 
@@ -324,8 +324,6 @@ VNNI_TARGET static void group_vnni(int type, const group_args *a, int mt) {
 
 /* ------------------------------------------------------------------ entry points */
 
-typedef void (*group_fn)(int, const group_args *, int);
-
 /* 1 when this CPU can run the path (ISA_AUTO: the best one it can), else 0. */
 int qp_gguf_isa_supported(int isa) {
     __builtin_cpu_init();
@@ -349,26 +347,41 @@ int qp_gguf_best_isa(void) {
 
 /* Groups [g0, g1) against all m activation rows, 4 rows at a time. */
 static void run_groups(group_fn f, int type, const uint8_t *w, int64_t n, int nb, const int8_t *xq, const float *xd,
-                       const float *xs, int m, float *out, int64_t ldo, int64_t g0, int64_t g1) {
-    const int64_t gbytes = (int64_t)nb * ROWS * block_bytes(type);
+                       const float *xs, const int32_t *x16, int m, float *out, int64_t ldo, int64_t g0, int64_t g1) {
+    const int64_t gbytes = group_bytes(type, nb * BLOCK);
     for (int64_t g = g0; g < g1; g++)
         for (int r = 0; r < m; r += MT_MAX) {
             const int64_t rows = n - g * ROWS;
             const group_args a = {w + g * gbytes, nb, xq + (int64_t)r * nb * BLOCK, xd + (int64_t)r * nb,
-                                  xs + (int64_t)r * nb, out + r * ldo + g * ROWS, ldo, rows < ROWS ? (int)rows : ROWS};
+                                  xs + (int64_t)r * nb, x16 ? x16 + (int64_t)r * 2 * nb : NULL, out + r * ldo + g * ROWS,
+                                  ldo, rows < ROWS ? (int)rows : ROWS};
             f(type, &a, m - r < MT_MAX ? m - r : MT_MAX);
         }
 }
 
 /* out[m, n] (row stride ldo) = activations (from qp_quantize_act; k = 32 nb) . W^T, W an x16
- * weight of n rows. Returns 0, or -1 for a format or path this build or CPU cannot run. */
+ * weight of n rows. Returns 0, -1 for a format or path this build or CPU cannot run, -2 when out
+ * of memory. */
 int qp_gguf_matmul(int type, const uint8_t *w, int64_t n, int k, const int8_t *xq, const float *xd, const float *xs,
                    int m, float *out, int64_t ldo, int threads, int isa) {
-    if (block_bytes(type) == 0 || k % BLOCK) return -1;
+    if (!runs(type, k)) return -1;
     if (isa == ISA_AUTO) isa = qp_gguf_best_isa();
     if (!qp_gguf_isa_supported(isa)) return -1;
-    const group_fn f = isa == ISA_VNNI ? group_vnni : isa == ISA_AVX2 ? group_avx2 : group_scalar;
+    group_fn f = isa == ISA_VNNI ? group_vnni : isa == ISA_AVX2 ? group_avx2 : group_scalar;
     const int nb = k / BLOCK;
+    int32_t *x16 = NULL; /* Q6_K: the activations' code sums per 16 weights */
+    if (type == QT_Q4_K)
+        f = isa == ISA_VNNI ? qp_q4k_group_vnni : isa == ISA_AVX2 ? qp_q4k_group_avx2 : qp_q4k_group_scalar;
+    if (type == QT_Q6_K) {
+        f = isa == ISA_VNNI ? qp_q6k_group_vnni : isa == ISA_AVX2 ? qp_q6k_group_avx2 : qp_q6k_group_scalar;
+        x16 = malloc(sizeof(int32_t) * (size_t)m * 2 * nb);
+        if (x16 == NULL) return -2;
+        for (int64_t i = 0; i < (int64_t)m * 2 * nb; i++) {
+            int sum = 0;
+            for (int u = 0; u < 16; u++) sum += xq[16 * i + u];
+            x16[i] = sum;
+        }
+    }
     const int64_t groups = (n + ROWS - 1) / ROWS;
     /* Small matmuls stay on one thread: waking the others costs more than they save. */
     if (n * k * (int64_t)m < (1 << 16) || groups < 2) threads = 1;
@@ -377,11 +390,12 @@ int qp_gguf_matmul(int type, const uint8_t *w, int64_t n, int k, const int8_t *x
     {
         const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads(), per = (groups + nt - 1) / nt;
         const int64_t g0 = per * t, g1 = g0 + per < groups ? g0 + per : groups;
-        if (g0 < g1) run_groups(f, type, w, n, nb, xq, xd, xs, m, out, ldo, g0, g1);
+        if (g0 < g1) run_groups(f, type, w, n, nb, xq, xd, xs, x16, m, out, ldo, g0, g1);
     }
 #else
     (void)threads;
-    run_groups(f, type, w, n, nb, xq, xd, xs, m, out, ldo, 0, groups);
+    run_groups(f, type, w, n, nb, xq, xd, xs, x16, m, out, ldo, 0, groups);
 #endif
+    free(x16);
     return 0;
 }

@@ -1,14 +1,17 @@
-/* What the block-format matmuls share (cpu_gguf.c for the 32-weight formats, cpu_gguf_k.c
- * for the 256-weight K-quant ones): type and path ids, the layout's constants, the
- * arguments of one group of 16 rows, and the K-quant group functions cpu_gguf.c dispatches. */
+/* What the block-format matmuls share (cpu_gguf.c for the 32-weight formats and the entry
+ * points; cpu_gguf_q4k.c and cpu_gguf_q6k.c for the 256-weight K-quants): type and path ids,
+ * the layout's constants, the arguments of one group of 16 rows, and the K-quant functions
+ * cpu_gguf.c dispatches to. */
 #ifndef QP_GGUF_H
 #define QP_GGUF_H
 #include <stdint.h>
 #include <string.h>
 
-enum { QT_Q4_0 = 2, QT_Q4_1 = 3, QT_Q8_0 = 8, QT_Q6_K = 14 };
+enum { QT_Q4_0 = 2, QT_Q4_1 = 3, QT_Q8_0 = 8, QT_Q4_K = 12, QT_Q6_K = 14 };
 enum { ISA_AUTO = 0, ISA_SCALAR = 1, ISA_AVX2 = 2, ISA_VNNI = 3 };
-enum { BLOCK = 32, ROWS = 16, MT_MAX = 4, QK = 256, Q6K_BYTES = 210 };
+enum { BLOCK = 32, ROWS = 16, MT_MAX = 4, QK = 256 };
+/* Bytes per row and 256 weights: in the file, and in the kernels' layout where it differs. */
+enum { Q6K_BYTES = 210, Q4K_BYTES = 144, Q4K_PACKED = 148 };
 
 #define VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
 #define AVX2_TARGET __attribute__((target("avx2,f16c,fma")))
@@ -43,6 +46,12 @@ static inline int32_t rd32(const void *p) {
 void qp_q6k_group_scalar(int type, const group_args *a, int mt);
 void qp_q6k_group_avx2(int type, const group_args *a, int mt);
 void qp_q6k_group_vnni(int type, const group_args *a, int mt);
+void qp_q4k_group_scalar(int type, const group_args *a, int mt);
+void qp_q4k_group_avx2(int type, const group_args *a, int mt);
+void qp_q4k_group_vnni(int type, const group_args *a, int mt);
+void qp_q4k_repack_row(const uint8_t *src, int k, uint8_t *group, int j);
+void qp_q4k_dequant_row(const uint8_t *group, int k, int j, float *out);
+void qp_q6k_repack_row(const uint8_t *src, int k, uint8_t *group, int j);
 void qp_q6k_dequant_row(const uint8_t *group, int k, int j, float *out);
 
 #endif
