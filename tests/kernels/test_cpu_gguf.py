@@ -25,7 +25,7 @@ from tests.kernels.conftest import rel_err  # noqa: E402
 if cpu_native.no_compiler_or_disabled():  # pragma: no cover
     pytest.skip(f"native CPU kernels unavailable: {cpu_native.unavailable_reason()}", allow_module_level=True)
 
-TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
+TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
 K_QUANTS = {"Q4_K": (144, (0, 2)), "Q6_K": (210, (208,))}
 """Block bytes and where the block's fp16 scales sit."""
 ISAS = ("scalar", "avx2", "vnni")

@@ -3,8 +3,8 @@ its file's bytes, regrouped once at load into the kernels' 16-row layout (``repa
 activations are quantized to int8 blocks once per call and each block's dot product is an
 integer one (layout and math in the C file).
 
-Formats the kernels run, by ggml type id: Q4_0, Q4_1, Q8_0 (``cpu_gguf.c``), Q4_K and Q6_K
-(``cpu_gguf_q4k.c``, ``cpu_gguf_q6k.c``). ``isa`` picks the instruction
+Formats the kernels run, by ggml type id: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (``cpu_gguf.c``), Q4_K
+and Q6_K (``cpu_gguf_q4k.c``, ``cpu_gguf_q6k.c``). ``isa`` picks the instruction
 path ("vnni", "avx2", "scalar"; "auto" is the best this CPU has); the paths agree up to the
 order of float additions. The reference is ``gguf.quants.dequantize`` and an fp32 matmul on
 the same int8-quantized activations (tests/kernels/test_cpu_gguf.py).
@@ -25,9 +25,10 @@ from qpage.kernels.cpu.native import as_i64, load
 BLOCK = 32
 ROWS = 16
 """Rows per group of the kernels' layout; a weight's rows are padded to a multiple."""
-Q4_0, Q4_1, Q8_0, Q4_K, Q6_K = 2, 3, 8, 12, 14
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K = 2, 3, 6, 7, 8, 12, 14
 """The ggml type ids of the formats the kernels run."""
-BLOCK_BYTES = {Q4_0: (32, 18), Q4_1: (32, 20), Q8_0: (32, 34), Q4_K: (256, 144), Q6_K: (256, 210)}
+BLOCK_BYTES = {Q4_0: (32, 18), Q4_1: (32, 20), Q5_0: (32, 22), Q5_1: (32, 24), Q8_0: (32, 34), Q4_K: (256, 144),
+               Q6_K: (256, 210)}
 """Each format the kernels run: (weights, bytes) of one block in the file."""
 PACKED_BYTES = {Q4_K: 148}
 """Bytes of one block in the kernels' layout, where it differs from the file (Q4_K's 6-bit
@@ -60,7 +61,7 @@ def best_isa() -> str:
 def unsupported_reason(ggml_type: int, k: int) -> str | None:
     """Why the kernels cannot run a weight of this format and row length (None: they can)."""
     if ggml_type not in BLOCK_BYTES:
-        return f"ggml type {ggml_type} has no native kernel (those run: Q4_0, Q4_1, Q8_0, Q4_K, Q6_K)"
+        return f"ggml type {ggml_type} has no native kernel (those run: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K)"
     size = BLOCK_BYTES[ggml_type][0]
     if k % size:
         return f"rows of {k} weights are not whole {size}-weight blocks"

@@ -1,14 +1,18 @@
 /* Matmuls on weights in llama.cpp's block formats: out[M, N] = x[M, K] . W[N, K]^T.
  *
  * Formats (per row, K/32 blocks of 32 weights; fp16 d and m): Q4_0 (18 B: d, 16 B of nibbles;
- * w = d (q - 8)), Q4_1 (20 B: d, m, nibbles; w = d q + m), Q8_0 (34 B: d, 32 int8; w = d q).
- * In a nibble block byte j holds weight j in its low and weight j + 16 in its high half.
+ * w = d (q - 8)), Q4_1 (20 B: d, m, nibbles; w = d q + m), Q5_0 (22 B: d, 32 high bits, nibbles;
+ * w = d (q - 16)), Q5_1 (24 B: d, m, high bits, nibbles; w = d q + m), Q8_0 (34 B: d, 32 int8;
+ * w = d q). In a nibble block byte j holds weight j in its low and weight j + 16 in its high
+ * half. Q4_K and Q6_K (256-weight blocks) are in cpu_gguf_q4k.c and cpu_gguf_q6k.c; the
+ * layouts' writers and readers in cpu_gguf_layout.c.
  *
  * Kernel layout ("x16", same bytes as the file): rows in groups of 16; a group holds its
- * blocks in order, and block b of a group is the 16 rows' d (16 fp16), for Q4_1 their m
+ * blocks in order, and block b of a group is the 16 rows' d (16 fp16), for Q4_1/Q5_1 their m
  * (16 fp16), then the codes as 64-byte vectors whose 4-byte lane j belongs to row j:
- *   Q4: 4 vectors; vector c, lane j = bytes 4c..4c+3 of row j's nibbles, so its low nibbles
- *       are weights 4c..4c+3 and its high nibbles weights 16+4c..16+4c+3;
+ *   Q4/Q5: 4 vectors; vector c, lane j = bytes 4c..4c+3 of row j's nibbles, so its low
+ *       nibbles are weights 4c..4c+3 and its high nibbles weights 16+4c..16+4c+3; Q5 then one
+ *       vector of high bits: lane j byte u, bit c for weight 4c+u, bit 4+c for 16+4c+u;
  *   Q8: 8 vectors; vector t, lane j = weights 4t..4t+3 of row j, stored + 128 (unsigned).
  * One dpbusd of a code vector with 4 activation bytes broadcast adds 4 products to each of
  * 16 rows, so a block's 16 integer dot products end in 16 lanes with no horizontal sums, and
@@ -17,12 +21,13 @@
  *
  * Activations are quantized once per row to int8 blocks (qp_quantize_act): codes qx, scale
  * dx = amax / 127, and xs = dx sum(qx). Per block, row n gets
- *   d_n dx isum_n + o_n xs,   o = m (Q4_1), -8 d (Q4_0), -128 d (Q8_0 as stored).
+ *   d_n dx isum_n + o_n xs,   o = m (Q4_1, Q5_1), -8 d (Q4_0), -16 d (Q5_0), -128 d (Q8_0 as stored).
  *
  * Paths, chosen at run time (each compiled with its own target attributes, so every path
- * this CPU has can run and be tested): AVX-512 VNNI, AVX2 (maddubs + madd: two 8-row halves; Q8 codes go back to signed there,
- * since maddubs saturates on 255 x 127 pairs) and portable C. Groups are split across OpenMP
- * threads; each group's block is unpacked once for up to 4 activation rows.
+ * this CPU has can run and be tested): AVX-512 VNNI, AVX2 (maddubs + madd: two 8-row halves;
+ * Q8 codes go back to signed there, since maddubs saturates on 255 x 127 pairs) and portable
+ * C. Groups are split across OpenMP threads; each group's block is unpacked once for up to 4
+ * activation rows.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -37,146 +42,6 @@
 #include "qp_gguf.h"
 #include "qp_half.h"
 
-/* Bytes of one row's 32-weight block in the file (0: not a 32-weight format); a group's
- * block is 16 times that. */
-static int block_bytes(int type) {
-    return type == QT_Q4_0 ? 18 : type == QT_Q4_1 ? 20 : type == QT_Q8_0 ? 34 : 0;
-}
-
-/* Whether the kernels run this format at row length k. */
-static int runs(int type, int k) {
-    return type == QT_Q6_K || type == QT_Q4_K ? k % QK == 0 : block_bytes(type) != 0 && k % BLOCK == 0;
-}
-
-/* Bytes of one group of 16 rows of k weights (the file's bytes for 16 rows). */
-static int64_t group_bytes(int type, int k) {
-    if (type == QT_Q6_K || type == QT_Q4_K) return (int64_t)(k / QK) * ROWS * (type == QT_Q6_K ? Q6K_BYTES : Q4K_PACKED);
-    return (int64_t)(k / BLOCK) * ROWS * block_bytes(type);
-}
-
-/* Bytes of one file row of k weights. */
-static int64_t file_row_bytes(int type, int k) {
-    return type == QT_Q4_K ? (int64_t)(k / QK) * Q4K_BYTES : group_bytes(type, k) / ROWS;
-}
-
-/* Where a group's block keeps its codes (after d, and m for Q4_1). */
-static inline int codes_at(int type) { return type == QT_Q4_1 ? 64 : 32; }
-
-/* The per-block offset factor o / d for the formats whose offset is a multiple of d. */
-static inline float offset_mul(int type) { return type == QT_Q4_0 ? -8.0f : -128.0f; }
-
-/* ------------------------------------------------------------------ layout */
-
-/* File rows src [n, k/32 blocks] -> rows [first_row, first_row + n) of an x16 weight dst
- * (first_row a multiple of 16; rows of the last group past n are 0). Groups in parallel. */
-int qp_gguf_repack(int type, const uint8_t *src, int64_t n, int k, uint8_t *dst, int64_t first_row, int threads) {
-    const int bs = block_bytes(type), nb = k / BLOCK, at = codes_at(type);
-    if (!runs(type, k) || first_row % ROWS) return -1;
-    const int64_t groups = (n + ROWS - 1) / ROWS, gbs = (int64_t)ROWS * bs, gsize = group_bytes(type, k);
-    const int64_t row_bytes = file_row_bytes(type, k);
-    uint8_t *base = dst + first_row / ROWS * gsize;
-#ifdef _OPENMP
-#pragma omp parallel for num_threads(threads > 0 ? threads : 1) schedule(static)
-#endif
-    for (int64_t g = 0; g < groups; g++) {
-        memset(base + g * gsize, 0, (size_t)gsize);
-        if (type == QT_Q6_K || type == QT_Q4_K) {
-            for (int j = 0; j < ROWS && g * ROWS + j < n; j++)
-                (type == QT_Q6_K ? qp_q6k_repack_row : qp_q4k_repack_row)(src + (g * ROWS + j) * row_bytes, k,
-                                                                         base + g * gsize, j);
-            continue;
-        }
-        for (int b = 0; b < nb; b++) {
-            uint8_t *out = base + (g * nb + b) * gbs;
-            for (int j = 0; j < ROWS && g * ROWS + j < n; j++) {
-                const uint8_t *blk = src + (g * ROWS + j) * row_bytes + (int64_t)b * bs;
-                memcpy(out + 2 * j, blk, 2);
-                if (type == QT_Q4_1) memcpy(out + 32 + 2 * j, blk + 2, 2);
-                const uint8_t *qs = blk + (type == QT_Q4_1 ? 4 : 2);
-                const int vecs = type == QT_Q8_0 ? 8 : 4;
-                for (int c = 0; c < vecs; c++) {
-                    uint32_t lane;
-                    memcpy(&lane, qs + 4 * c, 4);
-                    if (type == QT_Q8_0) lane ^= 0x80808080u;
-                    memcpy(out + at + 64 * c + 4 * j, &lane, 4);
-                }
-            }
-        }
-    }
-#ifndef _OPENMP
-    (void)threads;
-#endif
-    return 0;
-}
-
-/* Rows ids[i] (< n) of an x16 weight, dequantized into out [count, k] exactly as llama.cpp
- * dequantizes them. Returns 0, -1 for an unknown format, -2 for an id outside [0, n). */
-int qp_gguf_dequant_rows(int type, const uint8_t *w, int64_t n, int k, const int64_t *ids, int64_t count,
-                         float *out) {
-    const int bs = block_bytes(type), nb = k / BLOCK, at = codes_at(type);
-    if (!runs(type, k)) return -1;
-    for (int64_t i = 0; i < count; i++)
-        if (ids[i] < 0 || ids[i] >= n) return -2;
-    for (int64_t i = 0; i < count; i++) {
-        const int64_t g = ids[i] / ROWS;
-        const int j = (int)(ids[i] % ROWS);
-        if (type == QT_Q6_K || type == QT_Q4_K) {
-            (type == QT_Q6_K ? qp_q6k_dequant_row : qp_q4k_dequant_row)(w + g * group_bytes(type, k), k, j, out + i * k);
-            continue;
-        }
-        for (int b = 0; b < nb; b++) {
-            const uint8_t *blk = w + (g * nb + b) * (int64_t)ROWS * bs;
-            float *o = out + i * k + b * BLOCK;
-            const float d = half_to_f32(rd16(blk + 2 * j));
-            if (type == QT_Q8_0) {
-                for (int t = 0; t < BLOCK; t++) o[t] = d * (float)((int)blk[at + 64 * (t / 4) + 4 * j + t % 4] - 128);
-                continue;
-            }
-            const int shift = type == QT_Q4_0 ? 8 : 0;
-            const float m = type == QT_Q4_1 ? half_to_f32(rd16(blk + 32 + 2 * j)) : 0.0f;
-            for (int t = 0; t < 16; t++) {
-                const uint8_t q = blk[at + 64 * (t / 4) + 4 * j + t % 4];
-                o[t] = d * (float)((q & 15) - shift) + m;
-                o[t + 16] = d * (float)((q >> 4) - shift) + m;
-            }
-        }
-    }
-    return 0;
-}
-
-/* ------------------------------------------------------------------ activations */
-
-/* x fp32 [m, k] (row stride ldx, k % 32 == 0) -> qx int8 [m, k], dx and xs float [m, k / 32]. */
-void qp_quantize_act(const float *x, int64_t ldx, int m, int k, int8_t *q, float *d, float *s) {
-    const int nb = k / BLOCK;
-    for (int r = 0; r < m; r++) {
-        for (int b = 0; b < nb; b++) {
-            const float *xb = x + r * ldx + b * BLOCK;
-            float amax = 0.0f;
-            for (int j = 0; j < BLOCK; j++) {
-                const float a = xb[j] < 0 ? -xb[j] : xb[j];
-                amax = (a > amax || a != a) ? a : amax; /* a NaN sticks */
-            }
-            int8_t *qb = q + (int64_t)r * k + b * BLOCK;
-            if (!(amax <= 3.4e38f)) { /* a NaN or infinity: no codes, and the block's outputs become NaN */
-                memset(qb, 0, BLOCK);
-                d[(int64_t)r * nb + b] = s[(int64_t)r * nb + b] = NAN;
-                continue;
-            }
-            const float inv = amax > 0 ? 127.0f / amax : 0.0f;
-            int sum = 0;
-            for (int j = 0; j < BLOCK; j++) {
-                /* Round to nearest even by adding and subtracting 1.5 * 2^23 (vectorizes). */
-                const float v = (xb[j] * inv + 12582912.0f) - 12582912.0f;
-                qb[j] = (int8_t)v;
-                sum += (int)v;
-            }
-            d[(int64_t)r * nb + b] = amax / 127.0f;
-            s[(int64_t)r * nb + b] = amax / 127.0f * (float)sum;
-        }
-    }
-}
-
 /* ------------------------------------------------------------------ portable C */
 
 static void group_scalar(int type, const group_args *a, int mt) {
@@ -190,11 +55,12 @@ static void group_scalar(int type, const group_args *a, int mt) {
                 int isum = 0;
                 for (int c = 0; c < (type == QT_Q8_0 ? 8 : 4); c++)
                     for (int u = 0; u < 4; u++) {
-                        const int q = blk[at + 64 * c + 4 * j + u];
-                        isum += type == QT_Q8_0 ? q * x[4 * c + u] : (q & 15) * x[4 * c + u] + (q >> 4) * x[16 + 4 * c + u];
+                        const int q = blk[at + 64 * c + 4 * j + u], h = is_q5(type) ? blk[at + 256 + 4 * j + u] : 0;
+                        const int lo = (q & 15) | (((h >> c) & 1) << 4), hi = (q >> 4) | (((h >> (4 + c)) & 1) << 4);
+                        isum += type == QT_Q8_0 ? q * x[4 * c + u] : lo * x[4 * c + u] + hi * x[16 + 4 * c + u];
                     }
                 const float d = half_to_f32(rd16(blk + 2 * j));
-                const float o = type == QT_Q4_1 ? half_to_f32(rd16(blk + 32 + 2 * j)) : offset_mul(type) * d;
+                const float o = has_m(type) ? half_to_f32(rd16(blk + 32 + 2 * j)) : offset_mul(type) * d;
                 const int64_t xi = (int64_t)r * a->nb + b;
                 acc += d * a->xd[xi] * (float)isum + o * a->xs[xi];
             }
@@ -213,17 +79,24 @@ AVX2_TARGET INLINE void avx2_half(const int type, const int MT, const group_args
     for (int b = 0; b < a->nb; b++) {
         const uint8_t *blk = a->w + (int64_t)b * ROWS * bs;
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16 * half)));
-        const __m256 o = type == QT_Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 32 + 16 * half)))
+        const __m256 o = has_m(type) ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 32 + 16 * half)))
                                          : _mm256_mul_ps(d, _mm256_set1_ps(offset_mul(type)));
         __m256i wv[8];
         if (type == QT_Q8_0) {
             for (int t = 0; t < 8; t++)
                 wv[t] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(blk + at + 64 * t + 32 * half)), flip);
         } else {
+            const __m256i h = is_q5(type) ? _mm256_loadu_si256((const __m256i *)(blk + at + 256 + 32 * half))
+                                          : _mm256_setzero_si256();
+            const __m256i bit4 = _mm256_set1_epi8(16);
             for (int c = 0; c < 4; c++) {
                 const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + at + 64 * c + 32 * half));
                 wv[c] = _mm256_and_si256(v, low);
                 wv[4 + c] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+                if (is_q5(type)) { /* bit c of h -> bit 4 of weight 4c+u; bit 4+c -> of weight 16+4c+u */
+                    wv[c] = _mm256_or_si256(wv[c], _mm256_and_si256(_mm256_slli_epi16(h, 4 - c), bit4));
+                    wv[4 + c] = _mm256_or_si256(wv[4 + c], _mm256_and_si256(_mm256_srli_epi16(h, c), bit4));
+                }
             }
         }
         for (int r = 0; r < MT; r++) {
@@ -261,6 +134,8 @@ AVX2_TARGET static void group_avx2(int type, const group_args *a, int mt) {
     }
         if (type == QT_Q4_0) AVX2_CASE(QT_Q4_0)
         else if (type == QT_Q4_1) AVX2_CASE(QT_Q4_1)
+        else if (type == QT_Q5_0) AVX2_CASE(QT_Q5_0)
+        else if (type == QT_Q5_1) AVX2_CASE(QT_Q5_1)
         else AVX2_CASE(QT_Q8_0)
 #undef AVX2_CASE
     }
@@ -276,16 +151,22 @@ VNNI_TARGET INLINE void vnni_group(const int type, const int MT, const group_arg
     for (int b = 0; b < a->nb; b++) {
         const uint8_t *blk = a->w + (int64_t)b * ROWS * bs;
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
-        const __m512 o = type == QT_Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 32)))
+        const __m512 o = has_m(type) ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 32)))
                                          : _mm512_mul_ps(d, _mm512_set1_ps(offset_mul(type)));
         __m512i wv[8];
         if (type == QT_Q8_0) {
             for (int t = 0; t < 8; t++) wv[t] = _mm512_loadu_si512(blk + at + 64 * t);
         } else {
+            const __m512i h = is_q5(type) ? _mm512_loadu_si512(blk + at + 256) : _mm512_setzero_si512();
+            const __m512i bit4 = _mm512_set1_epi8(16);
             for (int c = 0; c < 4; c++) {
                 const __m512i v = _mm512_loadu_si512(blk + at + 64 * c);
                 wv[c] = _mm512_and_si512(v, low);
                 wv[4 + c] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+                if (is_q5(type)) {
+                    wv[c] = _mm512_or_si512(wv[c], _mm512_and_si512(_mm512_slli_epi16(h, 4 - c), bit4));
+                    wv[4 + c] = _mm512_or_si512(wv[4 + c], _mm512_and_si512(_mm512_srli_epi16(h, c), bit4));
+                }
             }
         }
         for (int r = 0; r < MT; r++) {
@@ -318,6 +199,8 @@ VNNI_TARGET static void group_vnni(int type, const group_args *a, int mt) {
     }
     if (type == QT_Q4_0) VNNI_CASE(QT_Q4_0)
     else if (type == QT_Q4_1) VNNI_CASE(QT_Q4_1)
+    else if (type == QT_Q5_0) VNNI_CASE(QT_Q5_0)
+    else if (type == QT_Q5_1) VNNI_CASE(QT_Q5_1)
     else VNNI_CASE(QT_Q8_0)
 #undef VNNI_CASE
 }

@@ -7,7 +7,7 @@
 #include <stdint.h>
 #include <string.h>
 
-enum { QT_Q4_0 = 2, QT_Q4_1 = 3, QT_Q8_0 = 8, QT_Q4_K = 12, QT_Q6_K = 14 };
+enum { QT_Q4_0 = 2, QT_Q4_1 = 3, QT_Q5_0 = 6, QT_Q5_1 = 7, QT_Q8_0 = 8, QT_Q4_K = 12, QT_Q6_K = 14 };
 enum { ISA_AUTO = 0, ISA_SCALAR = 1, ISA_AVX2 = 2, ISA_VNNI = 3 };
 enum { BLOCK = 32, ROWS = 16, MT_MAX = 4, QK = 256 };
 /* Bytes per row and 256 weights: in the file, and in the kernels' layout where it differs. */
@@ -46,6 +46,47 @@ static inline int32_t rd32(const void *p) {
 void qp_q6k_group_scalar(int type, const group_args *a, int mt);
 void qp_q6k_group_avx2(int type, const group_args *a, int mt);
 void qp_q6k_group_vnni(int type, const group_args *a, int mt);
+/* Bytes of one row's 32-weight block in the file (0: not a 32-weight format); a group's
+ * block is 16 times that. */
+static inline int block_bytes(int type) {
+    switch (type) {
+    case QT_Q4_0: return 18;
+    case QT_Q4_1: return 20;
+    case QT_Q5_0: return 22;
+    case QT_Q5_1: return 24;
+    case QT_Q8_0: return 34;
+    default: return 0;
+    }
+}
+
+/* Whether the kernels run this format at row length k. */
+static inline int runs(int type, int k) {
+    return type == QT_Q6_K || type == QT_Q4_K ? k % QK == 0 : block_bytes(type) != 0 && k % BLOCK == 0;
+}
+
+/* Bytes of one group of 16 rows of k weights (the file's bytes for 16 rows). */
+static inline int64_t group_bytes(int type, int k) {
+    if (type == QT_Q6_K || type == QT_Q4_K)
+        return (int64_t)(k / QK) * ROWS * (type == QT_Q6_K ? Q6K_BYTES : Q4K_PACKED);
+    return (int64_t)(k / BLOCK) * ROWS * block_bytes(type);
+}
+
+/* Bytes of one file row of k weights. */
+static inline int64_t file_row_bytes(int type, int k) {
+    return type == QT_Q4_K ? (int64_t)(k / QK) * Q4K_BYTES : group_bytes(type, k) / ROWS;
+}
+
+/* Formats with an m per block, and with a fifth (high) bit per weight. */
+static inline int has_m(int type) { return type == QT_Q4_1 || type == QT_Q5_1; }
+static inline int is_q5(int type) { return type == QT_Q5_0 || type == QT_Q5_1; }
+
+/* Where a group's 32-weight block keeps its codes (after d, and m). */
+static inline int codes_at(int type) { return has_m(type) ? 64 : 32; }
+
+/* The per-block offset factor o / d for the formats whose offset is a multiple of d. */
+static inline float offset_mul(int type) { return type == QT_Q4_0 ? -8.0f : type == QT_Q5_0 ? -16.0f : -128.0f; }
+
+
 void qp_q4k_group_scalar(int type, const group_args *a, int mt);
 void qp_q4k_group_avx2(int type, const group_args *a, int mt);
 void qp_q4k_group_vnni(int type, const group_args *a, int mt);

@@ -1,0 +1,132 @@
+/* The block formats' layouts (cpu_gguf.c describes them): file rows regrouped into the
+ * kernels' 16-row layout, rows read back for an embedding lookup, and the activations'
+ * int8 blocks. */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include "qp_gguf.h"
+#include "qp_half.h"
+
+/* File rows src [n, k/32 blocks] -> rows [first_row, first_row + n) of an x16 weight dst
+ * (first_row a multiple of 16; rows of the last group past n are 0). Groups in parallel. */
+int qp_gguf_repack(int type, const uint8_t *src, int64_t n, int k, uint8_t *dst, int64_t first_row, int threads) {
+    const int bs = block_bytes(type), nb = k / BLOCK, at = codes_at(type);
+    if (!runs(type, k) || first_row % ROWS) return -1;
+    const int64_t groups = (n + ROWS - 1) / ROWS, gbs = (int64_t)ROWS * bs, gsize = group_bytes(type, k);
+    const int64_t row_bytes = file_row_bytes(type, k);
+    uint8_t *base = dst + first_row / ROWS * gsize;
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(threads > 0 ? threads : 1) schedule(static)
+#endif
+    for (int64_t g = 0; g < groups; g++) {
+        memset(base + g * gsize, 0, (size_t)gsize);
+        if (type == QT_Q6_K || type == QT_Q4_K) {
+            for (int j = 0; j < ROWS && g * ROWS + j < n; j++)
+                (type == QT_Q6_K ? qp_q6k_repack_row : qp_q4k_repack_row)(src + (g * ROWS + j) * row_bytes, k,
+                                                                         base + g * gsize, j);
+            continue;
+        }
+        for (int b = 0; b < nb; b++) {
+            uint8_t *out = base + (g * nb + b) * gbs;
+            for (int j = 0; j < ROWS && g * ROWS + j < n; j++) {
+                const uint8_t *blk = src + (g * ROWS + j) * row_bytes + (int64_t)b * bs;
+                memcpy(out + 2 * j, blk, 2);
+                if (has_m(type)) memcpy(out + 32 + 2 * j, blk + 2, 2);
+                const uint8_t *qs = blk + (has_m(type) ? 4 : 2) + (is_q5(type) ? 4 : 0);
+                if (is_q5(type)) { /* the high bits: lane j byte u, bit c = weight 4c+u, bit 4+c = weight 16+4c+u */
+                    const uint32_t qh = (uint32_t)rd32(qs - 4);
+                    for (int u = 0; u < 4; u++) {
+                        uint8_t hb = 0;
+                        for (int c = 0; c < 4; c++)
+                            hb |= (uint8_t)((((qh >> (4 * c + u)) & 1) << c) | (((qh >> (16 + 4 * c + u)) & 1) << (4 + c)));
+                        out[at + 256 + 4 * j + u] = hb;
+                    }
+                }
+                const int vecs = type == QT_Q8_0 ? 8 : 4;
+                for (int c = 0; c < vecs; c++) {
+                    uint32_t lane;
+                    memcpy(&lane, qs + 4 * c, 4);
+                    if (type == QT_Q8_0) lane ^= 0x80808080u;
+                    memcpy(out + at + 64 * c + 4 * j, &lane, 4);
+                }
+            }
+        }
+    }
+#ifndef _OPENMP
+    (void)threads;
+#endif
+    return 0;
+}
+
+/* Rows ids[i] (< n) of an x16 weight, dequantized into out [count, k] exactly as llama.cpp
+ * dequantizes them. Returns 0, -1 for an unknown format, -2 for an id outside [0, n). */
+int qp_gguf_dequant_rows(int type, const uint8_t *w, int64_t n, int k, const int64_t *ids, int64_t count,
+                         float *out) {
+    const int bs = block_bytes(type), nb = k / BLOCK, at = codes_at(type);
+    if (!runs(type, k)) return -1;
+    for (int64_t i = 0; i < count; i++)
+        if (ids[i] < 0 || ids[i] >= n) return -2;
+    for (int64_t i = 0; i < count; i++) {
+        const int64_t g = ids[i] / ROWS;
+        const int j = (int)(ids[i] % ROWS);
+        if (type == QT_Q6_K || type == QT_Q4_K) {
+            (type == QT_Q6_K ? qp_q6k_dequant_row : qp_q4k_dequant_row)(w + g * group_bytes(type, k), k, j, out + i * k);
+            continue;
+        }
+        for (int b = 0; b < nb; b++) {
+            const uint8_t *blk = w + (g * nb + b) * (int64_t)ROWS * bs;
+            float *o = out + i * k + b * BLOCK;
+            const float d = half_to_f32(rd16(blk + 2 * j));
+            if (type == QT_Q8_0) {
+                for (int t = 0; t < BLOCK; t++) o[t] = d * (float)((int)blk[at + 64 * (t / 4) + 4 * j + t % 4] - 128);
+                continue;
+            }
+            const int shift = type == QT_Q4_0 ? 8 : type == QT_Q5_0 ? 16 : 0;
+            const float m = has_m(type) ? half_to_f32(rd16(blk + 32 + 2 * j)) : 0.0f;
+            for (int t = 0; t < 16; t++) {
+                const uint8_t q = blk[at + 64 * (t / 4) + 4 * j + t % 4];
+                const uint8_t h = is_q5(type) ? blk[at + 256 + 4 * j + t % 4] : 0;
+                o[t] = d * (float)((int)((q & 15) | (((h >> (t / 4)) & 1) << 4)) - shift) + m;
+                o[t + 16] = d * (float)((int)((q >> 4) | (((h >> (4 + t / 4)) & 1) << 4)) - shift) + m;
+            }
+        }
+    }
+    return 0;
+}
+
+/* ------------------------------------------------------------------ activations */
+
+/* x fp32 [m, k] (row stride ldx, k % 32 == 0) -> qx int8 [m, k], dx and xs float [m, k / 32]. */
+void qp_quantize_act(const float *x, int64_t ldx, int m, int k, int8_t *q, float *d, float *s) {
+    const int nb = k / BLOCK;
+    for (int r = 0; r < m; r++) {
+        for (int b = 0; b < nb; b++) {
+            const float *xb = x + r * ldx + b * BLOCK;
+            float amax = 0.0f;
+            for (int j = 0; j < BLOCK; j++) {
+                const float a = xb[j] < 0 ? -xb[j] : xb[j];
+                amax = (a > amax || a != a) ? a : amax; /* a NaN sticks */
+            }
+            int8_t *qb = q + (int64_t)r * k + b * BLOCK;
+            if (!(amax <= 3.4e38f)) { /* a NaN or infinity: no codes, and the block's outputs become NaN */
+                memset(qb, 0, BLOCK);
+                d[(int64_t)r * nb + b] = s[(int64_t)r * nb + b] = NAN;
+                continue;
+            }
+            const float inv = amax > 0 ? 127.0f / amax : 0.0f;
+            int sum = 0;
+            for (int j = 0; j < BLOCK; j++) {
+                /* Round to nearest even by adding and subtracting 1.5 * 2^23 (vectorizes). */
+                const float v = (xb[j] * inv + 12582912.0f) - 12582912.0f;
+                qb[j] = (int8_t)v;
+                sum += (int)v;
+            }
+            d[(int64_t)r * nb + b] = amax / 127.0f;
+            s[(int64_t)r * nb + b] = amax / 127.0f * (float)sum;
+        }
+    }
+}
