@@ -3,7 +3,8 @@ weights, so the two must agree (within 0.5%); what differs is each engine's arit
 (both quantize activations to int8 blocks for their block-format matmuls).
 
 Files: the default model's own Q4_1, and the same weights (dequantized once to F32) quantized
-by llama.cpp to Q4_0, Q8_0, Q4_K_M and Q6_K (written to ``--files``, reused when present).
+by llama.cpp to Q4_0, Q8_0, Q4_K_M, Q5_K_M, Q6_K and IQ4_XS (written to ``--files``, reused
+when present).
 qpage scores each window teacher-forced in chunks of ``--chunk`` tokens (``qpage eval``'s
 path); llama.cpp runs in its own process with an f16 cache and the same micro-batches
 (``peers/llamacpp_kv_cache.py``'s worker).
@@ -29,7 +30,7 @@ from common import write_json
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT.parent / "shared" / "data" / "wikitext2" / "test.txt"
 PEER = Path(__file__).resolve().parent / "peers" / "llamacpp_kv_cache.py"
-TYPES = {"Q4_0": 2, "Q8_0": 7, "Q4_K_M": 15, "Q6_K": 18}  # llama.cpp file types
+TYPES = {"Q4_0": 2, "Q8_0": 7, "Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18, "IQ4_XS": 30}  # llama.cpp file types
 
 
 def make_files(src: Path, out_dir: Path) -> list[Path]:

@@ -148,7 +148,7 @@ class LLMEngine:
             note += " - dequantized on request (dequantize_weights); the packed kernels hold a fraction of this"
         elif dequantized and isinstance(mods[0], GgufLinear):
             note += (f" - the {dequantized} layers on cpu-dequantized hold float32 copies: their GGUF types have "
-                     "no block kernel yet (those run: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K)")
+                     "no block kernel yet (Q2_K and Q3_K have none)")
         elif dequantized:
             note += (f" - {dequantized} layers dequantized: no packed kernel runs them (the 'qpage' logger says "
                      "why at DEBUG level)")

@@ -1,8 +1,8 @@
 """The block-format matmuls (``kernels.cpu.native_gguf``) against the ``gguf`` package.
 
 Weights are quantized by ``gguf.quants.quantize`` (llama.cpp's reference quantizers; the
-K-quants, which it cannot write, as random blocks with d in [0.001, 0.011): any other byte
-pattern is a valid block) and the
+K-quants and IQ4, which it cannot write, as random blocks with d in [0.001, 0.011): any other
+byte pattern is a valid block) and the
 reference is ``gguf.quants.dequantize`` times the activations as the kernel quantized them
 (codes x block scale), in fp64: the kernel's only differences are fp32 rounding and the
 order of additions, held to 1e-5 relative to the output's norm. Against the unquantized
@@ -25,15 +25,21 @@ from tests.kernels.conftest import rel_err  # noqa: E402
 if cpu_native.no_compiler_or_disabled():  # pragma: no cover
     pytest.skip(f"native CPU kernels unavailable: {cpu_native.unavailable_reason()}", allow_module_level=True)
 
-TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
-K_QUANTS = {"Q4_K": (144, (0, 2)), "Q6_K": (210, (208,))}
-"""Block bytes and where the block's fp16 scales sit."""
+TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "IQ4_NL": 20,
+         "IQ4_XS": 23}
+RANDOM = {"Q4_K": (256, 144, (0, 2)), "Q5_K": (256, 176, (0, 2)), "Q6_K": (256, 210, (208,)),
+          "IQ4_NL": (32, 18, (0,)), "IQ4_XS": (256, 136, (0,))}
+"""Formats ``gguf`` cannot quantize, made as random blocks: weights and bytes per block, and
+where the block's fp16 scales sit (d, then dmin)."""
+DMIN = {"Q4_K": 7.5, "Q5_K": 15.5}
+"""dmin / d that centres a K-quant's random weights on 0 (the mean code), as real blocks are."""
+K_QUANTS = {name for name, (size, _, _) in RANDOM.items() if size == 256}
 ISAS = ("scalar", "avx2", "vnni")
-# (m, n, k): decode rows, a 4-row tile plus a remainder, rows not a multiple of 16 (a last
-# group of 6, 1, 8 and 12 rows: both AVX2 halves and the VNNI store mask), an odd number of
-# blocks, and a row of one block.
-SHAPES = [(1, 70, 576), (3, 33, 96), (5, 64, 1536), (17, 40, 64), (2, 16, 32), (2, 44, 96)]
-K_SHAPES = [(1, 70, 512), (3, 33, 256), (5, 64, 1536), (17, 40, 768), (2, 16, 256)]
+# (m, n, k): decode rows, a 4- or 8-row call plus a remainder, rows not a multiple of 16 (a
+# last group of 6, 1, 8 and 12 rows: both AVX2 halves and the VNNI store mask), an odd number
+# of blocks, a row of one block, and activation rows over several 32-row tiles.
+SHAPES = [(1, 70, 576), (3, 33, 96), (5, 64, 1536), (17, 40, 64), (2, 16, 32), (2, 44, 96), (75, 20, 64)]
+K_SHAPES = [(1, 70, 512), (3, 33, 256), (5, 64, 1536), (17, 40, 768), (2, 16, 256), (75, 20, 256)]
 """The same for the 256-weight K-quant blocks."""
 TOL, TOL_FP32 = 1e-5, 1e-2
 
@@ -47,12 +53,13 @@ def quantized_weight(name: str, n: int, k: int, seed: int) -> tuple[np.ndarray, 
     """(file rows uint8 [n, row bytes], their fp32 dequantization [n, k])."""
     rng = np.random.default_rng(seed)
     qt = gguf.GGMLQuantizationType[name]
-    if name in K_QUANTS:
-        size, scales = K_QUANTS[name]
-        raw = rng.integers(0, 256, (n, k // 256, size), dtype=np.uint8)
-        d = rng.random((n, k // 256)) * 0.01 + 0.001
-        for i, at in enumerate(scales):  # Q4_K's dmin = 7.5 d: weights centred on 0, as real blocks are
-            raw[..., at : at + 2] = (d * (1, 7.5)[i]).astype(np.float16).view(np.uint8).reshape(n, k // 256, 2)
+    if name in RANDOM:
+        size, nbytes, scales = RANDOM[name]
+        raw = rng.integers(0, 256, (n, k // size, nbytes), dtype=np.uint8)
+        d = rng.random((n, k // size)) * 0.01 + 0.001
+        for i, at in enumerate(scales):
+            raw[..., at : at + 2] = (d * (1, DMIN.get(name, 0))[i]).astype(np.float16).view(np.uint8).reshape(
+                n, k // size, 2)
         rows = raw.reshape(n, -1)
     else:
         rows = gguf.quants.quantize(rng.standard_normal((n, k)).astype(np.float32), qt)
@@ -178,7 +185,7 @@ def test_pieces_of_mixed_formats_fill_their_columns() -> None:
 
 
 def test_unsupported_inputs_are_named() -> None:
-    assert "no native kernel" in (ng.unsupported_reason(13, 256) or "")  # Q5_K
+    assert "no native kernel" in (ng.unsupported_reason(11, 256) or "")  # Q3_K
     assert "32-weight blocks" in (ng.unsupported_reason(2, 48) or "")
     assert "256-weight blocks" in (ng.unsupported_reason(14, 576) or "")
     rows, _ = quantized_weight("Q8_0", 16, 64, seed=1)

@@ -3,8 +3,9 @@ called through ctypes: paged decode attention and the cache write (``cpu_attenti
 RMSNorm with the residual add, SiLU-and-mul and rotary embedding (``cpu_ops.c``), and the
 same two cache kernels for the FP8 cache (``cpu_fp8.c``; wrappers in ``native_fp8``) and for
 the int8/int4 cache (``cpu_int.c``; wrappers in ``native_int``), and matmuls on weights in
-llama.cpp's block formats (``cpu_gguf.c``; their layouts in ``cpu_gguf_layout.c``, Q4_K and
-Q6_K in ``cpu_gguf_q4k.c``, ``cpu_gguf_q6k.c``; wrappers in ``native_gguf``) with a whole decode step over them
+llama.cpp's block formats (``cpu_gguf.c``; their layouts in ``cpu_gguf_layout.c``, Q4_K/Q5_K,
+Q6_K and IQ4 in ``cpu_gguf_q4k.c``, ``cpu_gguf_q6k.c``, ``cpu_gguf_iq4.c``; wrappers in
+``native_gguf``) with a whole decode step over them
 (``cpu_decode.c``; ``native_decode``).
 
 Why: at batch 1 the torch path spends most of its attention time gathering the sequence's
@@ -40,7 +41,8 @@ logger = logging.getLogger("qpage")
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = (CSRC / "cpu_attention.c", CSRC / "cpu_ops.c", CSRC / "cpu_fp8.c", CSRC / "cpu_int.c", CSRC / "cpu_gguf.c",
-           CSRC / "cpu_gguf_layout.c", CSRC / "cpu_gguf_q4k.c", CSRC / "cpu_gguf_q6k.c", CSRC / "cpu_decode.c")
+           CSRC / "cpu_gguf_layout.c", CSRC / "cpu_gguf_q4k.c", CSRC / "cpu_gguf_q6k.c", CSRC / "cpu_gguf_iq4.c",
+           CSRC / "cpu_decode.c")
 HEADERS = (CSRC / "qp_math.h", CSRC / "qp_half.h", CSRC / "qp_gguf.h")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-std=c11", "-shared", "-fPIC")
 OPENMP = "-fopenmp"

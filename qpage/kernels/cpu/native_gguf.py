@@ -3,11 +3,12 @@ its file's bytes, regrouped once at load into the kernels' 16-row layout (``repa
 activations are quantized to int8 blocks once per call and each block's dot product is an
 integer one (layout and math in the C file).
 
-Formats the kernels run, by ggml type id: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (``cpu_gguf.c``), Q4_K
-and Q6_K (``cpu_gguf_q4k.c``, ``cpu_gguf_q6k.c``). ``isa`` picks the instruction
-path ("vnni", "avx2", "scalar"; "auto" is the best this CPU has); the paths agree up to the
-order of float additions. The reference is ``gguf.quants.dequantize`` and an fp32 matmul on
-the same int8-quantized activations (tests/kernels/test_cpu_gguf.py).
+Formats the kernels run, by ggml type id: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (``cpu_gguf.c``), Q4_K,
+Q5_K (``cpu_gguf_q4k.c``), Q6_K (``cpu_gguf_q6k.c``), IQ4_NL and IQ4_XS (``cpu_gguf_iq4.c``).
+``isa`` picks the instruction path ("vnni", "avx2", "scalar"; "auto" is the best this CPU
+has); the paths agree up to the order of float additions. The reference is
+``gguf.quants.dequantize`` and an fp32 matmul on the same int8-quantized activations
+(tests/kernels/test_cpu_gguf.py).
 """
 
 from __future__ import annotations
@@ -25,14 +26,14 @@ from qpage.kernels.cpu.native import as_i64, load
 BLOCK = 32
 ROWS = 16
 """Rows per group of the kernels' layout; a weight's rows are padded to a multiple."""
-Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K = 2, 3, 6, 7, 8, 12, 14
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS = 2, 3, 6, 7, 8, 12, 13, 14, 20, 23
 """The ggml type ids of the formats the kernels run."""
 BLOCK_BYTES = {Q4_0: (32, 18), Q4_1: (32, 20), Q5_0: (32, 22), Q5_1: (32, 24), Q8_0: (32, 34), Q4_K: (256, 144),
-               Q6_K: (256, 210)}
+               Q5_K: (256, 176), Q6_K: (256, 210), IQ4_NL: (32, 18), IQ4_XS: (256, 136)}
 """Each format the kernels run: (weights, bytes) of one block in the file."""
-PACKED_BYTES = {Q4_K: 148}
-"""Bytes of one block in the kernels' layout, where it differs from the file (Q4_K's 6-bit
-scales unpacked to a byte each)."""
+PACKED_BYTES = {Q4_K: 148, Q5_K: 180, IQ4_XS: 138}
+"""Bytes of one block in the kernels' layout, where it differs from the file (the 6-bit
+scales of Q4_K, Q5_K and IQ4_XS unpacked to a byte each)."""
 ISAS = {"auto": 0, "scalar": 1, "avx2": 2, "vnni": 3}
 ISA_NAMES = {v: k for k, v in ISAS.items()}
 
@@ -61,7 +62,8 @@ def best_isa() -> str:
 def unsupported_reason(ggml_type: int, k: int) -> str | None:
     """Why the kernels cannot run a weight of this format and row length (None: they can)."""
     if ggml_type not in BLOCK_BYTES:
-        return f"ggml type {ggml_type} has no native kernel (those run: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K)"
+        return (f"ggml type {ggml_type} has no native kernel (those run: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, "
+                "Q6_K, IQ4_NL, IQ4_XS)")
     size = BLOCK_BYTES[ggml_type][0]
     if k % size:
         return f"rows of {k} weights are not whole {size}-weight blocks"

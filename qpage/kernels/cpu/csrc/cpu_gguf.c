@@ -26,8 +26,8 @@
  * Paths, chosen at run time (each compiled with its own target attributes, so every path
  * this CPU has can run and be tested): AVX-512 VNNI, AVX2 (maddubs + madd: two 8-row halves;
  * Q8 codes go back to signed there, since maddubs saturates on 255 x 127 pairs) and portable
- * C. Groups are split across OpenMP threads; each group's block is unpacked once for up to 4
- * activation rows.
+ * C. Groups are split across OpenMP threads; each group's block is unpacked once for up to 8
+ * (AVX2 and C: 4) activation rows.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -125,19 +125,11 @@ AVX2_TARGET INLINE void avx2_half(const int type, const int MT, const group_args
 
 AVX2_TARGET static void group_avx2(int type, const group_args *a, int mt) {
     for (int half = 0; half < 2 && 8 * half < a->rows; half++) {
-#define AVX2_CASE(T) \
-    switch (mt) { \
-    case 1: avx2_half(T, 1, a, half); break; \
-    case 2: avx2_half(T, 2, a, half); break; \
-    case 3: avx2_half(T, 3, a, half); break; \
-    default: avx2_half(T, 4, a, half); break; \
-    }
-        if (type == QT_Q4_0) AVX2_CASE(QT_Q4_0)
-        else if (type == QT_Q4_1) AVX2_CASE(QT_Q4_1)
-        else if (type == QT_Q5_0) AVX2_CASE(QT_Q5_0)
-        else if (type == QT_Q5_1) AVX2_CASE(QT_Q5_1)
-        else AVX2_CASE(QT_Q8_0)
-#undef AVX2_CASE
+        if (type == QT_Q4_0) MT_CASES4(avx2_half, QT_Q4_0, a, half)
+        else if (type == QT_Q4_1) MT_CASES4(avx2_half, QT_Q4_1, a, half)
+        else if (type == QT_Q5_0) MT_CASES4(avx2_half, QT_Q5_0, a, half)
+        else if (type == QT_Q5_1) MT_CASES4(avx2_half, QT_Q5_1, a, half)
+        else MT_CASES4(avx2_half, QT_Q8_0, a, half)
     }
 }
 
@@ -190,19 +182,11 @@ VNNI_TARGET INLINE void vnni_group(const int type, const int MT, const group_arg
 }
 
 VNNI_TARGET static void group_vnni(int type, const group_args *a, int mt) {
-#define VNNI_CASE(T) \
-    switch (mt) { \
-    case 1: vnni_group(T, 1, a); break; \
-    case 2: vnni_group(T, 2, a); break; \
-    case 3: vnni_group(T, 3, a); break; \
-    default: vnni_group(T, 4, a); break; \
-    }
-    if (type == QT_Q4_0) VNNI_CASE(QT_Q4_0)
-    else if (type == QT_Q4_1) VNNI_CASE(QT_Q4_1)
-    else if (type == QT_Q5_0) VNNI_CASE(QT_Q5_0)
-    else if (type == QT_Q5_1) VNNI_CASE(QT_Q5_1)
-    else VNNI_CASE(QT_Q8_0)
-#undef VNNI_CASE
+    if (type == QT_Q4_0) MT_CASES8(vnni_group, QT_Q4_0, a)
+    else if (type == QT_Q4_1) MT_CASES8(vnni_group, QT_Q4_1, a)
+    else if (type == QT_Q5_0) MT_CASES8(vnni_group, QT_Q5_0, a)
+    else if (type == QT_Q5_1) MT_CASES8(vnni_group, QT_Q5_1, a)
+    else MT_CASES8(vnni_group, QT_Q8_0, a)
 }
 
 /* ------------------------------------------------------------------ entry points */
@@ -228,18 +212,23 @@ int qp_gguf_best_isa(void) {
     return qp_gguf_isa_supported(ISA_VNNI) ? ISA_VNNI : qp_gguf_isa_supported(ISA_AVX2) ? ISA_AVX2 : ISA_SCALAR;
 }
 
-/* Groups [g0, g1) against all m activation rows, 4 rows at a time. */
-static void run_groups(group_fn f, int type, const uint8_t *w, int64_t n, int nb, const int8_t *xq, const float *xd,
-                       const float *xs, const int32_t *x16, int m, float *out, int64_t ldo, int64_t g0, int64_t g1) {
+/* Groups [g0, g1) against all m activation rows, mt_max rows per call. Rows go in tiles of
+ * ROW_TILE, so that a tile's activations stay in cache while every group passes over them. */
+enum { ROW_TILE = 32 };
+static void run_groups(group_fn f, int mt_max, int type, const uint8_t *w, int64_t n, int nb, const int8_t *xq,
+                       const float *xd, const float *xs, const int32_t *x16, int m, float *out, int64_t ldo, int64_t g0,
+                       int64_t g1) {
     const int64_t gbytes = group_bytes(type, nb * BLOCK);
-    for (int64_t g = g0; g < g1; g++)
-        for (int r = 0; r < m; r += MT_MAX) {
-            const int64_t rows = n - g * ROWS;
-            const group_args a = {w + g * gbytes, nb, xq + (int64_t)r * nb * BLOCK, xd + (int64_t)r * nb,
-                                  xs + (int64_t)r * nb, x16 ? x16 + (int64_t)r * 2 * nb : NULL, out + r * ldo + g * ROWS,
-                                  ldo, rows < ROWS ? (int)rows : ROWS};
-            f(type, &a, m - r < MT_MAX ? m - r : MT_MAX);
-        }
+    for (int r0 = 0; r0 < m; r0 += ROW_TILE)
+        for (int64_t g = g0; g < g1; g++)
+            for (int r = r0; r < m && r < r0 + ROW_TILE; r += mt_max) {
+                const int64_t rows = n - g * ROWS;
+                const group_args a = {w + g * gbytes, nb, xq + (int64_t)r * nb * BLOCK, xd + (int64_t)r * nb,
+                                      xs + (int64_t)r * nb, x16 ? x16 + (int64_t)r * 2 * nb : NULL,
+                                      out + r * ldo + g * ROWS, ldo, rows < ROWS ? (int)rows : ROWS};
+                const int left = (m < r0 + ROW_TILE ? m : r0 + ROW_TILE) - r;
+                f(type, &a, left < mt_max ? left : mt_max);
+            }
 }
 
 /* out[m, n] (row stride ldo) = activations (from qp_quantize_act; k = 32 nb) . W^T, W an x16
@@ -251,9 +240,12 @@ int qp_gguf_matmul(int type, const uint8_t *w, int64_t n, int k, const int8_t *x
     if (isa == ISA_AUTO) isa = qp_gguf_best_isa();
     if (!qp_gguf_isa_supported(isa)) return -1;
     group_fn f = isa == ISA_VNNI ? group_vnni : isa == ISA_AVX2 ? group_avx2 : group_scalar;
+    const int mt_max = isa == ISA_VNNI ? MT_MAX : MT_AVX2;
     const int nb = k / BLOCK;
     int32_t *x16 = NULL; /* Q6_K: the activations' code sums per 16 weights */
-    if (type == QT_Q4_K)
+    if (type == QT_IQ4_NL || type == QT_IQ4_XS)
+        f = isa == ISA_VNNI ? qp_iq4_group_vnni : isa == ISA_AVX2 ? qp_iq4_group_avx2 : qp_iq4_group_scalar;
+    if (type == QT_Q4_K || type == QT_Q5_K)
         f = isa == ISA_VNNI ? qp_q4k_group_vnni : isa == ISA_AVX2 ? qp_q4k_group_avx2 : qp_q4k_group_scalar;
     if (type == QT_Q6_K) {
         f = isa == ISA_VNNI ? qp_q6k_group_vnni : isa == ISA_AVX2 ? qp_q6k_group_avx2 : qp_q6k_group_scalar;
@@ -273,11 +265,11 @@ int qp_gguf_matmul(int type, const uint8_t *w, int64_t n, int k, const int8_t *x
     {
         const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads(), per = (groups + nt - 1) / nt;
         const int64_t g0 = per * t, g1 = g0 + per < groups ? g0 + per : groups;
-        if (g0 < g1) run_groups(f, type, w, n, nb, xq, xd, xs, x16, m, out, ldo, g0, g1);
+        if (g0 < g1) run_groups(f, mt_max, type, w, n, nb, xq, xd, xs, x16, m, out, ldo, g0, g1);
     }
 #else
     (void)threads;
-    run_groups(f, type, w, n, nb, xq, xd, xs, x16, m, out, ldo, 0, groups);
+    run_groups(f, mt_max, type, w, n, nb, xq, xd, xs, x16, m, out, ldo, 0, groups);
 #endif
     free(x16);
     return 0;

@@ -24,10 +24,13 @@ int qp_gguf_repack(int type, const uint8_t *src, int64_t n, int k, uint8_t *dst,
 #endif
     for (int64_t g = 0; g < groups; g++) {
         memset(base + g * gsize, 0, (size_t)gsize);
-        if (type == QT_Q6_K || type == QT_Q4_K) {
-            for (int j = 0; j < ROWS && g * ROWS + j < n; j++)
-                (type == QT_Q6_K ? qp_q6k_repack_row : qp_q4k_repack_row)(src + (g * ROWS + j) * row_bytes, k,
-                                                                         base + g * gsize, j);
+        if (is_kquant(type)) {
+            for (int j = 0; j < ROWS && g * ROWS + j < n; j++) {
+                const uint8_t *row = src + (g * ROWS + j) * row_bytes;
+                if (type == QT_Q6_K) qp_q6k_repack_row(row, k, base + g * gsize, j);
+                else if (type == QT_IQ4_XS) qp_iq4xs_repack_row(row, k, base + g * gsize, j);
+                else qp_q4k_repack_row(type, row, k, base + g * gsize, j);
+            }
             continue;
         }
         for (int b = 0; b < nb; b++) {
@@ -73,8 +76,11 @@ int qp_gguf_dequant_rows(int type, const uint8_t *w, int64_t n, int k, const int
     for (int64_t i = 0; i < count; i++) {
         const int64_t g = ids[i] / ROWS;
         const int j = (int)(ids[i] % ROWS);
-        if (type == QT_Q6_K || type == QT_Q4_K) {
-            (type == QT_Q6_K ? qp_q6k_dequant_row : qp_q4k_dequant_row)(w + g * group_bytes(type, k), k, j, out + i * k);
+        if (is_kquant(type) || type == QT_IQ4_NL) {
+            const uint8_t *group = w + g * group_bytes(type, k);
+            if (type == QT_Q6_K) qp_q6k_dequant_row(group, k, j, out + i * k);
+            else if (type == QT_IQ4_XS || type == QT_IQ4_NL) qp_iq4_dequant_row(type, group, k, j, out + i * k);
+            else qp_q4k_dequant_row(type, group, k, j, out + i * k);
             continue;
         }
         for (int b = 0; b < nb; b++) {

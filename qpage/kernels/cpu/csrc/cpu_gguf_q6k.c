@@ -103,7 +103,8 @@ void qp_q6k_group_scalar(int type, const group_args *a, int mt) {
 
 /* ------------------------------------------------------------------ AVX2: two 8-row halves */
 
-AVX2_TARGET INLINE void q6k_avx2_half(const int MT, const group_args *a, int half) {
+AVX2_TARGET INLINE void q6k_avx2_half(const int type, const int MT, const group_args *a, int half) {
+    (void)type;
     const int k = a->nb * BLOCK;
     const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(15), three = _mm256_set1_epi8(3);
     __m256 acc[MT_MAX];
@@ -154,17 +155,13 @@ AVX2_TARGET INLINE void q6k_avx2_half(const int MT, const group_args *a, int hal
 
 AVX2_TARGET void qp_q6k_group_avx2(int type, const group_args *a, int mt) {
     (void)type;
-    for (int half = 0; half < 2 && 8 * half < a->rows; half++) switch (mt) {
-        case 1: q6k_avx2_half(1, a, half); break;
-        case 2: q6k_avx2_half(2, a, half); break;
-        case 3: q6k_avx2_half(3, a, half); break;
-        default: q6k_avx2_half(4, a, half); break;
-        }
+    for (int half = 0; half < 2 && 8 * half < a->rows; half++) MT_CASES4(q6k_avx2_half, QT_Q6_K, a, half)
 }
 
 /* ------------------------------------------------------------------ AVX-512 VNNI */
 
-VNNI_TARGET INLINE void q6k_vnni(const int MT, const group_args *a) {
+VNNI_TARGET INLINE void q6k_vnni(const int type, const int MT, const group_args *a) {
+    (void)type;
     const int k = a->nb * BLOCK;
     const __m512i low = _mm512_set1_epi8(15), three = _mm512_set1_epi8(3);
     __m512 acc[MT_MAX];
@@ -207,10 +204,5 @@ VNNI_TARGET INLINE void q6k_vnni(const int MT, const group_args *a) {
 
 VNNI_TARGET void qp_q6k_group_vnni(int type, const group_args *a, int mt) {
     (void)type;
-    switch (mt) {
-    case 1: q6k_vnni(1, a); break;
-    case 2: q6k_vnni(2, a); break;
-    case 3: q6k_vnni(3, a); break;
-    default: q6k_vnni(4, a); break;
-    }
+    MT_CASES8(q6k_vnni, QT_Q6_K, a)
 }

@@ -1,5 +1,5 @@
 /* What the block-format matmuls share (cpu_gguf.c for the 32-weight formats and the entry
- * points; cpu_gguf_q4k.c and cpu_gguf_q6k.c for the 256-weight K-quants): type and path ids,
+ * points; cpu_gguf_q4k.c, cpu_gguf_q6k.c and cpu_gguf_iq4.c for the other formats): type and path ids,
  * the layout's constants, the arguments of one group of 16 rows, and the K-quant functions
  * cpu_gguf.c dispatches to. */
 #ifndef QP_GGUF_H
@@ -7,11 +7,16 @@
 #include <stdint.h>
 #include <string.h>
 
-enum { QT_Q4_0 = 2, QT_Q4_1 = 3, QT_Q5_0 = 6, QT_Q5_1 = 7, QT_Q8_0 = 8, QT_Q4_K = 12, QT_Q6_K = 14 };
+enum { QT_Q4_0 = 2, QT_Q4_1 = 3, QT_Q5_0 = 6, QT_Q5_1 = 7, QT_Q8_0 = 8, QT_Q4_K = 12, QT_Q5_K = 13, QT_Q6_K = 14,
+       QT_IQ4_NL = 20, QT_IQ4_XS = 23 };
 enum { ISA_AUTO = 0, ISA_SCALAR = 1, ISA_AVX2 = 2, ISA_VNNI = 3 };
-enum { BLOCK = 32, ROWS = 16, MT_MAX = 4, QK = 256 };
+enum { BLOCK = 32, ROWS = 16, QK = 256 };
+/* Activation rows one call of a group function takes: each group's decoded codes serve that
+ * many rows. The VNNI paths have 32 vector registers for 8 rows' sums, AVX2's 16 for 4. */
+enum { MT_MAX = 8, MT_AVX2 = 4 };
 /* Bytes per row and 256 weights: in the file, and in the kernels' layout where it differs. */
-enum { Q6K_BYTES = 210, Q4K_BYTES = 144, Q4K_PACKED = 148 };
+enum { Q6K_BYTES = 210, Q4K_BYTES = 144, Q4K_PACKED = 148, Q5K_BYTES = 176, Q5K_PACKED = 180, IQ4XS_BYTES = 136,
+       IQ4XS_PACKED = 138 };
 
 #define VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
 #define AVX2_TARGET __attribute__((target("avx2,f16c,fma")))
@@ -30,6 +35,26 @@ typedef struct {
 } group_args;
 
 typedef void (*group_fn)(int, const group_args *, int);
+
+/* F(T, MT, ...) for the call's row count mt, MT a compile-time constant (up to 4 or 8). */
+#define MT_CASES4(F, T, ...) \
+    switch (mt) { \
+    case 1: F(T, 1, __VA_ARGS__); break; \
+    case 2: F(T, 2, __VA_ARGS__); break; \
+    case 3: F(T, 3, __VA_ARGS__); break; \
+    default: F(T, 4, __VA_ARGS__); break; \
+    }
+#define MT_CASES8(F, T, ...) \
+    switch (mt) { \
+    case 1: F(T, 1, __VA_ARGS__); break; \
+    case 2: F(T, 2, __VA_ARGS__); break; \
+    case 3: F(T, 3, __VA_ARGS__); break; \
+    case 4: F(T, 4, __VA_ARGS__); break; \
+    case 5: F(T, 5, __VA_ARGS__); break; \
+    case 6: F(T, 6, __VA_ARGS__); break; \
+    case 7: F(T, 7, __VA_ARGS__); break; \
+    default: F(T, 8, __VA_ARGS__); break; \
+    }
 
 static inline uint16_t rd16(const uint8_t *p) {
     uint16_t v;
@@ -50,7 +75,8 @@ void qp_q6k_group_vnni(int type, const group_args *a, int mt);
  * block is 16 times that. */
 static inline int block_bytes(int type) {
     switch (type) {
-    case QT_Q4_0: return 18;
+    case QT_Q4_0:
+    case QT_IQ4_NL: return 18;
     case QT_Q4_1: return 20;
     case QT_Q5_0: return 22;
     case QT_Q5_1: return 24;
@@ -59,21 +85,31 @@ static inline int block_bytes(int type) {
     }
 }
 
-/* Whether the kernels run this format at row length k. */
-static inline int runs(int type, int k) {
-    return type == QT_Q6_K || type == QT_Q4_K ? k % QK == 0 : block_bytes(type) != 0 && k % BLOCK == 0;
+/* The 256-weight formats, and the bytes of one row's block: in the file, in the kernels' layout. */
+static inline int is_kquant(int type) {
+    return type == QT_Q4_K || type == QT_Q5_K || type == QT_Q6_K || type == QT_IQ4_XS;
+}
+static inline int k_file_bytes(int type) {
+    return type == QT_Q4_K ? Q4K_BYTES : type == QT_Q5_K ? Q5K_BYTES : type == QT_IQ4_XS ? IQ4XS_BYTES : Q6K_BYTES;
+}
+static inline int k_packed_bytes(int type) {
+    return type == QT_Q4_K ? Q4K_PACKED : type == QT_Q5_K ? Q5K_PACKED : type == QT_IQ4_XS ? IQ4XS_PACKED : Q6K_BYTES;
 }
 
-/* Bytes of one group of 16 rows of k weights (the file's bytes for 16 rows). */
+/* Whether the kernels run this format at row length k. */
+static inline int runs(int type, int k) {
+    return is_kquant(type) ? k % QK == 0 : block_bytes(type) != 0 && k % BLOCK == 0;
+}
+
+/* Bytes of one group of 16 rows of k weights in the kernels' layout. */
 static inline int64_t group_bytes(int type, int k) {
-    if (type == QT_Q6_K || type == QT_Q4_K)
-        return (int64_t)(k / QK) * ROWS * (type == QT_Q6_K ? Q6K_BYTES : Q4K_PACKED);
+    if (is_kquant(type)) return (int64_t)(k / QK) * ROWS * k_packed_bytes(type);
     return (int64_t)(k / BLOCK) * ROWS * block_bytes(type);
 }
 
 /* Bytes of one file row of k weights. */
 static inline int64_t file_row_bytes(int type, int k) {
-    return type == QT_Q4_K ? (int64_t)(k / QK) * Q4K_BYTES : group_bytes(type, k) / ROWS;
+    return is_kquant(type) ? (int64_t)(k / QK) * k_file_bytes(type) : (int64_t)(k / BLOCK) * block_bytes(type);
 }
 
 /* Formats with an m per block, and with a fifth (high) bit per weight. */
@@ -90,8 +126,15 @@ static inline float offset_mul(int type) { return type == QT_Q4_0 ? -8.0f : type
 void qp_q4k_group_scalar(int type, const group_args *a, int mt);
 void qp_q4k_group_avx2(int type, const group_args *a, int mt);
 void qp_q4k_group_vnni(int type, const group_args *a, int mt);
-void qp_q4k_repack_row(const uint8_t *src, int k, uint8_t *group, int j);
-void qp_q4k_dequant_row(const uint8_t *group, int k, int j, float *out);
+/* IQ4_NL and IQ4_XS (type says which; IQ4_NL is repacked as Q4_0 is). */
+void qp_iq4_group_scalar(int type, const group_args *a, int mt);
+void qp_iq4_group_avx2(int type, const group_args *a, int mt);
+void qp_iq4_group_vnni(int type, const group_args *a, int mt);
+void qp_iq4xs_repack_row(const uint8_t *src, int k, uint8_t *group, int j);
+void qp_iq4_dequant_row(int type, const uint8_t *group, int k, int j, float *out);
+/* Q4_K and Q5_K (type says which). */
+void qp_q4k_repack_row(int type, const uint8_t *src, int k, uint8_t *group, int j);
+void qp_q4k_dequant_row(int type, const uint8_t *group, int k, int j, float *out);
 void qp_q6k_repack_row(const uint8_t *src, int k, uint8_t *group, int j);
 void qp_q6k_dequant_row(const uint8_t *group, int k, int j, float *out);
 
