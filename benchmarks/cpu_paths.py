@@ -54,6 +54,45 @@ def best_ms(fn: Callable[[], Any], reps: int) -> float:
     return 1000 * best
 
 
+def _weight_paths(k: int, n: int, bits: int, group: int, act: bool, g: torch.Generator
+                  ) -> tuple[dict[str, Callable[[torch.Tensor], Any]], dict[str, int]]:
+    """One random weight on every path: the matmuls, and the bytes each holds. INT8 is
+    symmetric (zero 128), as qpage's INT8 schemes write it and the blocks hold it."""
+    import numpy as np
+
+    from qpage.kernels.cpu import int_blocks, native_gguf
+    from qpage.kernels.cpu import packed as cpu_packed
+    from qpage.kernels.packing import dequantize_ref, pack_cols, pack_rows
+
+    gs = group or k
+    groups = -(-k // gs)
+    q = torch.randint(0, 2**bits, (k, n), generator=g)
+    z = (torch.full((groups, n), 128, dtype=torch.int64) if bits == 8
+         else torch.randint(0, 2**bits, (groups, n), generator=g))
+    s = (torch.rand(groups, n, generator=g) * 0.02 + 0.002).half()
+    g_idx = (torch.randperm(k, generator=g) // gs).int() if act else None
+    dense = dequantize_ref(pack_rows(q, bits), s, pack_cols(z, bits), g_idx, bits=bits, group_size=gs, in_features=k)
+    w32, wbf = dense.contiguous().numpy(), dense.t().bfloat16().contiguous()
+    packed: dict[torch.dtype, Any] = {}
+    for dt in (torch.bfloat16, torch.float16, torch.float32):
+        packed[dt] = cpu_packed.pack_int4(q, s, z, g_idx, gs, dt) if bits == 4 else cpu_packed.pack_int8(q, s, z, dt)
+    mm = cpu_packed.int4_mm if bits == 4 else cpu_packed.int8_mm
+    b = int_blocks.to_block_rows(q, s, z, g_idx, bits, gs)
+    blocks = native_gguf.PiecewiseMatmul([(0, n, native_gguf.repack(b.rows, b.ggml_type, k))], k, n,
+                                         input_perm=b.perm)
+    fns: dict[str, Callable[[torch.Tensor], Any]] = {
+        "blocks (C)": lambda x: blocks(x),
+        "fp32 dequant (BLAS)": lambda x: np.matmul(x.numpy(), w32),
+        "bf16 dequant (torch)": lambda x: torch.nn.functional.linear(x.bfloat16(), wbf),
+        "bf16 packed": lambda x: mm(x, packed[torch.bfloat16]),
+        "fp16 packed": lambda x: mm(x, packed[torch.float16]),
+        "fp32 packed": lambda x: mm(x, packed[torch.float32]),
+    }
+    nbytes = {"fp32 dequant": w32.nbytes, "bf16 dequant": 2 * k * n, "packed": packed[torch.bfloat16].nbytes(),
+              "blocks": blocks.weight_bytes()}
+    return fns, nbytes
+
+
 def layer_rows(ms: list[int], reps: int, shapes: list[tuple[str, int, int]]) -> list[dict[str, Any]]:
     """Every weight is prepared first; then each path is timed over all of them in turn.
 
@@ -61,51 +100,16 @@ def layer_rows(ms: list[int], reps: int, shapes: list[tuple[str, int, int]]) -> 
     for a while after their calls and steal the two cores from each other: interleaving
     them per call produced 5-8 ms stalls in the first version of this benchmark.
     """
-    import numpy as np
-
-    from qpage.kernels.cpu import int_blocks, native_gguf
-    from qpage.kernels.cpu import packed as cpu_packed
-    from qpage.kernels.packing import dequantize_ref, pack_cols, pack_rows
-
     g = torch.Generator().manual_seed(0)
     cases = []
     for shape, k, n in shapes:
         for scheme, bits, group, act in SCHEMES:
-            gs = group or k
-            groups = -(-k // gs)
-            q = torch.randint(0, 2**bits, (k, n), generator=g)
-            z = torch.randint(0, 2**bits, (groups, n), generator=g)
-            s = (torch.rand(groups, n, generator=g) * 0.02 + 0.002).half()
-            g_idx = (torch.randperm(k, generator=g) // gs).int() if act else None
-            dense = dequantize_ref(pack_rows(q, bits), s, pack_cols(z, bits), g_idx, bits=bits, group_size=gs,
-                                   in_features=k)
-            w32, wbf = dense.contiguous().numpy(), dense.t().bfloat16().contiguous()
-            packed: dict[torch.dtype, Any] = {}
-            for dt in (torch.bfloat16, torch.float16, torch.float32):
-                packed[dt] = (cpu_packed.pack_int4(q, s, z, g_idx, gs, dt) if bits == 4
-                              else cpu_packed.pack_int8(q, s, z, dt))
-            mm = cpu_packed.int4_mm if bits == 4 else cpu_packed.int8_mm
-            if bits == 8:
-                z.fill_(128)  # the blocks hold symmetric 8-bit weights (as qpage's INT8 schemes write)
-            b = int_blocks.to_block_rows(q, s, z, g_idx, bits, gs)
-            blocks = native_gguf.PiecewiseMatmul([(0, n, native_gguf.repack(b.rows, b.ggml_type, k))], k, n,
-                                                 input_perm=b.perm)
-            fns: dict[str, Callable[[torch.Tensor], Any]] = {
-                "blocks (C)": lambda x, f=blocks: f(x),
-                "fp32 dequant (BLAS)": lambda x, w=w32: np.matmul(x.numpy(), w),
-                "bf16 dequant (torch)": lambda x, w=wbf: torch.nn.functional.linear(x.bfloat16(), w),
-                "bf16 packed": lambda x, p=packed[torch.bfloat16], f=mm: f(x, p),
-                "fp16 packed": lambda x, p=packed[torch.float16], f=mm: f(x, p),
-                "fp32 packed": lambda x, p=packed[torch.float32], f=mm: f(x, p),
-            }
+            fns, nbytes = _weight_paths(k, n, bits, group, act, g)
             for m in ms:
                 x = torch.randn(m, k)
                 inputs = {"blocks (C)": x, "fp32 dequant (BLAS)": x, "bf16 dequant (torch)": x.bfloat16(),
-                          "bf16 packed": x.bfloat16(),
-                          "fp16 packed": x.half(), "fp32 packed": x}
-                row: dict[str, Any] = dict(shape=shape, k=k, n=n, scheme=scheme, m=m, bytes={
-                    "fp32 dequant": w32.nbytes, "bf16 dequant": 2 * k * n, "packed": packed[torch.bfloat16].nbytes(),
-                    "blocks": blocks.weight_bytes()})
+                          "bf16 packed": x.bfloat16(), "fp16 packed": x.half(), "fp32 packed": x}
+                row: dict[str, Any] = dict(shape=shape, k=k, n=n, scheme=scheme, m=m, bytes=nbytes)
                 cases.append((row, fns, inputs))
     for path in PATHS:
         for row, fns, inputs in cases:

@@ -59,7 +59,7 @@ def triton_line(device: str) -> str:
 def linear_paths(device: torch.device, dtype: torch.dtype) -> str:
     """The linear kernel each weight scheme gets on ``device`` with ``dtype`` activations."""
     out = []
-    for label, scheme, bits in (("dense", "dense", 0), ("INT4 g128", "int", 4), ("INT8", "int", 8),
+    for label, scheme, bits in (("dense", "dense", 0), ("INT4 g128", "int", 4), ("INT8 sym", "int", 8),
                                 ("FP8", "fp8", 8)):
         group = _GROUP if bits == 4 else (_WIDTH if bits == 8 else 0)
         spec = LinearSpec(scheme, device, dtype, _WIDTH, _WIDTH, bits=bits, group_size=group)

@@ -143,12 +143,12 @@ class LLMEngine:
             note += f", embedding {embed.kernel_path} ({embed.weight_bytes / 2**20:.0f} MiB)"
         if self.model.decode_stack is not None:
             note += "; decode steps in one C call"
-        dequantized = paths.get("cpu-dequantized") or paths.get("dequantized-fallback")
+        dequantized = paths.get("cpu-dequantized", 0) + paths.get("dequantized-fallback", 0)
         if dequantized and self.config.model.dequantize_weights:
             note += " - dequantized on request (dequantize_weights); the packed kernels hold a fraction of this"
         elif dequantized and isinstance(mods[0], GgufLinear):
-            note += (f" - the {dequantized} layers on cpu-dequantized hold float32 copies: their GGUF types have "
-                     "no block kernel yet (Q2_K and Q3_K have none)")
+            note += (f" - {dequantized} layers hold dequantized copies: their GGUF types have no block kernel here "
+                     "(Q2_K, Q3_K, the other IQ types) or their rows are not whole blocks")
         elif dequantized:
             note += (f" - {dequantized} layers dequantized: no packed kernel runs them (the 'qpage' logger says "
                      "why at DEBUG level)")

@@ -3,8 +3,8 @@ projections, each in its own ggml format) and the token embedding.
 
 The parts are kept as loaded (``formats.gguf_model.GgufTensor``, or fp32 for the file's
 float tensors); ``prepare`` hands them to the kernel selector (``linear_kernels``), which
-keeps block formats packed where a kernel runs them (``cpu-blocks``) and otherwise
-dequantizes once. The embedding reads its rows from the same packed table the tied LM head
+keeps block formats packed where a kernel runs them (``cpu-blocks``) and otherwise, or when
+``dequantize_weights`` asks, dequantizes once. The embedding reads its rows from the same packed table the tied LM head
 multiplies with, so a tied table is held once.
 """
 
@@ -67,8 +67,8 @@ class GgufLinear(QuantLinearBase):
 
 
 class GgufEmbedding(nn.Module):
-    """The token embedding [vocab, hidden]: packed when the native kernels run its format,
-    else dequantized once to the model's dtype."""
+    """The token embedding [vocab, hidden]: packed when the native kernels run its format
+    (unless ``prepare`` is asked to dequantize), else dequantized once to the model's dtype."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
         super().__init__()

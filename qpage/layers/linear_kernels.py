@@ -252,9 +252,9 @@ class CpuIntBlocks:
 
 
 class Dequantized:
-    """The weight dequantized once at ``prepare`` and multiplied like a dense layer: the fp32
-    CPU path by design (BLAS beats torch's packed kernels there, docs/cpu.md), and elsewhere
-    a slow fallback with dense memory, which the server's doctor reports."""
+    """The weight dequantized once at ``prepare`` and multiplied like a dense layer: on CPU
+    for what no packed kernel runs, or on request (``dequantize_weights``), on BLAS in fp32;
+    elsewhere a slow fallback with dense memory, which the server's doctor reports."""
 
     schemes = ("int", "fp8", "gguf")
 

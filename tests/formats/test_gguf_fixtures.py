@@ -4,7 +4,7 @@ same shapes as a Qwen2 (q/k/v biases, rows in Hugging Face order) in Q8_0.
 
 The reference is transformers' LlamaForCausalLM on the ``gguf`` package's dequantization of
 each tensor, with llama.cpp's q/k row interleave undone here independently. Types with a
-native kernel (all but Q2_K and Q3_K, and the Q4_K_M mix) run on it
+native kernel (all but Q2_K and Q3_K; the Q4_K_M mix too) run on it
 with int8-quantized activations and are held to a mean KL below 0.01 nats (see
 tests/formats/test_gguf_native.py); the others are dequantized once at load and run in fp32,
 held to 2e-4 in the logits, as the converted folder is.

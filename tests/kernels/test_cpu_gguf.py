@@ -80,14 +80,15 @@ def act_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.view(m, k).to(torch.int8), d
 
 
-def test_activation_quantization_matches_reference() -> None:
-    x = activations(6, 128, 0)
+@pytest.mark.parametrize(("m", "k"), [(6, 128), (80, 1024)])  # the second splits rows across threads
+def test_activation_quantization_matches_reference(m: int, k: int) -> None:
+    x = activations(m, k, 0)
     x[2, :32] = 0  # an all-zero block: scale 0, codes 0
     act = ng.quantize_activations(x)
     q, d = act_ref(x)
     assert torch.equal(act.q, q)
     assert torch.allclose(act.d.double(), d, rtol=1e-7, atol=0)
-    sums = act.q.view(6, 4, 32).sum(-1).double()
+    sums = act.q.view(m, k // 32, 32).sum(-1).double()
     assert torch.allclose(act.s.double(), act.d.double() * sums, rtol=1e-6, atol=1e-6)
 
 

@@ -84,3 +84,6 @@ def test_reasons() -> None:
     q, s, z, g_idx, gs, _ = weight(4, 128, True, False)
     with pytest.raises(ValueError, match="beyond fp16's range"):
         int_blocks.to_block_rows(q, s.float() * 1e8, z, g_idx, 4, gs)
+    q, s, z, g_idx, gs, _ = weight(4, 128, False, False)
+    with pytest.raises(ValueError, match=r"offsets -s z beyond fp16's range"):  # s < 65504, but s z is not
+        int_blocks.to_block_rows(q, torch.full_like(s, 60000.0), z.clamp_min(2), g_idx, 4, gs)

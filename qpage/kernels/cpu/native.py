@@ -145,7 +145,7 @@ def load() -> ctypes.CDLL | None:
             lib.qp_paged_decode_int.restype = _int
             lib.qp_read_blocks_int.argtypes = [_ptr, _ptr, _int, _ptr, _i64, _int, _int, _int, _i64, _ptr]
             lib.qp_read_blocks_int.restype = _int
-            lib.qp_quantize_act.argtypes = [_ptr, _i64, _int, _int, _ptr, _ptr, _ptr]
+            lib.qp_quantize_act.argtypes = [_ptr, _i64, _int, _int, _ptr, _ptr, _ptr, _int]
             lib.qp_quantize_act.restype = None
             lib.qp_gguf_repack.argtypes = [_int, _ptr, _i64, _int, _ptr, _i64, _int]
             lib.qp_gguf_repack.restype = _int

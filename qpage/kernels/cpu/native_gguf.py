@@ -123,7 +123,7 @@ class QuantizedActivations:
     s: torch.Tensor
 
 
-def quantize_activations(x: torch.Tensor) -> QuantizedActivations:
+def quantize_activations(x: torch.Tensor, threads: int | None = None) -> QuantizedActivations:
     """fp32 x [m, k] (rows contiguous, k % 32 == 0) -> int8 blocks, per block amax / 127."""
     lib = load()
     assert lib is not None, "quantize_activations needs the native kernels; check load() first"
@@ -134,7 +134,8 @@ def quantize_activations(x: torch.Tensor) -> QuantizedActivations:
     q = torch.empty(m, k, dtype=torch.int8)
     d = torch.empty(m, k // BLOCK, dtype=torch.float32)
     s = torch.empty(m, k // BLOCK, dtype=torch.float32)
-    lib.qp_quantize_act(x.data_ptr(), x.stride(0), m, k, q.data_ptr(), d.data_ptr(), s.data_ptr())
+    lib.qp_quantize_act(x.data_ptr(), x.stride(0), m, k, q.data_ptr(), d.data_ptr(), s.data_ptr(),
+                        threads or num_threads())
     return QuantizedActivations(q, d, s)
 
 
@@ -233,7 +234,7 @@ class PiecewiseMatmul:
         if self._packed:
             _, q, d, s = self._activation_buffers(m)
             lib = self._lib
-            lib.qp_quantize_act(x2.data_ptr(), x2.stride(0), m, self.k, q, d, s)
+            lib.qp_quantize_act(x2.data_ptr(), x2.stride(0), m, self.k, q, d, s, self.threads)
             optr = out.data_ptr()
             for c0, t, w, n in self._packed:
                 rc = lib.qp_gguf_matmul(t, w, n, self.k, q, d, s, m, optr + 4 * c0, self.n, self.threads, 0)

@@ -17,10 +17,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* cpu_gguf.c */
-void qp_quantize_act(const float *x, int64_t ldx, int m, int k, int8_t *q, float *d, float *s);
-int qp_gguf_matmul(int type, const uint8_t *w, int64_t n, int k, const int8_t *xq, const float *xd, const float *xs,
-                   int m, float *out, int64_t ldo, int threads, int isa);
+#include "qp_gguf.h" /* qp_quantize_act, qp_gguf_matmul */
+
 /* cpu_ops.c */
 void qp_rms_norm_f32(const float *x, int64_t x_stride, float *out, const float *w, int rows, int dim, float eps);
 void qp_add_rms_norm_f32(float *x, float *residual, const float *w, int rows, int dim, float eps);
@@ -71,10 +69,11 @@ typedef struct {
 /* out[rows, n] = x[rows, k] W^T (+ bias) over the projection's pieces. */
 static int project(const qp_proj *p, const float *x, int rows, int k, float *out, int64_t n, int8_t *q, float *d,
                    float *s, int threads) {
-    qp_quantize_act(x, k, rows, k, q, d, s);
+    qp_quantize_act(x, k, rows, k, q, d, s, threads);
     for (int i = 0; i < p->num_pieces; i++) {
         const qp_piece *c = p->pieces + i;
-        if (qp_gguf_matmul(c->type, c->w, c->n, k, q, d, s, rows, out + c->col0, n, threads, 0) != 0) return -1;
+        const int rc = qp_gguf_matmul(c->type, c->w, c->n, k, q, d, s, rows, out + c->col0, n, threads, 0);
+        if (rc != 0) return rc == -2 ? -3 : -1; /* -3: out of memory, as for the step's own scratch */
     }
     if (p->bias)
         for (int r = 0; r < rows; r++)

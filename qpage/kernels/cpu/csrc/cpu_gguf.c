@@ -4,8 +4,8 @@
  * w = d (q - 8)), Q4_1 (20 B: d, m, nibbles; w = d q + m), Q5_0 (22 B: d, 32 high bits, nibbles;
  * w = d (q - 16)), Q5_1 (24 B: d, m, high bits, nibbles; w = d q + m), Q8_0 (34 B: d, 32 int8;
  * w = d q). In a nibble block byte j holds weight j in its low and weight j + 16 in its high
- * half. Q4_K and Q6_K (256-weight blocks) are in cpu_gguf_q4k.c and cpu_gguf_q6k.c; the
- * layouts' writers and readers in cpu_gguf_layout.c.
+ * half. Q4_K/Q5_K, Q6_K and IQ4_NL/IQ4_XS are in cpu_gguf_q4k.c, cpu_gguf_q6k.c and
+ * cpu_gguf_iq4.c; the layouts' writers and readers in cpu_gguf_layout.c.
  *
  * Kernel layout ("x16", same bytes as the file): rows in groups of 16; a group holds its
  * blocks in order, and block b of a group is the 16 rows' d (16 fp16), for Q4_1/Q5_1 their m

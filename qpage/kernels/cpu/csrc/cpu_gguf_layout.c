@@ -107,11 +107,13 @@ int qp_gguf_dequant_rows(int type, const uint8_t *w, int64_t n, int k, const int
 /* ------------------------------------------------------------------ activations */
 
 /* x fp32 [m, k] (row stride ldx, k % 32 == 0) -> qx int8 [m, k], dx and xs float [m, k / 32]. */
-void qp_quantize_act(const float *x, int64_t ldx, int m, int k, int8_t *q, float *d, float *s) {
+void qp_quantize_act(const float *x, int64_t ldx, int m, int k, int8_t *q, float *d, float *s, int threads) {
     const int nb = k / BLOCK;
-    /* Rows split across the cores for prefill-sized inputs (a row's blocks are independent). */
+    /* Rows split across `threads` for prefill-sized inputs (a row's blocks are independent). */
 #ifdef _OPENMP
-#pragma omp parallel for if ((int64_t)m * k >= (1 << 16)) schedule(static)
+#pragma omp parallel for if ((int64_t)m * k >= (1 << 16)) num_threads(threads > 0 ? threads : 1) schedule(static)
+#else
+    (void)threads;
 #endif
     for (int r = 0; r < m; r++) {
         for (int b = 0; b < nb; b++) {

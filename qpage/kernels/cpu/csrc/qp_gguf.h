@@ -1,7 +1,7 @@
 /* What the block-format matmuls share (cpu_gguf.c for the 32-weight formats and the entry
- * points; cpu_gguf_q4k.c, cpu_gguf_q6k.c and cpu_gguf_iq4.c for the other formats): type and path ids,
- * the layout's constants, the arguments of one group of 16 rows, and the K-quant functions
- * cpu_gguf.c dispatches to. */
+ * points; cpu_gguf_q4k.c, cpu_gguf_q6k.c and cpu_gguf_iq4.c for Q4_K/Q5_K, Q6_K and IQ4): type
+ * and path ids, the layouts' constants and sizes, the arguments of one group of 16 rows, and
+ * the per-format functions cpu_gguf.c dispatches to. */
 #ifndef QP_GGUF_H
 #define QP_GGUF_H
 #include <stdint.h>
@@ -28,7 +28,7 @@ typedef struct {
     int nb;           /* 32-weight blocks per row */
     const int8_t *xq;
     const float *xd, *xs;
-    const int32_t *x16; /* sums of the codes per 16 weights, [MT, 2 nb] (K-quants only) */
+    const int32_t *x16; /* sums of the codes per 16 weights, [MT, 2 nb] (Q6_K only, else NULL) */
     float *out;         /* out[r * ldo + j] for row j of the group */
     int64_t ldo;
     int rows; /* valid rows of the group (<= 16) */
@@ -85,7 +85,8 @@ static inline int block_bytes(int type) {
     }
 }
 
-/* The 256-weight formats, and the bytes of one row's block: in the file, in the kernels' layout. */
+/* The 256-weight formats (K-quants, IQ4_XS), and the bytes of one row's block: in the file, in
+ * the kernels' layout. */
 static inline int is_kquant(int type) {
     return type == QT_Q4_K || type == QT_Q5_K || type == QT_Q6_K || type == QT_IQ4_XS;
 }
@@ -132,6 +133,10 @@ void qp_iq4_group_avx2(int type, const group_args *a, int mt);
 void qp_iq4_group_vnni(int type, const group_args *a, int mt);
 void qp_iq4xs_repack_row(const uint8_t *src, int k, uint8_t *group, int j);
 void qp_iq4_dequant_row(int type, const uint8_t *group, int k, int j, float *out);
+/* The entry points (cpu_gguf.c, cpu_gguf_layout.c), also called by cpu_decode.c. */
+void qp_quantize_act(const float *x, int64_t ldx, int m, int k, int8_t *q, float *d, float *s, int threads);
+int qp_gguf_matmul(int type, const uint8_t *w, int64_t n, int k, const int8_t *xq, const float *xd, const float *xs,
+                   int m, float *out, int64_t ldo, int threads, int isa);
 /* Q4_K and Q5_K (type says which). */
 void qp_q4k_repack_row(int type, const uint8_t *src, int k, uint8_t *group, int j);
 void qp_q4k_dequant_row(int type, const uint8_t *group, int k, int j, float *out);
