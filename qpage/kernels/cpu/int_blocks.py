@@ -89,7 +89,8 @@ def to_block_rows(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, g_
         if symmetric:
             t, fields = Q4_0, [d16.view(np.uint8).reshape(n, -1, 2), nibbles]
         else:
-            m16 = (-(d * zeros.float()[block_grp].t())).numpy().astype(np.float16)
+            with np.errstate(over="ignore"):  # an overflow becomes inf, refused just below
+                m16 = (-(d * zeros.float()[block_grp].t())).numpy().astype(np.float16)
             if not np.isfinite(m16).all():
                 raise ValueError("int weight offsets -s z beyond fp16's range cannot be written as blocks")
             t, fields = Q4_1, [d16.view(np.uint8).reshape(n, -1, 2), m16.view(np.uint8).reshape(n, -1, 2), nibbles]
