@@ -93,13 +93,11 @@ def test_activation_quantization_matches_reference(m: int, k: int) -> None:
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("name", TYPES)
-@pytest.mark.parametrize("i", range(len(SHAPES)))
-def test_matmul_matches_gguf_dequantize(name: str, isa: str, i: int) -> None:
+@pytest.mark.parametrize(("name", "shape"), [(name, shape) for name in TYPES
+                                             for shape in (K_SHAPES if name in K_QUANTS else SHAPES)])
+def test_matmul_matches_gguf_dequantize(name: str, isa: str, shape: tuple[int, int, int]) -> None:
     isa_or_skip(isa)
-    if i >= len(K_SHAPES) and name in K_QUANTS:
-        pytest.skip("fewer K-quant shapes")
-    m, n, k = (K_SHAPES if name in K_QUANTS else SHAPES)[i]
+    m, n, k = shape
     rows, w = quantized_weight(name, n, k, seed=m + n + k)
     x = activations(m, k, seed=n)
     act = ng.quantize_activations(x)
