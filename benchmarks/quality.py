@@ -35,6 +35,7 @@ SCHEMES = [
     ("int8-rtn channel", "int8-rtn", None, False, True),
     ("fp8 channel", "fp8", None, False, True),
     ("fp8 block 128x128", "fp8-block", None, False, True),
+    ("nf4 (bitsandbytes format)", "nf4", None, False, True),
 ]
 # Peer tools, run on the same calibration windows (label, extra arguments of the peer script).
 PEERS = [("GPTQModel 7.7 int4 g128 (its defaults)", [])]
@@ -51,6 +52,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--peers", nargs="*", default=["gptqmodel", "bnb"], choices=["gptqmodel", "bnb"],
                    help="peer tools to run (none: --peers with no names)")
     p.add_argument("--only-peers", action="store_true", help="only the unquantized row and the peer tools")
+    p.add_argument("--also-dequantized", action="store_true",
+                   help="score each qpage checkpoint again with its weights dequantized to fp32 (what the packed "
+                        "CPU kernels cost in perplexity)")
     return p.parse_args()
 
 
@@ -136,13 +140,13 @@ def main() -> None:
     test = token_windows(tok, data / "test.txt", args.seq_len, args.windows,
                          max_chars=200 * args.seq_len * args.windows)
 
-    def ppl(model: str | None) -> float:
+    def ppl(model: str | None, dequantize: bool = False) -> float:
         eng = LLM(model=model, max_model_len=args.seq_len, kv_cache_memory="64MiB", enable_prefix_caching=False,
-                  log_stats=False).llm_engine
+                  log_stats=False, dequantize_weights=dequantize).llm_engine
         nll = sum(nll_sum(score_window(eng, ids, args.seq_len), ids) for ids in test)
         return math.exp(nll / sum(len(ids) - 1 for ids in test))
 
-    rows: list[dict[str, Any]] = [dict(scheme="unquantized (fp32)", perplexity=ppl(None),
+    rows: list[dict[str, Any]] = [dict(scheme="unquantized (fp32)", perplexity=ppl(str(src)),
                                        size_bytes=sum(f.stat().st_size for f in src.glob("*.safetensors")))]
     print(f"unquantized: {rows[0]['perplexity']:.4f}", flush=True)
     work = Path(tempfile.mkdtemp(prefix="qpage-quality-"))
@@ -160,6 +164,9 @@ def main() -> None:
             rows.append(dict(scheme=label, perplexity=p, size_bytes=r.bytes_out, quantize_seconds=secs,
                              peak_rss_bytes=r.peak_rss_bytes))
             print(f"{label}: {p:.4f} ({100 * (p / rows[0]['perplexity'] - 1):+.2f}%), {secs:.0f} s", flush=True)
+            if args.also_dequantized:
+                rows[-1]["perplexity_dequantized"] = ppl(str(out), dequantize=True)
+                print(f"{label}, dequantized: {rows[-1]['perplexity_dequantized']:.4f}", flush=True)
             shutil.rmtree(out)
             save(args, rows, len(test))  # after every row: a stopped run keeps what it measured
         if "bnb" in args.peers:

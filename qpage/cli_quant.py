@@ -19,7 +19,8 @@ def add_parsers(sub: Any) -> None:
     q.add_argument("src", help="source model folder (config.json + *.safetensors), or 'default'")
     q.add_argument("out", help="output folder (must not exist)")
     q.add_argument("--scheme", required=True, choices=SCHEMES)
-    q.add_argument("--group-size", type=int, default=128, help="input features per group; 0 = per channel")
+    q.add_argument("--group-size", type=int, default=128,
+                   help="input features per group; 0 = per channel (nf4: always blocks of 64)")
     q.add_argument("--sym", action=argparse.BooleanOptionalAction, default=True, help="symmetric (default) or --no-sym")
     q.add_argument("--act-order", action="store_true", help="GPTQ: quantize columns by decreasing Hessian diagonal")
     q.add_argument("--static-groups", action="store_true",
@@ -28,9 +29,9 @@ def add_parsers(sub: Any) -> None:
     q.add_argument("--calib", default=None, help="calibration text file (GPTQ, AWQ), e.g. wikitext-2 valid.txt")
     q.add_argument("--samples", type=int, default=128, help="calibration windows")
     q.add_argument("--shard-size", default="512MiB", help="output shard size (bounds the writer's buffer)")
-    q.add_argument("--format", default="auto", choices=("auto", "gptq", "awq", "compressed-tensors"),
-                   help="output format; auto: compressed-tensors for fp8, AWQ GEMM for AWQ when the widths "
-                        "divide by the group (else GPTQ), GPTQ otherwise")
+    q.add_argument("--format", default="auto", choices=("auto", "gptq", "awq", "compressed-tensors", "bitsandbytes"),
+                   help="output format; auto: compressed-tensors for fp8, bitsandbytes for nf4, AWQ GEMM for AWQ "
+                        "when the widths divide by the group (else GPTQ), GPTQ otherwise")
     q.add_argument("--eval-text", default=None, help="text file for the perplexity report (source vs result)")
     q.add_argument("--eval-windows", type=int, default=4)
     q.add_argument("--seq-len", type=int, default=512)

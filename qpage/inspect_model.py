@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from qpage.formats.awq import AwqConfig
+from qpage.formats.bnb import BnbConfig
 from qpage.formats.compressed_tensors import CtIntConfig
 from qpage.formats.detect import linear_config
 from qpage.formats.fp8 import Fp8Config
@@ -57,6 +58,9 @@ def quant_info(qc: dict[str, Any], in_features: int) -> dict[str, Any]:
         per_scale = cfg.block * cfg.block if cfg.block else in_features
         scales = f"{cfg.block}x{cfg.block} block scales" if cfg.block else "per-channel scales"
         return {"format": cfg.source, "scheme": f"fp8 e4m3, {scales}", "bits_per_weight": 8 + 32 / per_scale}
+    if isinstance(cfg, BnbConfig):  # the block size is per tensor (its quant_state), not in the config
+        nested = ", double-quantized absmax" if cfg.nested else ""
+        return {"format": "bitsandbytes (4-bit)", "scheme": f"{cfg.quant_type} per-block absmax{nested}"}
     g = cfg.group_size or in_features
     if isinstance(cfg, AwqConfig):
         fmt = "awq (gemm)"

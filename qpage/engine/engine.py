@@ -24,7 +24,7 @@ from qpage.formats import gguf_model
 from qpage.formats.gguf_model import is_gguf
 from qpage.formats.gguf_reader import GgufFile
 from qpage.kernels.cpu import blas
-from qpage.layers.gguf_linear import GgufLinear
+from qpage.layers.block_linear import BlockLinear
 from qpage.layers.kv_format import KVCacheSpec
 from qpage.models.arch import ArchConfig
 from qpage.models.loader import load_model, read_arch_config, resolve_dtype, resolve_model_dir
@@ -146,7 +146,7 @@ class LLMEngine:
         dequantized = paths.get("cpu-dequantized", 0) + paths.get("dequantized-fallback", 0)
         if dequantized and self.config.model.dequantize_weights:
             note += " - dequantized on request (dequantize_weights); the packed kernels hold a fraction of this"
-        elif dequantized and isinstance(mods[0], GgufLinear):
+        elif dequantized and isinstance(mods[0], BlockLinear):
             note += (f" - {dequantized} layers hold dequantized copies: their GGUF types have no block kernel here "
                      "(Q2_K, Q3_K, the other IQ types) or their rows are not whole blocks")
         elif dequantized:

@@ -5,13 +5,15 @@ from __future__ import annotations
 from typing import Any
 
 from qpage.formats.awq import AwqConfig
+from qpage.formats.bnb import BnbConfig
 from qpage.formats.compressed_tensors import CtIntConfig
 from qpage.formats.fp8 import Fp8Config
 from qpage.formats.gguf_model import GgufConfig
 from qpage.formats.gptq import GptqConfig
 
-LinearConfig = GptqConfig | AwqConfig | CtIntConfig | Fp8Config | GgufConfig
-SUPPORTED = ("gptq", "awq (GEMM)", "compressed-tensors (pack-quantized INT4/INT8, FP8)", "fp8", "gguf (a .gguf file)")
+LinearConfig = GptqConfig | AwqConfig | CtIntConfig | Fp8Config | GgufConfig | BnbConfig
+SUPPORTED = ("gptq", "awq (GEMM)", "compressed-tensors (pack-quantized INT4/INT8, FP8)", "fp8",
+             "bitsandbytes (4-bit NF4/FP4)", "gguf (a .gguf file)")
 
 
 def linear_config(qc: dict[str, Any], where: str) -> LinearConfig:
@@ -19,6 +21,8 @@ def linear_config(qc: dict[str, Any], where: str) -> LinearConfig:
     method = qc.get("quant_method") if isinstance(qc, dict) else None
     if method == "gguf":
         return GgufConfig()
+    if method == "bitsandbytes":
+        return BnbConfig.from_json(qc, where)
     if method == "gptq":
         return GptqConfig.from_json(qc, where)
     if method == "awq":

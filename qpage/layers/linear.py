@@ -9,11 +9,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from qpage.formats.bnb import BnbConfig
 from qpage.formats.detect import LinearConfig
 from qpage.formats.fp8 import Fp8Config
 from qpage.formats.gguf_model import GgufConfig
+from qpage.layers.block_linear import BlockLinear
 from qpage.layers.fp8_linear import Fp8Linear
-from qpage.layers.gguf_linear import GgufLinear
 from qpage.layers.linear_kernels import LinearSpec, Matmul, build_linear
 from qpage.layers.quant_linear import IntLinear
 
@@ -50,6 +51,6 @@ def make_linear(in_features: int, out_features: int, bias: bool, quant: LinearCo
         return Linear(in_features, out_features, bias)
     if isinstance(quant, Fp8Config):
         return Fp8Linear(in_features, out_features, bias, quant)
-    if isinstance(quant, GgufConfig):
-        return GgufLinear(in_features, out_features, bias, quant)
+    if isinstance(quant, (GgufConfig, BnbConfig)):
+        return BlockLinear(in_features, out_features, bias, quant)
     return IntLinear(in_features, out_features, bias, quant)

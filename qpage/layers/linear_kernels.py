@@ -8,11 +8,12 @@ kernel's matmul with the layer's bias added (or fused by the kernel), so a layer
 that one call. A kernel's ``name`` is the layer's ``kernel_path``, which the start line and
 ``qpage:quantized_linear_layers{path=...}`` report.
 
-Priority: the fused Triton kernels on CUDA; on CPU the block kernels (``cpu-blocks``) for
-GGUF weights and for GPTQ/AWQ/compressed-tensors INT4/INT8 written as blocks, in every
-dtype; torch's packed INT4/INT8 kernels (fast only with bf16 activations) for integer
-weights that have no block form; else the weight dequantized once and multiplied on NumPy's
-BLAS (fp32) or by torch; anywhere else the dequantized torch fallback, which the doctor
+Priority: the fused Triton kernels on CUDA (GGUF blocks: ``triton-blocks``); on CPU the block
+kernels (``cpu-blocks``) for GGUF and bitsandbytes 4-bit weights and for
+GPTQ/AWQ/compressed-tensors INT4/INT8 written as blocks, in every dtype; torch's packed
+INT4/INT8 kernels (fast only with bf16 activations) for integer weights that have no block
+form; else the weight dequantized once and multiplied on NumPy's BLAS (fp32) or by torch;
+anywhere else the dequantized torch fallback, which the doctor
 reports. ``dequantize_weights=True`` (``LinearSpec.dequantize``) skips every packed kernel.
 """
 
@@ -29,6 +30,7 @@ import torch.nn.functional as F
 
 from qpage.formats.gguf_model import GgufTensor
 from qpage.formats.gguf_reader import BF16, FLOAT_TYPES, type_name
+from qpage.kernels import block_matmul
 from qpage.kernels.cpu import blas, int_blocks, native, native_gguf, packed
 from qpage.kernels.fp8.matmul import fp8_matmul
 from qpage.kernels.int_matmul import int_matmul
@@ -45,7 +47,9 @@ class LinearSpec:
     """What a kernel must handle: the weight's scheme and shape, and the activations."""
 
     scheme: str
-    """``dense``, ``int`` (GPTQ/AWQ/compressed-tensors INT4/INT8) or ``fp8``."""
+    """``dense``, ``int`` (GPTQ/AWQ/compressed-tensors INT4/INT8), ``fp8``, or ``blocks`` (a
+    block format of the CPU kernels: a GGUF file's tensors, bitsandbytes 4-bit written as
+    NF4/FP4 blocks at load)."""
     device: torch.device
     dtype: torch.dtype
     """The activations' dtype."""
@@ -58,7 +62,7 @@ class LinearSpec:
     fp8_block_aligned: bool = True
     """FP8 block scales: every fused projection starts on a scale block boundary."""
     ggml_types: tuple[int, ...] = ()
-    """GGUF: the ggml type of each part of the (possibly fused) weight."""
+    """``blocks``: the format (ggml type id) of each part of the (possibly fused) weight."""
     symmetric: bool = True
     """INT: every zero point is 2^(bits - 1) (the codes are signed around it)."""
     dequantize: bool = False
@@ -184,8 +188,8 @@ def _blocks_reason(device: torch.device) -> str | None:
     return None
 
 
-def gguf_packed_reason(device: torch.device, ggml_types: tuple[int, ...], k: int) -> str | None:
-    """Why ``cpu-blocks`` cannot run a GGUF weight with parts in ``ggml_types`` (None: it can)."""
+def blocks_reason(device: torch.device, ggml_types: tuple[int, ...], k: int) -> str | None:
+    """Why ``cpu-blocks`` cannot run a weight with parts in ``ggml_types`` (None: it can)."""
     why = _blocks_reason(device)
     if why is not None:
         return why
@@ -194,20 +198,20 @@ def gguf_packed_reason(device: torch.device, ggml_types: tuple[int, ...], k: int
             continue
         why = native_gguf.unsupported_reason(t, k)
         if why is not None:
-            return f"{type_name(t)}: {why}"
+            return f"{native_gguf.NAMES.get(t) or type_name(t)}: {why}"
     return None
 
 
-class CpuGguf:
-    """GGUF block formats kept packed on CPU (``kernels.cpu.native_gguf``): each run of
+class CpuBlockWeights:
+    """Block-format weights kept packed on CPU (``kernels.cpu.native_gguf``): each run of
     consecutive parts in one format is repacked into one weight; float parts run on BLAS."""
 
-    name, schemes = "cpu-blocks", ("gguf",)
+    name, schemes = "cpu-blocks", ("blocks",)
 
     def can_implement(self, spec: LinearSpec) -> str | None:
         if spec.dequantize:
             return DEQUANTIZE_ASKED
-        return gguf_packed_reason(spec.device, spec.ggml_types, spec.in_features)
+        return blocks_reason(spec.device, spec.ggml_types, spec.in_features)
 
     def build(self, layer: Any, spec: LinearSpec) -> Built:
         k = spec.in_features
@@ -227,6 +231,46 @@ class CpuGguf:
             pieces.append((offset, offset + sum(v.shape[0] for v in values), w))
         mm = native_gguf.PiecewiseMatmul(pieces, k, spec.out_features)
         return Built(mm, mm.weight_bytes())
+
+
+class TritonBlocks:
+    """Block-format weights on CUDA (``kernels.block_matmul``): Q4_0/Q8_0 as GPTQ integers on
+    the INT kernels, Q4_1/Q4_K/Q6_K decoded from the file's bytes into cuBLAS matmuls, float
+    parts dense; the parts' outputs side by side."""
+
+    name, schemes = "triton-blocks", ("blocks",)
+
+    def can_implement(self, spec: LinearSpec) -> str | None:
+        why = _needs_triton(spec)
+        if why is not None:
+            return why
+        for t in spec.ggml_types:
+            if t not in FLOAT_TYPES and t != BF16:
+                why = block_matmul.unsupported_reason(t, spec.in_features)
+                if why is not None:
+                    return f"{native_gguf.NAMES.get(t) or type_name(t)}: {why}"
+        return None
+
+    def build(self, layer: Any, spec: LinearSpec) -> Built:
+        k, dev = spec.in_features, spec.device
+        mms: list[Matmul] = []
+        nbytes = 0
+        for _, v in layer.parts:
+            if not isinstance(v, GgufTensor):
+                dense = v.to(dev, spec.dtype)
+                mms.append(lambda x, w=dense: F.linear(x, w))
+                nbytes += dense.numel() * dense.element_size()
+            elif v.ggml_type in block_matmul.GPTQ_TYPES:
+                g = block_matmul.to_gptq(v.rows, v.ggml_type, k, dev)
+                mms.append(g)
+                nbytes += g.qweight.numel() * 4 + g.scales.numel() * 2
+            else:
+                rows = torch.from_numpy(np.ascontiguousarray(v.rows)).to(dev)
+                mms.append(block_matmul.DequantWeight(rows, v.ggml_type, k))
+                nbytes += rows.numel()
+        if len(mms) == 1:
+            return Built(mms[0], nbytes)
+        return Built(lambda x: torch.cat([mm(x) for mm in mms], dim=-1), nbytes)
 
 
 class CpuIntBlocks:
@@ -256,7 +300,7 @@ class Dequantized:
     for what no packed kernel runs, or on request (``dequantize_weights``), on BLAS in fp32;
     elsewhere a slow fallback with dense memory, which the server's doctor reports."""
 
-    schemes = ("int", "fp8", "gguf")
+    schemes = ("int", "fp8", "blocks")
 
     def __init__(self, name: str, devices: tuple[str, ...] | None) -> None:
         self.name, self.devices = name, devices
@@ -303,7 +347,7 @@ class DenseTorch:
 
 
 LINEAR_KERNELS: tuple[LinearKernel, ...] = (
-    TritonInt(), TritonFp8(), CpuGguf(), CpuIntBlocks(), CpuPackedInt(4), CpuPackedInt(8),
+    TritonInt(), TritonFp8(), TritonBlocks(), CpuBlockWeights(), CpuIntBlocks(), CpuPackedInt(4), CpuPackedInt(8),
     Dequantized("cpu-dequantized", ("cpu",)), Dequantized("dequantized-fallback", None),
     DenseBlas(), DenseTorch(),
 )

@@ -14,13 +14,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from qpage.formats import bnb
 from qpage.formats.detect import LinearConfig, linear_config
 from qpage.formats.gguf_model import GgufConfig
 from qpage.kernels.cpu.native_decode import DecodeStack
 from qpage.layers.attention import AttentionBackend
 from qpage.layers.attention_metadata import StepMetadata
+from qpage.layers.block_linear import BlockLinear, GgufEmbedding
 from qpage.layers.fp8_linear import Fp8Linear
-from qpage.layers.gguf_linear import GgufEmbedding, GgufLinear
 from qpage.layers.kv_format import LayerKV
 from qpage.layers.linear import Linear, make_linear
 from qpage.layers.linear_kernels import Matmul, tied_head
@@ -32,10 +33,10 @@ from qpage.models.arch import ArchConfig
 from qpage.models.fused_decode import build_decode_stack, run_decode_stack, step_fits
 
 KVCache = LayerKV
-QuantLinear = IntLinear | Fp8Linear | GgufLinear
-QUANT_LINEARS = (IntLinear, Fp8Linear, GgufLinear)
+QuantLinear = IntLinear | Fp8Linear | BlockLinear
+QUANT_LINEARS = (IntLinear, Fp8Linear, BlockLinear)
 QUANT_SUFFIXES = ("qweight", "qzeros", "scales", "g_idx", "weight", "weight_scale", "weight_scale_inv", "input_scale",
-                  "weight_packed", "weight_shape", "weight_zero_point", "weight_g_idx")
+                  "weight_packed", "weight_shape", "weight_zero_point", "weight_g_idx", *bnb.SUFFIXES)
 _KV_SCALE = re.compile(r"^model\.layers\.(\d+)\.self_attn\.([kv])_scale$")
 
 
@@ -296,6 +297,7 @@ class LlamaForCausalLM(nn.Module):
         found: dict[int, dict[str, float]] = {}
         for file, name, t in tensors:
             prefix, _, suffix = name.rpartition(".")
+            prefix, suffix = bnb.split_name(name) or (prefix, suffix)
             if prefix in qtargets and suffix in QUANT_SUFFIXES:
                 if suffix == "input_scale":
                     continue  # static FP8 activation scales: qpage keeps activations unquantized

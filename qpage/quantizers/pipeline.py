@@ -8,7 +8,8 @@ no half-written checkpoint (the temporary folder is removed; a stale one from a 
 is removed by the next).
 
 RTN and GPTQ to INT4/INT8 write the GPTQ format (``formats.gptq``); FP8 (per channel or
-128x128 blocks) writes compressed-tensors (``formats.fp8``). GPTQ's calibration runs
+128x128 blocks) writes compressed-tensors (``formats.fp8``); NF4 writes bitsandbytes' 4-bit
+format as transformers saves it (``formats.bnb``). GPTQ's calibration runs
 first, layer by layer (``calibrate``), and its results go through the same writer.
 """
 
@@ -28,12 +29,14 @@ from typing import Any
 import torch
 
 from qpage.formats import awq as awq_format
+from qpage.formats import bnb as bnb_format
 from qpage.formats import compressed_tensors as ct_format
 from qpage.formats import fp8 as fp8_format
 from qpage.formats.gptq import pack_linear, quantization_config
 from qpage.formats.safetensors_io import iter_tensors, read_header, write_file
 from qpage.models.loader import weight_files
 from qpage.quantizers.fp8 import quantize_fp8
+from qpage.quantizers.nf4 import quantize_nf4
 from qpage.quantizers.rtn import quantize_rtn
 from qpage.quantizers.scheme import QuantScheme
 
@@ -67,14 +70,20 @@ def _linear_shapes(files: list[Path]) -> dict[str, list[int]]:
     return out
 
 
-FORMATS = ("auto", "gptq", "awq", "compressed-tensors")
+FORMATS = ("auto", "gptq", "awq", "compressed-tensors", "bitsandbytes")
 
 
 def choose_format(scheme: QuantScheme, fmt: str, shapes: dict[str, list[int]]) -> str:
-    """The output format: ``auto`` is compressed-tensors for FP8, AWQ for AWQ when every width
-    divides by the group (else GPTQ, which allows a partial last group), GPTQ otherwise."""
+    """The output format: ``auto`` is compressed-tensors for FP8, bitsandbytes for NF4, AWQ for
+    AWQ when every width divides by the group (else GPTQ, which allows a partial last group),
+    GPTQ otherwise."""
     if fmt not in FORMATS:
         raise ValueError(f"format {fmt!r} is not supported; choose one of {', '.join(FORMATS)}")
+    if scheme.is_nf4 or fmt == "bitsandbytes":
+        if not (scheme.is_nf4 and fmt in ("auto", "bitsandbytes")):
+            raise ValueError("the bitsandbytes format holds NF4 weights (--scheme nf4) and NF4 is written only as "
+                             "bitsandbytes; drop --format or change --scheme")
+        return "bitsandbytes"
     if scheme.is_fp8:
         if fmt not in ("auto", "compressed-tensors"):
             raise ValueError(f"FP8 weights are written as compressed-tensors, not {fmt}; drop --format")
@@ -186,6 +195,7 @@ def quantize_checkpoint(src: Path, out: Path, scheme: QuantScheme, shard_bytes: 
             "compressed-tensors": lambda: (fp8_format.quantization_config(scheme.block) if scheme.is_fp8
                                            else ct_format.quantization_config(scheme)),
             "awq": lambda: awq_format.quantization_config(scheme), "gptq": lambda: quantization_config(scheme),
+            "bitsandbytes": bnb_format.quantization_config,
         }[fmt]()
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         for f in src.iterdir():  # tokenizer, generation config, chat template
@@ -228,6 +238,8 @@ def _quantize_linear(prefix: str, w: torch.Tensor, scheme: QuantScheme,
     """The checkpoint tensors of one linear in format ``fmt``."""
     if scheme.is_fp8:
         return fp8_format.pack_linear(prefix, *quantize_fp8(w, scheme.block))
+    if scheme.is_nf4:
+        return bnb_format.pack_linear(prefix, *quantize_nf4(w))
     if calibrated is not None:
         q, scales, zeros, g_idx = calibrated[prefix]
     else:

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-SCHEMES = ("int4-rtn", "int8-rtn", "int4-gptq", "int8-gptq", "int4-awq", "int8-awq", "fp8", "fp8-block")
+SCHEMES = ("int4-rtn", "int8-rtn", "int4-gptq", "int8-gptq", "int4-awq", "int8-awq", "fp8", "fp8-block", "nf4")
 """What ``qpage quantize --scheme`` accepts. ``fp8``: E4M3 with per-channel scales;
-``fp8-block``: 128x128 block scales."""
+``fp8-block``: 128x128 block scales; ``nf4``: bitsandbytes' 4-bit NormalFloat, blocks of 64."""
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,15 @@ class QuantScheme:
     def is_fp8(self) -> bool:
         return self.method == "fp8"
 
+    @property
+    def is_nf4(self) -> bool:
+        return self.method == "nf4"
+
     def __post_init__(self) -> None:
+        if self.is_nf4:
+            if self.bits != 4 or self.group_size != 64 or self.act_order or not self.sym:
+                raise ValueError("nf4 is 4-bit with one absmax per 64 weights; it takes no group size or act-order")
+            return
         if self.is_fp8:
             if self.bits != 8 or self.group_size is not None or self.act_order or self.block not in (None, 128):
                 raise ValueError("fp8 takes no group size or act-order: per-channel or 128x128 block scales")
@@ -54,6 +62,10 @@ class QuantScheme:
         """``int4-rtn`` style names (see SCHEMES)."""
         if name not in SCHEMES:
             raise ValueError(f"scheme {name!r} is not supported yet; choose one of {', '.join(SCHEMES)}")
+        if name == "nf4":
+            if act_order:
+                raise ValueError("nf4 has no act-order; drop --act-order")
+            return cls(bits=4, group_size=64, sym=True, method="nf4")
         if name.startswith("fp8"):
             if act_order:
                 raise ValueError("fp8 has no act-order; drop --act-order")
@@ -66,10 +78,14 @@ class QuantScheme:
         """Average stored bits per weight: the integer plus its group's fp16 scale and packed zero."""
         if self.is_fp8:
             return 8 + 32 / (self.block * self.block if self.block else in_features)
+        if self.is_nf4:
+            return 4 + 32 / 64
         g = self.group_size or in_features
         return self.bits + (16 + (0 if self.sym else self.bits)) / g
 
     def describe(self) -> str:
+        if self.is_nf4:
+            return "nf4 (bitsandbytes 4-bit NormalFloat, blocks of 64)"
         if self.is_fp8:
             return f"fp8 e4m3 {'128x128 block' if self.block else 'per-channel'}"
         group = f"g{self.group_size}" if self.group_size else "per-channel"

@@ -3,7 +3,9 @@
 Weights are quantized by ``gguf.quants.quantize`` (llama.cpp's reference quantizers; the
 K-quants and IQ4, which it cannot write, as random blocks with d in [0.001, 0.011): any other
 byte pattern is a valid block) and the
-reference is ``gguf.quants.dequantize`` times the activations as the kernel quantized them
+reference is ``gguf.quants.dequantize`` (for bitsandbytes' NF4 and FP4 blocks, written by
+``formats.bnb`` from random codes, d times the codebook as ``formats.bnb`` defines its int8
+form) times the activations as the kernel quantized them
 (codes x block scale), in fp64: the kernel's only differences are fp32 rounding and the
 order of additions, held to 1e-5 relative to the output's norm. Against the unquantized
 fp32 activations the int8 blocks cost more (amax/254 per element at most): held to 1e-2.
@@ -18,6 +20,7 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 
+from qpage.formats import bnb  # noqa: E402
 from qpage.kernels.cpu import native as cpu_native  # noqa: E402
 from qpage.kernels.cpu import native_gguf as ng  # noqa: E402
 from tests.kernels.conftest import rel_err  # noqa: E402
@@ -26,7 +29,7 @@ if cpu_native.no_compiler_or_disabled():  # pragma: no cover
     pytest.skip(f"native CPU kernels unavailable: {cpu_native.unavailable_reason()}", allow_module_level=True)
 
 TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "IQ4_NL": 20,
-         "IQ4_XS": 23}
+         "IQ4_XS": 23, "NF4": ng.NF4, "FP4": ng.FP4}
 RANDOM = {"Q4_K": (256, 144, (0, 2)), "Q5_K": (256, 176, (0, 2)), "Q6_K": (256, 210, (208,)),
           "IQ4_NL": (32, 18, (0,)), "IQ4_XS": (256, 136, (0,))}
 """Formats ``gguf`` cannot quantize, made as random blocks: weights and bytes per block, and
@@ -39,6 +42,8 @@ ISAS = ("scalar", "avx2", "vnni")
 # last group of 6, 1, 8 and 12 rows: both AVX2 halves and the VNNI store mask), an odd number
 # of blocks, a row of one block, and activation rows over several 32-row tiles.
 SHAPES = [(1, 70, 576), (3, 33, 96), (5, 64, 1536), (17, 40, 64), (2, 16, 32), (2, 44, 96), (75, 20, 64)]
+BNB_SHAPES = [(1, 70, 576), (3, 33, 128), (5, 64, 1536), (17, 40, 64), (2, 44, 192), (75, 20, 64)]
+"""The same in whole 64-weight bitsandbytes blocks."""
 K_SHAPES = [(1, 70, 512), (3, 33, 256), (5, 64, 1536), (17, 40, 768), (2, 16, 256), (75, 20, 256)]
 """The same for the 256-weight K-quant blocks."""
 TOL, TOL_FP32 = 1e-5, 1e-2
@@ -52,6 +57,8 @@ def isa_or_skip(isa: str) -> None:
 def quantized_weight(name: str, n: int, k: int, seed: int) -> tuple[np.ndarray, torch.Tensor]:
     """(file rows uint8 [n, row bytes], their fp32 dequantization [n, k])."""
     rng = np.random.default_rng(seed)
+    if name in ("NF4", "FP4"):
+        return bnb_weight(name.lower(), n, k, rng)
     qt = gguf.GGMLQuantizationType[name]
     if name in RANDOM:
         size, nbytes, scales = RANDOM[name]
@@ -64,6 +71,18 @@ def quantized_weight(name: str, n: int, k: int, seed: int) -> tuple[np.ndarray, 
     else:
         rows = gguf.quants.quantize(rng.standard_normal((n, k)).astype(np.float32), qt)
     return rows, torch.from_numpy(gguf.quants.dequantize(rows, qt).astype(np.float32))
+
+
+def bnb_weight(quant_type: str, n: int, k: int, rng: np.random.Generator) -> tuple[np.ndarray, torch.Tensor]:
+    """Random bitsandbytes codes and absmax per 64 weights as the loader writes them, and the
+    weight the kernels hold: d = fp16(absmax / c) times round(codebook * c)."""
+    codes = rng.integers(0, 16, (n, k), dtype=np.uint8)
+    absmax = (rng.random((n, k // 64)) * 1.2 + 0.14).astype(np.float32)
+    c = bnb.KERNEL_SCALE[quant_type]
+    rows = bnb.block_rows(codes, absmax / np.float32(c), 64)
+    assert rows is not None
+    d = np.repeat((absmax / np.float32(c)).astype(np.float16).astype(np.float64), 64, axis=1)
+    return rows, torch.from_numpy(d * np.round(bnb.CODEBOOKS[quant_type].astype(np.float64) * c)[codes]).float()
 
 
 def activations(m: int, k: int, seed: int) -> torch.Tensor:
@@ -93,8 +112,9 @@ def test_activation_quantization_matches_reference(m: int, k: int) -> None:
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize(("name", "shape"), [(name, shape) for name in TYPES
-                                             for shape in (K_SHAPES if name in K_QUANTS else SHAPES)])
+@pytest.mark.parametrize(("name", "shape"), [
+    (name, shape) for name in TYPES
+    for shape in (K_SHAPES if name in K_QUANTS else BNB_SHAPES if name in ("NF4", "FP4") else SHAPES)])
 def test_matmul_matches_gguf_dequantize(name: str, isa: str, shape: tuple[int, int, int]) -> None:
     isa_or_skip(isa)
     m, n, k = shape
@@ -124,7 +144,7 @@ def test_threads_and_paths_agree(name: str) -> None:
 @pytest.mark.parametrize("name", TYPES)
 def test_paths_agree(name: str) -> None:
     """Every path this CPU has computes the same sums, in its own order of float additions."""
-    k = 512 if name in K_QUANTS else 320
+    k = 512 if name in K_QUANTS else 320 if name not in ("NF4", "FP4") else 384
     rows, _ = quantized_weight(name, 60, k, seed=4)
     w = ng.repack(rows, TYPES[name], k)
     act = ng.quantize_activations(activations(5, k, 4))
@@ -149,7 +169,7 @@ def test_non_finite_activations_give_nan_rows() -> None:
 @pytest.mark.parametrize("name", TYPES)
 def test_rows_dequantize_exactly(name: str) -> None:
     """Embedding rows read from the kernels' layout equal llama.cpp's dequantization exactly."""
-    k = 256 if name in K_QUANTS else 96
+    k = 256 if name in K_QUANTS else 96 if name not in ("NF4", "FP4") else 128
     rows, w = quantized_weight(name, 37, k, seed=5)
     packed = ng.repack(rows, TYPES[name], k)
     ids = torch.tensor([[0, 36], [17, 16]])

@@ -4,7 +4,8 @@ activations are quantized to int8 blocks once per call and each block's dot prod
 integer one (layout and math in the C file).
 
 Formats the kernels run, by ggml type id: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (``cpu_gguf.c``), Q4_K,
-Q5_K (``cpu_gguf_q4k.c``), Q6_K (``cpu_gguf_q6k.c``), IQ4_NL and IQ4_XS (``cpu_gguf_iq4.c``).
+Q5_K (``cpu_gguf_q4k.c``), Q6_K (``cpu_gguf_q6k.c``), IQ4_NL and IQ4_XS (``cpu_gguf_iq4.c``),
+and bitsandbytes' NF4 and FP4 written at load as IQ4_NL-style blocks (``formats.bnb``).
 ``isa`` picks the instruction path ("vnni", "avx2", "scalar"; "auto" is the best this CPU
 has); the paths agree up to the order of float additions. The reference is
 ``gguf.quants.dequantize`` and an fp32 matmul on the same int8-quantized activations
@@ -28,8 +29,14 @@ ROWS = 16
 """Rows per group of the kernels' layout; a weight's rows are padded to a multiple."""
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS = 2, 3, 6, 7, 8, 12, 13, 14, 20, 23
 """The ggml type ids of the formats the kernels run."""
+NF4, FP4 = 200, 201
+"""qpage's ids (past ggml's) for bitsandbytes' 4-bit codebooks, on IQ4_NL's 32-weight block:
+an fp16 d = absmax / c, then the codes of weights j and j + 16 in byte j's low and high
+nibble; a weight is d times its codebook value times c, rounded (c in ``formats.bnb``)."""
+NAMES = {NF4: "NF4", FP4: "FP4"}
 BLOCK_BYTES = {Q4_0: (32, 18), Q4_1: (32, 20), Q5_0: (32, 22), Q5_1: (32, 24), Q8_0: (32, 34), Q4_K: (256, 144),
-               Q5_K: (256, 176), Q6_K: (256, 210), IQ4_NL: (32, 18), IQ4_XS: (256, 136)}
+               Q5_K: (256, 176), Q6_K: (256, 210), IQ4_NL: (32, 18), IQ4_XS: (256, 136), NF4: (32, 18),
+               FP4: (32, 18)}
 """Each format the kernels run: (weights, bytes) of one block in the file."""
 PACKED_BYTES = {Q4_K: 148, Q5_K: 180, IQ4_XS: 138}
 """Bytes of one block in the kernels' layout, where it differs from the file (the 6-bit
@@ -63,7 +70,7 @@ def unsupported_reason(ggml_type: int, k: int) -> str | None:
     """Why the kernels cannot run a weight of this format and row length (None: they can)."""
     if ggml_type not in BLOCK_BYTES:
         return (f"ggml type {ggml_type} has no native kernel (those run: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, "
-                "Q6_K, IQ4_NL, IQ4_XS)")
+                "Q6_K, IQ4_NL, IQ4_XS, and bitsandbytes NF4/FP4)")
     size = BLOCK_BYTES[ggml_type][0]
     if k % size:
         return f"rows of {k} weights are not whole {size}-weight blocks"

@@ -243,7 +243,7 @@ int qp_gguf_matmul(int type, const uint8_t *w, int64_t n, int k, const int8_t *x
     const int mt_max = isa == ISA_VNNI ? MT_MAX : MT_AVX2;
     const int nb = k / BLOCK;
     int32_t *x16 = NULL; /* Q6_K: the activations' code sums per 16 weights */
-    if (type == QT_IQ4_NL || type == QT_IQ4_XS)
+    if (is_codebook32(type) || type == QT_IQ4_XS)
         f = isa == ISA_VNNI ? qp_iq4_group_vnni : isa == ISA_AVX2 ? qp_iq4_group_avx2 : qp_iq4_group_scalar;
     if (type == QT_Q4_K || type == QT_Q5_K)
         f = isa == ISA_VNNI ? qp_q4k_group_vnni : isa == ISA_AVX2 ? qp_q4k_group_avx2 : qp_q4k_group_scalar;

@@ -1,10 +1,13 @@
-/* IQ4_NL and IQ4_XS weights on the block matmuls (cpu_gguf.c dispatches here).
+/* IQ4_NL, IQ4_XS, NF4 and FP4 weights on the block matmuls (cpu_gguf.c dispatches here).
  *
- * Both hold 4-bit indices into one 16-value int8 codebook (KV below), nibbles laid out as
+ * Each holds 4-bit indices into a 16-value int8 codebook (KV below), nibbles laid out as
  * Q4_0's (byte j of a 32-weight block: weight j low, weight j + 16 high). IQ4_NL: per 32
  * weights an fp16 d (18 B); w = d KV[q]. IQ4_XS: per 256 weights an fp16 d, 6-bit sub-block
  * scales ls (low 4 bits in scales_l[4], high 2 in the uint16 scales_h), then 128 B of nibbles
- * (136 B); w = d (ls - 32) KV[q] for the 32-weight sub-block.
+ * (136 B); w = d (ls - 32) KV[q] for the 32-weight sub-block. NF4 and FP4 are bitsandbytes'
+ * codebooks (values in [-1, 1]) times 112 and 120, rounded, in IQ4_NL's block (d = absmax / 112
+ * or / 120, per 32 weights; those factors round the codebooks with the least error, and FP4's
+ * all but 0.0052 exactly); the loader (formats/bnb.py) writes them.
  *
  * Kernel layouts: IQ4_NL's is Q4_0's (per block the 16 rows' d, then 4 nibble vectors).
  * IQ4_XS per super-block: the 16 rows' d (16 fp16), their ls - 32 as [sub-block][row] int8
@@ -21,6 +24,12 @@
 #include "qp_half.h"
 
 static const int8_t KV[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+static const int8_t NF4_KV[16] = {-112, -78, -59, -44, -32, -21, -10, 0, 9, 18, 28, 38, 49, 63, 81, 112};
+static const int8_t FP4_KV[16] = {0, 1, 80, 120, 40, 60, 20, 30, 0, -1, -80, -120, -40, -60, -20, -30};
+
+static inline const int8_t *codebook(int type) {
+    return type == QT_NF4 ? NF4_KV : type == QT_FP4 ? FP4_KV : KV;
+}
 enum { XS_SC = 32, XS_CODES = 160, NL_BLOCK = ROWS * 18 };
 
 /* One IQ4_XS file row -> row j of an x16 group (zeroed by the caller). */
@@ -40,32 +49,34 @@ void qp_iq4xs_repack_row(const uint8_t *src, int k, uint8_t *group, int j) {
 
 /* The 16 rows' scale factor and codes of 32-weight block bi of a group. */
 static inline const uint8_t *block_at(int type, const uint8_t *w, int bi) {
-    if (type == QT_IQ4_NL) return w + (int64_t)bi * NL_BLOCK;
+    if (type != QT_IQ4_XS) return w + (int64_t)bi * NL_BLOCK;
     return w + (int64_t)(bi / 8) * ROWS * IQ4XS_PACKED;
 }
 static inline const uint8_t *codes_of(int type, const uint8_t *blk, int bi) {
-    return type == QT_IQ4_NL ? blk + 32 : blk + XS_CODES + 256 * (bi % 8);
+    return type != QT_IQ4_XS ? blk + 32 : blk + XS_CODES + 256 * (bi % 8);
 }
 static inline float row_scale(int type, const uint8_t *blk, int bi, int j) {
     const float d = half_to_f32(rd16(blk + 2 * j));
-    return type == QT_IQ4_NL ? d : d * (float)(int8_t)blk[XS_SC + 16 * (bi % 8) + j];
+    return type != QT_IQ4_XS ? d : d * (float)(int8_t)blk[XS_SC + 16 * (bi % 8) + j];
 }
 
 /* Row j of an x16 group, dequantized as llama.cpp does: d KV[q] ((d (ls - 32)) KV[q]). */
 void qp_iq4_dequant_row(int type, const uint8_t *group, int k, int j, float *out) {
+    const int8_t *kv = codebook(type);
     for (int bi = 0; bi < k / BLOCK; bi++) {
         const uint8_t *blk = block_at(type, group, bi), *codes = codes_of(type, blk, bi);
         const float d = row_scale(type, blk, bi, j);
         for (int t = 0; t < 16; t++) {
             const uint8_t q = codes[64 * (t / 4) + 4 * j + t % 4];
-            out[BLOCK * bi + t] = d * (float)KV[q & 15];
-            out[BLOCK * bi + t + 16] = d * (float)KV[q >> 4];
+            out[BLOCK * bi + t] = d * (float)kv[q & 15];
+            out[BLOCK * bi + t + 16] = d * (float)kv[q >> 4];
         }
     }
 }
 
 void qp_iq4_group_scalar(int type, const group_args *a, int mt) {
     const int k = a->nb * BLOCK;
+    const int8_t *kv = codebook(type);
     for (int r = 0; r < mt; r++)
         for (int j = 0; j < a->rows; j++) {
             float acc = 0.0f;
@@ -76,7 +87,7 @@ void qp_iq4_group_scalar(int type, const group_args *a, int mt) {
                 for (int c = 0; c < 4; c++)
                     for (int u = 0; u < 4; u++) {
                         const uint8_t q = codes[64 * c + 4 * j + u];
-                        isum += KV[q & 15] * x[4 * c + u] + KV[q >> 4] * x[16 + 4 * c + u];
+                        isum += kv[q & 15] * x[4 * c + u] + kv[q >> 4] * x[16 + 4 * c + u];
                     }
                 acc += row_scale(type, blk, bi, j) * a->xd[(int64_t)r * a->nb + bi] * (float)isum;
             }
@@ -84,10 +95,11 @@ void qp_iq4_group_scalar(int type, const group_args *a, int mt) {
         }
 }
 
-AVX2_TARGET INLINE void iq4_avx2_half(const int type, const int MT, const group_args *a, int half) {
+/* type: QT_IQ4_XS or QT_IQ4_NL (the 32-weight layout), a compile-time constant; kv the codebook. */
+AVX2_TARGET INLINE void iq4_avx2_half(const int type, const int MT, const group_args *a, int half, const int8_t *kv) {
     const int k = a->nb * BLOCK;
     const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(15);
-    const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)KV));
+    const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)kv));
     __m256 acc[MT_MAX];
     for (int r = 0; r < MT; r++) acc[r] = _mm256_setzero_ps();
     for (int bi = 0; bi < a->nb; bi++) {
@@ -108,7 +120,7 @@ AVX2_TARGET INLINE void iq4_avx2_half(const int type, const int MT, const group_
             __m256i isum = _mm256_setzero_si256();
             for (int t = 0; t < 8; t++) {
                 const __m256i xv = _mm256_set1_epi32(rd32(x + (t < 4 ? 4 * t : 16 + 4 * (t - 4))));
-                /* |KV| <= 127 against the signs moved onto x: no int16 saturation */
+                /* |kv| <= 127 against the signs moved onto x: no int16 saturation */
                 const __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(wv[t]), _mm256_sign_epi8(xv, wv[t]));
                 isum = _mm256_add_epi32(isum, _mm256_madd_epi16(p, ones));
             }
@@ -125,16 +137,16 @@ AVX2_TARGET INLINE void iq4_avx2_half(const int type, const int MT, const group_
 
 AVX2_TARGET void qp_iq4_group_avx2(int type, const group_args *a, int mt) {
     for (int half = 0; half < 2 && 8 * half < a->rows; half++) {
-        if (type == QT_IQ4_XS) MT_CASES4(iq4_avx2_half, QT_IQ4_XS, a, half)
-        else MT_CASES4(iq4_avx2_half, QT_IQ4_NL, a, half)
+        if (type == QT_IQ4_XS) MT_CASES4(iq4_avx2_half, QT_IQ4_XS, a, half, KV)
+        else MT_CASES4(iq4_avx2_half, QT_IQ4_NL, a, half, codebook(type))
     }
 }
 
-VNNI_TARGET INLINE void iq4_vnni(const int type, const int MT, const group_args *a) {
+VNNI_TARGET INLINE void iq4_vnni(const int type, const int MT, const group_args *a, const int8_t *kv) {
     const int k = a->nb * BLOCK;
     const __m512i low = _mm512_set1_epi8(15);
-    const __m512i table = _mm512_add_epi8(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)KV)),
-                                          _mm512_set1_epi8((char)0x80)); /* KV + 128, unsigned */
+    const __m512i table = _mm512_add_epi8(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)kv)),
+                                          _mm512_set1_epi8((char)0x80)); /* kv + 128, unsigned */
     __m512 acc[MT_MAX];
     for (int r = 0; r < MT; r++) acc[r] = _mm512_setzero_ps();
     for (int bi = 0; bi < a->nb; bi++) {
@@ -169,6 +181,6 @@ VNNI_TARGET INLINE void iq4_vnni(const int type, const int MT, const group_args 
 }
 
 VNNI_TARGET void qp_iq4_group_vnni(int type, const group_args *a, int mt) {
-    if (type == QT_IQ4_XS) MT_CASES8(iq4_vnni, QT_IQ4_XS, a)
-    else MT_CASES8(iq4_vnni, QT_IQ4_NL, a)
+    if (type == QT_IQ4_XS) MT_CASES8(iq4_vnni, QT_IQ4_XS, a, KV)
+    else MT_CASES8(iq4_vnni, QT_IQ4_NL, a, codebook(type))
 }

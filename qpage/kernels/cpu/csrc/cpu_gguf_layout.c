@@ -76,10 +76,10 @@ int qp_gguf_dequant_rows(int type, const uint8_t *w, int64_t n, int k, const int
     for (int64_t i = 0; i < count; i++) {
         const int64_t g = ids[i] / ROWS;
         const int j = (int)(ids[i] % ROWS);
-        if (is_kquant(type) || type == QT_IQ4_NL) {
+        if (is_kquant(type) || is_codebook32(type)) {
             const uint8_t *group = w + g * group_bytes(type, k);
             if (type == QT_Q6_K) qp_q6k_dequant_row(group, k, j, out + i * k);
-            else if (type == QT_IQ4_XS || type == QT_IQ4_NL) qp_iq4_dequant_row(type, group, k, j, out + i * k);
+            else if (type == QT_IQ4_XS || is_codebook32(type)) qp_iq4_dequant_row(type, group, k, j, out + i * k);
             else qp_q4k_dequant_row(type, group, k, j, out + i * k);
             continue;
         }

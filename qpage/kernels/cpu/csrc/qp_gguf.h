@@ -8,7 +8,9 @@
 #include <string.h>
 
 enum { QT_Q4_0 = 2, QT_Q4_1 = 3, QT_Q5_0 = 6, QT_Q5_1 = 7, QT_Q8_0 = 8, QT_Q4_K = 12, QT_Q5_K = 13, QT_Q6_K = 14,
-       QT_IQ4_NL = 20, QT_IQ4_XS = 23 };
+       QT_IQ4_NL = 20, QT_IQ4_XS = 23,
+       /* Not ggml's: bitsandbytes' NF4 and FP4 codebooks on IQ4_NL's 32-weight layout (qpage's ids). */
+       QT_NF4 = 200, QT_FP4 = 201 };
 enum { ISA_AUTO = 0, ISA_SCALAR = 1, ISA_AVX2 = 2, ISA_VNNI = 3 };
 enum { BLOCK = 32, ROWS = 16, QK = 256 };
 /* Activation rows one call of a group function takes: each group's decoded codes serve that
@@ -76,7 +78,9 @@ void qp_q6k_group_vnni(int type, const group_args *a, int mt);
 static inline int block_bytes(int type) {
     switch (type) {
     case QT_Q4_0:
-    case QT_IQ4_NL: return 18;
+    case QT_IQ4_NL:
+    case QT_NF4:
+    case QT_FP4: return 18;
     case QT_Q4_1: return 20;
     case QT_Q5_0: return 22;
     case QT_Q5_1: return 24;
@@ -113,6 +117,9 @@ static inline int64_t file_row_bytes(int type, int k) {
     return is_kquant(type) ? (int64_t)(k / QK) * k_file_bytes(type) : (int64_t)(k / BLOCK) * block_bytes(type);
 }
 
+/* The 32-weight formats whose 4-bit codes index a 16-value codebook (cpu_gguf_iq4.c). */
+static inline int is_codebook32(int type) { return type == QT_IQ4_NL || type == QT_NF4 || type == QT_FP4; }
+
 /* Formats with an m per block, and with a fifth (high) bit per weight. */
 static inline int has_m(int type) { return type == QT_Q4_1 || type == QT_Q5_1; }
 static inline int is_q5(int type) { return type == QT_Q5_0 || type == QT_Q5_1; }
@@ -127,7 +134,7 @@ static inline float offset_mul(int type) { return type == QT_Q4_0 ? -8.0f : type
 void qp_q4k_group_scalar(int type, const group_args *a, int mt);
 void qp_q4k_group_avx2(int type, const group_args *a, int mt);
 void qp_q4k_group_vnni(int type, const group_args *a, int mt);
-/* IQ4_NL and IQ4_XS (type says which; IQ4_NL is repacked as Q4_0 is). */
+/* IQ4_NL, NF4, FP4 and IQ4_XS (type says which; the 32-weight ones are repacked as Q4_0 is). */
 void qp_iq4_group_scalar(int type, const group_args *a, int mt);
 void qp_iq4_group_avx2(int type, const group_args *a, int mt);
 void qp_iq4_group_vnni(int type, const group_args *a, int mt);

@@ -1,8 +1,9 @@
-"""Layers whose weights come from a GGUF file: a linear (possibly fused from several
-projections, each in its own ggml format) and the token embedding.
+"""Layers whose weights are in a block format of the CPU kernels: a linear (possibly fused
+from several projections, each in its own format) from a GGUF file or a bitsandbytes 4-bit
+checkpoint, and a GGUF file's token embedding.
 
-The parts are kept as loaded (``formats.gguf_model.GgufTensor``, or fp32 for the file's
-float tensors); ``prepare`` hands them to the kernel selector (``linear_kernels``), which
+The parts are kept as loaded (``formats.gguf_model.GgufTensor``, ``formats.bnb.Bnb4Tensor``,
+or fp32 for float tensors); ``prepare`` hands them to the kernel selector (``linear_kernels``), which
 keeps block formats packed where a kernel runs them (``cpu-blocks``) and otherwise, or when
 ``dequantize_weights`` asks, dequantizes once. The embedding reads its rows from the same packed table the tied LM head
 multiplies with, so a tied table is held once.
@@ -14,10 +15,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from qpage.formats import bnb
 from qpage.formats.gguf_model import GgufConfig, GgufTensor
 from qpage.formats.gguf_reader import F32
 from qpage.kernels.cpu import native_gguf
-from qpage.layers.linear_kernels import LinearSpec, Matmul, gguf_packed_reason, tied_head
+from qpage.layers.linear_kernels import LinearSpec, Matmul, blocks_reason, tied_head
 from qpage.layers.quant_base import QuantLinearBase
 
 Part = GgufTensor | torch.Tensor
@@ -39,8 +41,8 @@ def dequantized(value: Part) -> torch.Tensor:
     return value.dequantize() if isinstance(value, GgufTensor) else value.float()
 
 
-class GgufLinear(QuantLinearBase):
-    def __init__(self, in_features: int, out_features: int, bias: bool, cfg: GgufConfig) -> None:
+class BlockLinear(QuantLinearBase):
+    def __init__(self, in_features: int, out_features: int, bias: bool, cfg: GgufConfig | bnb.BnbConfig) -> None:
         super().__init__(in_features, out_features, bias)
         self.cfg = cfg
         self.parts: list[tuple[int, Part]] = []
@@ -48,15 +50,20 @@ class GgufLinear(QuantLinearBase):
         self.register_buffer("anchor", torch.empty(0), persistent=False)  # follows the model's device
 
     def wants(self, parts: dict[str, Part]) -> bool:
+        if isinstance(self.cfg, bnb.BnbConfig):
+            return self.cfg.wants(parts)  # type: ignore[arg-type]
         return "weight" in parts
 
     def load_part(self, prefix: str, parts: dict[str, Part], offset: int, cols: int, file: str) -> None:
-        value = parts["weight"]
-        _check(prefix, value, cols, self.in_features, file)
+        if isinstance(self.cfg, bnb.BnbConfig):
+            value: Part = bnb.check_linear(prefix, parts, self.cfg, self.in_features, cols, file)  # type: ignore[arg-type]
+        else:
+            value = parts["weight"]
+            _check(prefix, value, cols, self.in_features, file)
         self.parts = sorted([*self.parts, (offset, value)], key=lambda p: p[0])
 
     def spec(self, dtype: torch.dtype) -> LinearSpec:
-        return LinearSpec("gguf", self.anchor.device, dtype, self.in_features, self.out_features,
+        return LinearSpec("blocks", self.anchor.device, dtype, self.in_features, self.out_features,
                           ggml_types=tuple(ggml_type(v) for _, v in self.parts))
 
     def dequantized_in_out(self) -> torch.Tensor:
@@ -92,7 +99,7 @@ class GgufEmbedding(nn.Module):
         if self.value is None:
             raise RuntimeError("the embedding has no weight; load_weights checks for it")
         v = self.value
-        why = gguf_packed_reason(self.anchor.device, (ggml_type(v),), self.embedding_dim)
+        why = blocks_reason(self.anchor.device, (ggml_type(v),), self.embedding_dim)
         if isinstance(v, GgufTensor) and why is None and not dequantize:
             self.packed = native_gguf.repack(v.rows, v.ggml_type, self.embedding_dim)
             self.kernel_path, self.weight_bytes = "cpu-blocks", self.packed.data.numel()
