@@ -180,13 +180,14 @@ def main() -> None:
     base = rows[0]["perplexity"]
     print(f"\ncalibration {args.samples} x {args.seq_len} (valid.txt); perplexity on {len(test)} x {args.seq_len} "
           "(test.txt)")
-    print(f"{'scheme':<32} {'perplexity':>11} {'vs fp32':>8} {'size MB':>8} {'time s':>7}")
+    print(f"{'scheme':<32} {'perplexity':>11} {'vs fp32':>8} {'size MB':>8} {'time s':>7} {'dequantized':>11}")
     for r in rows:
         if "perplexity" not in r:
             print(f"{r['scheme']:<32} failed")
             continue
         print(f"{r['scheme']:<32} {r['perplexity']:>11.4f} {100 * (r['perplexity'] / base - 1):>+7.2f}% "
-              f"{r['size_bytes'] / 1e6:>8.1f} {r.get('quantize_seconds', 0):>7.0f}")
+              f"{r['size_bytes'] / 1e6:>8.1f} {r.get('quantize_seconds', 0):>7.0f} "
+              f"{r['perplexity_dequantized'] if 'perplexity_dequantized' in r else '':>11}")
     print(f"wrote {path}")
 
 

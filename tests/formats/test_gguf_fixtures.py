@@ -4,7 +4,7 @@ same shapes as a Qwen2 (q/k/v biases, rows in Hugging Face order) in Q8_0.
 
 The reference is transformers' LlamaForCausalLM on the ``gguf`` package's dequantization of
 each tensor, with llama.cpp's q/k row interleave undone here independently. Types with a
-native kernel (all but Q2_K and Q3_K; the Q4_K_M mix too) run on it
+native kernel (all; Q3_K rewritten as Q6_K, Q2_K as Q8_0; the Q4_K_M mix too) run on it
 with int8-quantized activations and are held to a mean KL below 0.01 nats (see
 tests/formats/test_gguf_native.py); the others are dequantized once at load and run in fp32,
 held to 2e-4 in the logits, as the converted folder is.
@@ -28,7 +28,7 @@ from tests.helpers import RunnerHarness
 gguf = pytest.importorskip("gguf")
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "gguf"
 FILES = sorted(FIXTURES.glob("tiny-llama.*.gguf"))
-NATIVE = {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "Q4_K_M"}
+NATIVE = {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "Q4_K_M"}
 IDS = [1, 77, 300, 45, 511, 12, 130, 264, 90, 401, 2, 333]
 NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
          "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",

@@ -2,7 +2,7 @@
 
 Weights are quantized by ``gguf.quants.quantize`` (llama.cpp's reference quantizers; the
 K-quants and IQ4, which it cannot write, as random blocks with d in [0.001, 0.011): any other
-byte pattern is a valid block) and the
+byte pattern is a valid block; Q2_K, which the kernels hold as Q8_0, is compared as that) and the
 reference is ``gguf.quants.dequantize`` (for bitsandbytes' NF4 and FP4 blocks, written by
 ``formats.bnb`` from random codes, d times the codebook as ``formats.bnb`` defines its int8
 form) times the activations as the kernel quantized them
@@ -28,13 +28,13 @@ from tests.kernels.conftest import rel_err  # noqa: E402
 if cpu_native.no_compiler_or_disabled():  # pragma: no cover
     pytest.skip(f"native CPU kernels unavailable: {cpu_native.unavailable_reason()}", allow_module_level=True)
 
-TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "IQ4_NL": 20,
-         "IQ4_XS": 23, "NF4": ng.NF4, "FP4": ng.FP4}
-RANDOM = {"Q4_K": (256, 144, (0, 2)), "Q5_K": (256, 176, (0, 2)), "Q6_K": (256, 210, (208,)),
-          "IQ4_NL": (32, 18, (0,)), "IQ4_XS": (256, 136, (0,))}
+TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q2_K": 10, "Q3_K": 11, "Q4_K": 12, "Q5_K": 13,
+         "Q6_K": 14, "IQ4_NL": 20, "IQ4_XS": 23, "NF4": ng.NF4, "FP4": ng.FP4}
+RANDOM = {"Q2_K": (256, 84, (80, 82)), "Q3_K": (256, 110, (108,)), "Q4_K": (256, 144, (0, 2)),
+          "Q5_K": (256, 176, (0, 2)), "Q6_K": (256, 210, (208,)), "IQ4_NL": (32, 18, (0,)), "IQ4_XS": (256, 136, (0,))}
 """Formats ``gguf`` cannot quantize, made as random blocks: weights and bytes per block, and
 where the block's fp16 scales sit (d, then dmin)."""
-DMIN = {"Q4_K": 7.5, "Q5_K": 15.5}
+DMIN = {"Q2_K": 1.5, "Q4_K": 7.5, "Q5_K": 15.5}
 """dmin / d that centres a K-quant's random weights on 0 (the mean code), as real blocks are."""
 K_QUANTS = {name for name, (size, _, _) in RANDOM.items() if size == 256}
 ISAS = ("scalar", "avx2", "vnni")
@@ -70,6 +70,8 @@ def quantized_weight(name: str, n: int, k: int, seed: int) -> tuple[np.ndarray, 
         rows = raw.reshape(n, -1)
     else:
         rows = gguf.quants.quantize(rng.standard_normal((n, k)).astype(np.float32), qt)
+    if name == "Q2_K":  # the kernels hold it rewritten as Q8_0 (test_q2k_rewrite_error bounds the change)
+        return rows, torch.from_numpy(gguf.quants.dequantize(ng.q2k_as_q8_0(rows), gguf.GGMLQuantizationType.Q8_0))
     return rows, torch.from_numpy(gguf.quants.dequantize(rows, qt).astype(np.float32))
 
 
@@ -203,8 +205,20 @@ def test_pieces_of_mixed_formats_fill_their_columns() -> None:
         ng.PiecewiseMatmul(pieces[:1] + pieces[2:], k, c0)
 
 
+def test_rewritten_formats() -> None:
+    """Q3_K runs as Q6_K with the same weights bit for bit; Q2_K as Q8_0, each weight within
+    1/254 of its 32-block's largest magnitude plus the fp16 rounding of the block's scale."""
+    rows, _ = quantized_weight("Q3_K", 24, 512, seed=6)
+    exact = gguf.quants.dequantize(rows, gguf.GGMLQuantizationType.Q3_K)
+    assert np.array_equal(gguf.quants.dequantize(ng.q3k_as_q6k(rows), gguf.GGMLQuantizationType.Q6_K), exact)
+    rows, held = quantized_weight("Q2_K", 24, 512, seed=7)
+    exact = gguf.quants.dequantize(rows, gguf.GGMLQuantizationType.Q2_K).reshape(24, 16, 32)
+    amax = np.abs(exact).max(-1, keepdims=True)
+    assert (np.abs(held.numpy().reshape(24, 16, 32) - exact) <= amax * (1 / 254 + 2**-10)).all()
+
+
 def test_unsupported_inputs_are_named() -> None:
-    assert "no native kernel" in (ng.unsupported_reason(11, 256) or "")  # Q3_K
+    assert "no native kernel" in (ng.unsupported_reason(16, 256) or "")  # IQ2_XXS
     assert "32-weight blocks" in (ng.unsupported_reason(2, 48) or "")
     assert "256-weight blocks" in (ng.unsupported_reason(14, 576) or "")
     rows, _ = quantized_weight("Q8_0", 16, 64, seed=1)

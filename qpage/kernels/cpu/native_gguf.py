@@ -21,26 +21,32 @@ from itertools import pairwise
 
 import numpy as np
 import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize, quantize
 
 from qpage.kernels.cpu.native import as_i64, load
 
 BLOCK = 32
 ROWS = 16
 """Rows per group of the kernels' layout; a weight's rows are padded to a multiple."""
-Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS = 2, 3, 6, 7, 8, 12, 13, 14, 20, 23
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS = 2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 20, 23
 """The ggml type ids of the formats the kernels run."""
 NF4, FP4 = 200, 201
 """qpage's ids (past ggml's) for bitsandbytes' 4-bit codebooks, on IQ4_NL's 32-weight block:
 an fp16 d = absmax / c, then the codes of weights j and j + 16 in byte j's low and high
 nibble; a weight is d times its codebook value times c, rounded (c in ``formats.bnb``)."""
 NAMES = {NF4: "NF4", FP4: "FP4"}
-BLOCK_BYTES = {Q4_0: (32, 18), Q4_1: (32, 20), Q5_0: (32, 22), Q5_1: (32, 24), Q8_0: (32, 34), Q4_K: (256, 144),
+BLOCK_BYTES = {Q4_0: (32, 18), Q4_1: (32, 20), Q5_0: (32, 22), Q5_1: (32, 24), Q8_0: (32, 34), Q2_K: (256, 84),
+               Q3_K: (256, 110), Q4_K: (256, 144),
                Q5_K: (256, 176), Q6_K: (256, 210), IQ4_NL: (32, 18), IQ4_XS: (256, 136), NF4: (32, 18),
                FP4: (32, 18)}
 """Each format the kernels run: (weights, bytes) of one block in the file."""
-PACKED_BYTES = {Q4_K: 148, Q5_K: 180, IQ4_XS: 138}
+PACKED_BYTES = {Q2_K: 272, Q3_K: 210, Q4_K: 148, Q5_K: 180, IQ4_XS: 138}
 """Bytes of one block in the kernels' layout, where it differs from the file (the 6-bit
-scales of Q4_K, Q5_K and IQ4_XS unpacked to a byte each)."""
+scales of Q4_K, Q5_K and IQ4_XS unpacked to a byte each; Q2_K and Q3_K rewritten)."""
+REWRITTEN = {Q2_K: Q8_0, Q3_K: Q6_K}
+"""Formats the kernels run as another one, rewritten at load: Q3_K as Q6_K exactly
+(``q3k_as_q6k``), Q2_K as Q8_0 (``q2k_as_q8_0``)."""
 ISAS = {"auto": 0, "scalar": 1, "avx2": 2, "vnni": 3}
 ISA_NAMES = {v: k for k, v in ISAS.items()}
 
@@ -69,8 +75,8 @@ def best_isa() -> str:
 def unsupported_reason(ggml_type: int, k: int) -> str | None:
     """Why the kernels cannot run a weight of this format and row length (None: they can)."""
     if ggml_type not in BLOCK_BYTES:
-        return (f"ggml type {ggml_type} has no native kernel (those run: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, "
-                "Q6_K, IQ4_NL, IQ4_XS, and bitsandbytes NF4/FP4)")
+        return (f"ggml type {ggml_type} has no native kernel (those run: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q3_K, Q4_K, "
+                "Q5_K, Q6_K, IQ4_NL, IQ4_XS, and bitsandbytes NF4/FP4)")
     size = BLOCK_BYTES[ggml_type][0]
     if k % size:
         return f"rows of {k} weights are not whole {size}-weight blocks"
@@ -111,6 +117,9 @@ def repack(rows: torch.Tensor | np.ndarray | list[np.ndarray], ggml_type: int, k
             why = f"rows must be uint8 [n, {want}], got {p.dtype} {tuple(p.shape)}"
     if why is not None:
         raise ValueError(f"gguf repack: {why}")
+    if ggml_type in REWRITTEN:
+        rewrite = q3k_as_q6k if ggml_type == Q3_K else q2k_as_q8_0
+        parts, ggml_type = [rewrite(p) for p in parts], REWRITTEN[ggml_type]
     n = sum(p.shape[0] for p in parts)
     out = torch.empty(-(-n // ROWS) * ROWS * row_bytes(ggml_type, k, packed=True), dtype=torch.uint8)
     first = 0
@@ -119,6 +128,42 @@ def repack(rows: torch.Tensor | np.ndarray | list[np.ndarray], ggml_type: int, k
         lib.qp_gguf_repack(ggml_type, src.ctypes.data, src.shape[0], k, out.data_ptr(), first, num_threads())
         first += src.shape[0]
     return PackedWeight(out, ggml_type, n, k)
+
+
+def q2k_as_q8_0(rows: np.ndarray) -> np.ndarray:
+    """Q2_K rows uint8 [n, k / 256 * 84] -> Q8_0 rows [n, k / 32 * 34] by llama.cpp's Q8_0
+    quantizer (the ``gguf`` package's) on their exact dequantization. Q2_K's w = d sc q - dmin m
+    per 16 weights has a per-16 offset no other kernel format holds; Q8_0 moves each weight by
+    about 1/254 of its 32-block's largest magnitude at most (plus the fp16 rounding of the
+    block's scale), about 1% of one Q2_K step."""
+    w = dequantize(np.ascontiguousarray(rows), GGMLQuantizationType.Q2_K)
+    return quantize(w.astype(np.float32), GGMLQuantizationType.Q8_0)
+
+
+def q3k_as_q6k(rows: np.ndarray) -> np.ndarray:
+    """Q3_K rows uint8 [n, k / 256 * 110] -> the same weights as Q6_K rows [n, k / 256 * 210],
+    exactly. Q3_K per 256 weights: 32 B of high bits, 64 B of 2-bit codes, 12 B of 6-bit
+    scales (stored + 32), fp16 d; w = d (s - 32) (q2 - 4 (1 - h)) per 16 weights. That is
+    Q6_K's w = d sc (q6 - 32) with sc = s - 32 and q6 = q2 - 4 (1 - h) + 32, in 28..35."""
+    n = rows.shape[0]
+    b = np.ascontiguousarray(rows).reshape(-1, 110)
+    hmask, qs, sc, d = b[:, :32], b[:, 32:96], b[:, 96:108], b[:, 108:110]
+    i = np.arange(256)
+    r = i % 128
+    q2 = (qs[:, 32 * (i // 128) + r % 32] >> (2 * (r // 32))) & 3
+    h = (hmask[:, i % 32] >> (i // 32)) & 1
+    q6 = (q2.astype(np.int16) - 4 * (1 - h.astype(np.int16)) + 32).astype(np.uint8)
+    j = np.arange(16)
+    s6 = ((sc[:, j % 8] >> (4 * (j // 8))) & 15) | (((sc[:, 8 + j % 4] >> (2 * (j // 4))) & 3) << 4)
+    out = np.empty((b.shape[0], 210), dtype=np.uint8)
+    for half in range(2):
+        q = q6[:, 128 * half : 128 * half + 128]
+        out[:, 64 * half : 64 * half + 64] = (q[:, :64] & 15) | ((q[:, 64:] & 15) << 4)
+        hi = (q >> 4).reshape(-1, 4, 32)
+        out[:, 128 + 32 * half : 160 + 32 * half] = hi[:, 0] | (hi[:, 1] << 2) | (hi[:, 2] << 4) | (hi[:, 3] << 6)
+    out[:, 192:208] = (s6.astype(np.int16) - 32).astype(np.int8).view(np.uint8)
+    out[:, 208:210] = d
+    return out.reshape(n, -1)
 
 
 @dataclass
