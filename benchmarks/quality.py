@@ -187,7 +187,7 @@ def main() -> None:
             continue
         print(f"{r['scheme']:<32} {r['perplexity']:>11.4f} {100 * (r['perplexity'] / base - 1):>+7.2f}% "
               f"{r['size_bytes'] / 1e6:>8.1f} {r.get('quantize_seconds', 0):>7.0f} "
-              f"{r['perplexity_dequantized'] if 'perplexity_dequantized' in r else '':>11}")
+              f"{r.get('perplexity_dequantized', ''):>11}")
     print(f"wrote {path}")
 
 
