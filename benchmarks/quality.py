@@ -122,6 +122,20 @@ def run_peers(args: argparse.Namespace, src: Path, work: Path, ppl: Any, base: f
     return rows
 
 
+def print_table(args: argparse.Namespace, rows: list[dict[str, Any]], windows: int) -> None:
+    base = rows[0]["perplexity"]
+    print(f"\ncalibration {args.samples} x {args.seq_len} (valid.txt); perplexity on {windows} x {args.seq_len} "
+          "(test.txt)")
+    print(f"{'scheme':<32} {'perplexity':>11} {'vs fp32':>8} {'size MB':>8} {'time s':>7} {'dequantized':>11}")
+    for r in rows:
+        if "perplexity" not in r:
+            print(f"{r['scheme']:<32} failed")
+            continue
+        print(f"{r['scheme']:<32} {r['perplexity']:>11.4f} {100 * (r['perplexity'] / base - 1):>+7.2f}% "
+              f"{r['size_bytes'] / 1e6:>8.1f} {r.get('quantize_seconds', 0):>7.0f} "
+              f"{r.get('perplexity_dequantized', ''):>11}")
+
+
 def main() -> None:
     args = parse_args()
     from transformers import AutoTokenizer
@@ -177,17 +191,7 @@ def main() -> None:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     path = save(args, rows, len(test))
-    base = rows[0]["perplexity"]
-    print(f"\ncalibration {args.samples} x {args.seq_len} (valid.txt); perplexity on {len(test)} x {args.seq_len} "
-          "(test.txt)")
-    print(f"{'scheme':<32} {'perplexity':>11} {'vs fp32':>8} {'size MB':>8} {'time s':>7} {'dequantized':>11}")
-    for r in rows:
-        if "perplexity" not in r:
-            print(f"{r['scheme']:<32} failed")
-            continue
-        print(f"{r['scheme']:<32} {r['perplexity']:>11.4f} {100 * (r['perplexity'] / base - 1):>+7.2f}% "
-              f"{r['size_bytes'] / 1e6:>8.1f} {r.get('quantize_seconds', 0):>7.0f} "
-              f"{r.get('perplexity_dequantized', ''):>11}")
+    print_table(args, rows, len(test))
     print(f"wrote {path}")
 
 

@@ -147,8 +147,8 @@ class LLMEngine:
         if dequantized and self.config.model.dequantize_weights:
             note += " - dequantized on request (dequantize_weights); the packed kernels hold a fraction of this"
         elif dequantized and isinstance(mods[0], BlockLinear):
-            note += (f" - {dequantized} layers hold dequantized copies: their formats have no block kernel here "
-                     "(GGUF IQ1-IQ3 and TQ types; bitsandbytes off CPU) or their rows are not whole blocks")
+            note += (f" - {dequantized} layers hold dequantized copies: no packed kernel runs their formats on this "
+                     "device (the 'qpage' logger says why at DEBUG level)")
         elif dequantized:
             note += (f" - {dequantized} layers dequantized: no packed kernel runs them (the 'qpage' logger says "
                      "why at DEBUG level)")

@@ -13,7 +13,7 @@ nested_quant_map[a] * nested_absmax[block // nested_blocksize] + nested_offset.
 
 At load a linear becomes a ``Bnb4Tensor``: the CPU kernels' NF4/FP4 blocks (an fp16
 d = absmax / c per 32 weights, the codebook times c rounded, ``KERNEL_SCALE``; a weight moves
-by at most 0.004 of its block's absmax), with the exact absmax kept for ``dequantize``, the
+by about 0.004 of its block's absmax at most), with the exact absmax kept for ``dequantize``, the
 reference. When blocks cannot hold it (a block across two rows, a codebook that is not
 bitsandbytes' own, a scale outside fp16's normal range) the linear is dequantized in fp32 and
 the reason logged. The writer stores NF4 with fp32 absmax per 64 weights (no nesting).
@@ -47,7 +47,7 @@ CODEBOOKS = {
 KERNEL_TYPES = {"nf4": NF4, "fp4": FP4}
 KERNEL_SCALE = {"nf4": 112.0, "fp4": 120.0}
 """The kernels hold round(codebook * c) as int8 and d = absmax / c; these c round each codebook
-with the least error (FP4's exactly but for its 0.0052)."""
+with the least mean squared error (FP4's exactly but for its 0.0052)."""
 BLOCKSIZE = 64
 """The block the writer uses (bitsandbytes' default for 4-bit)."""
 _PART = re.compile(r"^(.+)\.(weight\.(?:absmax|quant_map|nested_absmax|nested_quant_map|"
@@ -121,7 +121,16 @@ class Bnb4Tensor(GgufTensor):
 def check_linear(prefix: str, parts: dict[str, torch.Tensor], cfg: BnbConfig, in_f: int, out_f: int,
                  file: str) -> Bnb4Tensor | torch.Tensor:
     """One linear's tensors, validated: as kernel blocks, or (with the reason logged) its fp32
-    weight [out, in] when blocks cannot hold it."""
+    weight [out, in] when blocks cannot hold it. A linear bitsandbytes left unquantized
+    (``llm_int8_skip_modules``) is its float weight alone."""
+    w = parts.get("weight")
+    if len(parts) == 1 and w is not None and w.is_floating_point() and tuple(w.shape) == (out_f, in_f):
+        return w.float()
+    missing = [f"{prefix}.{k}" for k in ("weight", "weight.absmax", "weight.quant_map",
+                                         f"weight.quant_state.bitsandbytes__{cfg.quant_type}") if k not in parts]
+    if missing:
+        raise ValueError(f"{file}: the bitsandbytes linear {prefix} lacks {', '.join(missing)}; the checkpoint is "
+                         "incomplete (or its quant_type is not the config's)")
     state = _state(prefix, parts, cfg, file)
     bs = state.get("blocksize")
     if list(state.get("shape") or []) != [out_f, in_f]:
@@ -137,6 +146,8 @@ def check_linear(prefix: str, parts: dict[str, torch.Tensor], cfg: BnbConfig, in
     if codebook.size != 16:
         raise ValueError(f"{file}: {prefix}.weight.quant_map has {codebook.size} values, not 16")
     absmax = _absmax(prefix, parts, state, -(-out_f * in_f // bs), file)
+    if not np.isfinite(absmax).all():
+        raise ValueError(f"{file}: {prefix}.weight.absmax has values that are not finite; the checkpoint is damaged")
     packed = w.numpy().reshape(-1)
     why = _blocks_reason(cfg, codebook, absmax, bs, in_f)
     if why is None:
@@ -147,7 +158,7 @@ def check_linear(prefix: str, parts: dict[str, torch.Tensor], cfg: BnbConfig, in
         rows = block_rows(codes, absmax / np.float32(KERNEL_SCALE[cfg.quant_type]), bs)
         if rows is not None:
             return Bnb4Tensor(rows, KERNEL_TYPES[cfg.quant_type], (out_f, in_f), prefix, absmax, codebook)
-        why = "a block scale is outside fp16's normal range"
+        why = "a block scale is beyond fp16's range"
     logger.info("%s: bitsandbytes weight dequantized to fp32 (%s)", prefix, why)
     codes = np.stack([packed >> 4, packed & 15], axis=1).reshape(-1)
     return torch.from_numpy(codebook[codes] * np.repeat(absmax, bs)[: codes.size]).reshape(out_f, in_f)
@@ -159,7 +170,7 @@ def _absmax(prefix: str, parts: dict[str, torch.Tensor], state: dict[str, Any], 
     a = parts["weight.absmax"]
     if a.numel() != blocks:
         raise ValueError(f"{file}: {prefix}.weight.absmax has {a.numel()} values, expected {blocks}")
-    if "nested_absmax" not in state and "nested_blocksize" not in state:
+    if "nested_blocksize" not in state:
         if a.dtype != torch.float32:
             raise ValueError(f"{file}: {prefix}.weight.absmax is {a.dtype}; without nesting it is fp32")
         return a.numpy().reshape(-1)
@@ -183,20 +194,20 @@ def _blocks_reason(cfg: BnbConfig, codebook: np.ndarray, absmax: np.ndarray, bs:
         return f"blocks of {bs} weights do not tile rows of {in_f} in whole 32-weight blocks"
     if not np.allclose(codebook, CODEBOOKS[cfg.quant_type], rtol=0, atol=1e-6):
         return f"its quant_map is not bitsandbytes' {cfg.quant_type.upper()} codebook"
-    if not np.isfinite(absmax).all():
-        return "a block's absmax is not finite"
     return None
 
 
 def block_rows(codes: np.ndarray, scale: np.ndarray, bs: int) -> np.ndarray | None:
     """uint8 [out, in / 32 * 18] NF4/FP4 kernel rows from codes uint8 [out, in] and the scale d
-    per block [out, in / bs], or None when a scale does not fit fp16."""
+    per block [out, in / bs], or None when a scale does not fit fp16: when its rounding moves
+    it by over 2^-10 of the tensor's largest scale (overflow; tiny scales may go subnormal,
+    which moves their weights by far less than the tensor's quantization steps)."""
     out_f, in_f = codes.shape
     nb = in_f // 32
     d = np.repeat(scale, bs // 32, axis=1)
-    d16 = d.astype(np.float16)
     with np.errstate(over="ignore"):
-        if (np.abs(d16.astype(np.float32) - d) > np.abs(d) * 2.0**-10).any():
+        d16 = d.astype(np.float16)
+        if (np.abs(d16.astype(np.float32) - d) > float(np.abs(d).max(initial=0.0)) * 2.0**-10).any():
             return None
     halves = codes.reshape(out_f, nb, 2, 16)
     rows = np.empty((out_f, nb, 18), dtype=np.uint8)

@@ -12,7 +12,7 @@ some columns at a time and multiplies with cuBLAS (the file's layouts, read here
   w = d sc q - dmin mn.
 - Q6_K, per 256 (210 B): 128 B of low nibbles, 64 B of high 2-bit pairs, 16 int8 scales (one
   per 16 weights), fp16 d; w = d sc (q - 32).
-Correct under the interpreter against the ``gguf`` package's dequantization; untuned.
+Tests run them under Triton's interpreter against the ``gguf`` package's dequantization.
 """
 
 from __future__ import annotations
@@ -56,19 +56,25 @@ class GptqWeight:
         return int_matmul(x, self.qweight, self.scales, None, None, bits=self.bits, group_size=32)
 
 
-def to_gptq(rows: np.ndarray, ggml_type: int, k: int, device: torch.device) -> GptqWeight:
-    """File rows uint8 [n, k / 32 * block bytes] of Q4_0 or Q8_0 -> the GPTQ layout (exact)."""
-    n = rows.shape[0]
-    blocks = rows.reshape(n, k // 32, -1)
-    d = np.ascontiguousarray(blocks[:, :, :2]).view(np.float16).reshape(n, k // 32)
-    if ggml_type == Q4_0:
-        qs = blocks[:, :, 2:18]
-        q = np.concatenate([qs & 15, qs >> 4], axis=2).reshape(n, k)  # already offset by 8
-    else:
-        q = (np.ascontiguousarray(blocks[:, :, 2:34]).view(np.int8).astype(np.int16) + 128).reshape(n, k)
-    bits = GPTQ_TYPES[ggml_type]
-    qweight = pack_rows(torch.from_numpy(q.astype(np.int32)).t(), bits).to(device)
-    return GptqWeight(qweight, torch.from_numpy(d.copy()).t().contiguous().to(device), bits)
+def to_gptq(rows: np.ndarray, ggml_type: int, k: int, device: torch.device, step: int = 0) -> GptqWeight:
+    """File rows uint8 [n, k / 32 * block bytes] of Q4_0 or Q8_0 -> the GPTQ layout (exact),
+    ``step`` rows at a time (default: about 2^22 weights, so the packing's int64 temporaries
+    stay small)."""
+    n, bits = rows.shape[0], GPTQ_TYPES[ggml_type]
+    step = step or max(1, (1 << 22) // k)
+    qweight = torch.empty(k * bits // 32, n, dtype=torch.int32)
+    scales = torch.empty(k // 32, n, dtype=torch.float16)
+    for r0 in range(0, n, step):
+        blocks = np.ascontiguousarray(rows[r0 : r0 + step]).reshape(-1, k // 32, rows.shape[1] // (k // 32))
+        m = blocks.shape[0]
+        scales[:, r0 : r0 + m] = torch.from_numpy(blocks[:, :, :2].copy().view(np.float16).reshape(m, k // 32)).t()
+        if ggml_type == Q4_0:
+            qs = blocks[:, :, 2:18]
+            q = np.concatenate([qs & 15, qs >> 4], axis=2).reshape(m, k)  # already offset by 8
+        else:
+            q = (blocks[:, :, 2:34].copy().view(np.int8).astype(np.int16) + 128).reshape(m, k)
+        qweight[:, r0 : r0 + m] = pack_rows(torch.from_numpy(q.astype(np.int32)).t(), bits)
+    return GptqWeight(qweight.to(device), scales.to(device), bits)
 
 
 @triton.jit

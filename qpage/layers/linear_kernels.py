@@ -245,10 +245,12 @@ class TritonBlocks:
         if why is not None:
             return why
         for t in spec.ggml_types:
+            if t in native_gguf.NAMES:
+                return f"bitsandbytes {native_gguf.NAMES[t]} runs packed on CPU only; on CUDA it is dequantized once"
             if t not in FLOAT_TYPES and t != BF16:
                 why = block_matmul.unsupported_reason(t, spec.in_features)
                 if why is not None:
-                    return f"{native_gguf.NAMES.get(t) or type_name(t)}: {why}"
+                    return f"{type_name(t)}: {why}"
         return None
 
     def build(self, layer: Any, spec: LinearSpec) -> Built:

@@ -1,6 +1,7 @@
 """NF4 weight quantization as bitsandbytes does it: W [out, in] flattened row-major in blocks
 of 64, each block's largest magnitude (absmax) scales it into [-1, 1], and each weight takes
-the nearest of the 16 NF4 values (``formats.bnb.CODEBOOKS``). No calibration."""
+the nearest of the 16 NF4 values (``formats.bnb.CODEBOOKS``; a weight exactly between two
+goes to the upper one). No calibration."""
 
 from __future__ import annotations
 

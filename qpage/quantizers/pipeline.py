@@ -191,12 +191,7 @@ def quantize_checkpoint(src: Path, out: Path, scheme: QuantScheme, shard_bytes: 
             bar.close()
         writer.finish()
         shutil.rmtree(tmp / ".calibration", ignore_errors=True)
-        config["quantization_config"] = {
-            "compressed-tensors": lambda: (fp8_format.quantization_config(scheme.block) if scheme.is_fp8
-                                           else ct_format.quantization_config(scheme)),
-            "awq": lambda: awq_format.quantization_config(scheme), "gptq": lambda: quantization_config(scheme),
-            "bitsandbytes": bnb_format.quantization_config,
-        }[fmt]()
+        config["quantization_config"] = _quantization_config(scheme, fmt)
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         for f in src.iterdir():  # tokenizer, generation config, chat template
             if f.is_file() and f.name != "config.json" and f.suffix not in (".safetensors", ".bin", ".pt") \
@@ -208,6 +203,17 @@ def quantize_checkpoint(src: Path, out: Path, scheme: QuantScheme, shard_bytes: 
         raise
     return QuantizeReport(out, f"{scheme.describe()} ({fmt} format)", done, time.perf_counter() - t0, _size(files),
                           _size(list(out.glob("*.safetensors"))), _peak_rss())
+
+
+def _quantization_config(scheme: QuantScheme, fmt: str) -> dict[str, Any]:
+    """The ``quantization_config`` written to config.json for ``scheme`` in format ``fmt``."""
+    if fmt == "compressed-tensors":
+        return fp8_format.quantization_config(scheme.block) if scheme.is_fp8 else ct_format.quantization_config(scheme)
+    if fmt == "awq":
+        return awq_format.quantization_config(scheme)
+    if fmt == "bitsandbytes":
+        return bnb_format.quantization_config()
+    return quantization_config(scheme)
 
 
 def _calibrate(src: Path, scheme: QuantScheme, calib: list[list[int]] | None, progress: bool, spill: Path

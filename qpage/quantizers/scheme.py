@@ -63,8 +63,9 @@ class QuantScheme:
         if name not in SCHEMES:
             raise ValueError(f"scheme {name!r} is not supported yet; choose one of {', '.join(SCHEMES)}")
         if name == "nf4":
-            if act_order:
-                raise ValueError("nf4 has no act-order; drop --act-order")
+            if act_order or static_groups or not sym:
+                raise ValueError("nf4 is symmetric, with no act-order or static groups; drop --act-order, "
+                                 "--static-groups and --no-sym")
             return cls(bits=4, group_size=64, sym=True, method="nf4")
         if name.startswith("fp8"):
             if act_order:

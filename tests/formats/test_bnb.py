@@ -31,7 +31,11 @@ from qpage.formats.detect import linear_config
 from qpage.quantizers.nf4 import quantize_nf4
 from tests.helpers import RunnerHarness
 
-bnb_f = pytest.importorskip("bitsandbytes.functional")
+try:
+    import bitsandbytes.functional as bnb_f
+except ImportError:  # the peer is installed by scripts/install_peers.sh (the test command runs it)
+    bnb_f = None
+needs_bnb = pytest.mark.skipif(bnb_f is None, reason="bitsandbytes is not installed")
 
 PROMPT = ("The quick brown fox jumps over the lazy dog. In 1905, Albert Einstein published four papers that "
           "changed physics. The first")
@@ -87,10 +91,13 @@ def dense_reference_logits(src: Path, path: Path, ids: list[int]) -> torch.Tenso
         return m(torch.tensor([ids])).logits[0].float()
 
 
-def qpage_logits(path: Path, ids: list[int], dequantize: bool) -> tuple[torch.Tensor, set[str]]:
+def qpage_logits(path: Path, ids: list[int], dequantize: bool) -> tuple[torch.Tensor, set[str], float]:
+    """Logits, the linears' kernel paths, and their weights' bytes per weight."""
     h = RunnerHarness(path, dequantize_weights=dequantize)
     logits = h.step([(h.request("a", ids), len(ids))])["a"].float()
-    return logits, {m.kernel_path for m in h.model.quant_linears()}
+    linears = h.model.quant_linears()
+    per_weight = sum(m.weight_bytes for m in linears) / sum(m.in_features * m.out_features for m in linears)
+    return logits, {m.kernel_path for m in linears}, per_weight
 
 
 def kl_mean(ref: torch.Tensor, got: torch.Tensor) -> float:
@@ -99,6 +106,7 @@ def kl_mean(ref: torch.Tensor, got: torch.Tensor) -> float:
 
 
 @pytest.mark.slow
+@needs_bnb
 @pytest.mark.parametrize("kind", KINDS)
 def test_weights_equal_bitsandbytes_dequantization(checkpoints: dict[str, Path], kind: str) -> None:
     path = checkpoints[kind]
@@ -114,21 +122,24 @@ def test_weights_equal_bitsandbytes_dequantization(checkpoints: dict[str, Path],
 
 
 @pytest.mark.slow
+@needs_bnb
 @pytest.mark.parametrize("kind", KINDS)
 def test_checkpoint_runs_packed_and_dequantized(checkpoints: dict[str, Path], default_model_dir: Path,
                                                 tokenizer: Any, kind: str) -> None:
     ids = tokenizer(PROMPT)["input_ids"]
     ref = dense_reference_logits(default_model_dir, checkpoints[kind], ids)
-    exact, paths = qpage_logits(checkpoints[kind], ids, dequantize=True)
+    exact, paths, _ = qpage_logits(checkpoints[kind], ids, dequantize=True)
     assert paths == {"cpu-dequantized"}
     assert float((exact - ref).abs().max()) < 1e-3
-    packed, paths = qpage_logits(checkpoints[kind], ids, dequantize=False)
+    packed, paths, per_weight = qpage_logits(checkpoints[kind], ids, dequantize=False)
     assert paths == {"cpu-blocks"}
+    assert per_weight < 0.57  # 18 bytes per 32 weights (and rows padded to 16): no layer held in fp32
     assert kl_mean(ref, packed) < KL_MAX[KINDS[kind][0]]
     assert float((packed.argmax(-1) == ref.argmax(-1)).float().mean()) >= 0.9
 
 
 @pytest.mark.slow
+@needs_bnb
 def test_qpage_nf4_checkpoint_reads_in_transformers(default_model_dir: Path, tmp_path: Path, tokenizer: Any) -> None:
     """``qpage quantize --scheme nf4`` writes what transformers + bitsandbytes load, holding
     the codes and absmax bitsandbytes' own quantizer gives the original weights."""
@@ -147,12 +158,13 @@ def test_qpage_nf4_checkpoint_reads_in_transformers(default_model_dir: Path, tmp
     ids = tokenizer(PROMPT)["input_ids"]
     with torch.no_grad():
         theirs = m(torch.tensor([ids])).logits[0].float()
-    ours, _ = qpage_logits(out, ids, dequantize=True)
+    ours, _, _ = qpage_logits(out, ids, dequantize=True)
     # transformers' 4-bit CPU matmul is not exact fp32 (see the module note): held to the
     # distributions, not the logits.
     assert kl_mean(ours, theirs) < 2e-3
 
 
+@needs_bnb
 @pytest.mark.parametrize("shape", [(48, 128), (3, 100)])  # the second ends in a partial block
 def test_nf4_quantizer_matches_bitsandbytes(shape: tuple[int, int]) -> None:
     w = torch.randn(shape, generator=torch.Generator().manual_seed(0)) * 0.05
@@ -185,8 +197,25 @@ def test_blocks_hold_nf4_and_fall_back_with_a_reason(caplog: pytest.LogCaptureFi
         dense = bnb.check_linear("p", _parts(w, odd), cfg, 128, 32, "f")
     assert isinstance(dense, torch.Tensor) and "not bitsandbytes' NF4 codebook" in caplog.text
     assert torch.allclose(dense, exact * 0.9, rtol=1e-6, atol=0)
-    narrow = bnb.check_linear("p", _parts(torch.randn(16, 96)), cfg, 96, 16, "f")  # 64-blocks across rows
-    assert isinstance(narrow, torch.Tensor)
+    w = torch.randn(16, 96, generator=torch.Generator().manual_seed(2))
+    narrow = bnb.check_linear("p", _parts(w), cfg, 96, 16, "f")  # 64-weight blocks across rows: held dense
+    codes, absmax = quantize_nf4(w)
+    flat = torch.from_numpy(bnb.CODEBOOKS["nf4"])[codes.long()].reshape(-1) * absmax.repeat_interleave(64)[: 16 * 96]
+    assert isinstance(narrow, torch.Tensor) and torch.equal(narrow, flat.view(16, 96))
+    skipped = torch.randn(32, 128)  # a linear bitsandbytes left unquantized: its float weight alone
+    assert torch.equal(bnb.check_linear("p", {"weight": skipped}, cfg, 128, 32, "f"), skipped)
+
+
+@needs_bnb
+def test_nested_absmax_decodes_as_bitsandbytes() -> None:
+    """Double-quantized absmax (uint8 codes, a 256-value map and a scale per 256 blocks, plus
+    the offset) as bitsandbytes writes and decodes it."""
+    w = torch.randn(64, 512, generator=torch.Generator().manual_seed(3)) * 0.05
+    q, state = bnb_f.quantize_4bit(w, blocksize=64, quant_type="nf4", compress_statistics=True)
+    parts = {"weight": q, **{f"weight.{k}": v for k, v in state.as_dict(packed=True).items()}}
+    t = bnb.check_linear("p", parts, bnb.BnbConfig("nf4", True), 512, 64, "f")
+    assert isinstance(t, bnb.Bnb4Tensor)
+    assert torch.equal(t.dequantize(), bnb_f.dequantize_4bit(q, state))
 
 
 def test_bad_checkpoints_are_named() -> None:
@@ -201,6 +230,14 @@ def test_bad_checkpoints_are_named() -> None:
     parts = _parts(w)
     parts["weight.absmax"] = parts["weight.absmax"][:-1]
     with pytest.raises(ValueError, match=r"p\.weight\.absmax has 63 values, expected 64"):
+        bnb.check_linear("p", parts, cfg, 128, 32, "f")
+    parts = _parts(w)
+    del parts["weight.quant_map"]
+    with pytest.raises(ValueError, match=r"linear p lacks p\.weight\.quant_map"):
+        bnb.check_linear("p", parts, cfg, 128, 32, "f")
+    parts = _parts(w)
+    parts["weight.absmax"] = parts["weight.absmax"] * float("nan")
+    with pytest.raises(ValueError, match="not finite; the checkpoint is damaged"):
         bnb.check_linear("p", parts, cfg, 128, 32, "f")
     parts = _parts(w)
     parts["weight.quant_state.bitsandbytes__nf4"] = torch.tensor([1, 2, 3], dtype=torch.uint8)

@@ -10,10 +10,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from qpage.formats.gguf_model import GgufConfig, GgufTensor
 from qpage.kernels import block_matmul as bm
 from qpage.kernels.triton_utils import HAS_TRITON, INTERPRET
+from qpage.layers.block_linear import BlockLinear
+from qpage.layers.linear_kernels import TritonBlocks
 from tests.kernels.conftest import rel_err
-from tests.kernels.test_cpu_gguf import quantized_weight
+from tests.kernels.gguf_weights import quantized_weight
 
 pytestmark = pytest.mark.skipif(not (HAS_TRITON and INTERPRET), reason="needs Triton's interpreter")
 
@@ -45,6 +48,8 @@ def test_gptq_form_runs_on_the_int_kernels(name: str) -> None:
     x = torch.randn(2, k, generator=torch.Generator().manual_seed(1))
     mm = bm.to_gptq(rows, getattr(bm, name), k, CPU)
     assert rel_err(mm(x), x.double() @ w.double().t()) < 1e-5
+    chunked = bm.to_gptq(rows, getattr(bm, name), k, CPU, step=7)  # rows packed 7 at a time
+    assert torch.equal(chunked.qweight, mm.qweight) and torch.equal(chunked.scales, mm.scales)
 
 
 def test_unsupported_formats_are_named() -> None:
@@ -56,10 +61,6 @@ def test_unsupported_formats_are_named() -> None:
 def test_fused_projection_of_mixed_parts() -> None:
     """A fused linear whose parts are Q4_0 (GPTQ form), Q4_K (decoded) and fp32: each part's
     output in its columns; on a CPU tensor the selector itself passes it over, by name."""
-    from qpage.formats.gguf_model import GgufConfig, GgufTensor
-    from qpage.layers.block_linear import BlockLinear
-    from qpage.layers.linear_kernels import TritonBlocks
-
     k, parts = 256, [("Q4_0", 48), ("Q4_K", 16), ("F32", 8)]
     layer = BlockLinear(k, sum(n for _, n in parts), False, GgufConfig())
     offset = 0

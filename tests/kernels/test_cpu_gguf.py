@@ -20,22 +20,14 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 
-from qpage.formats import bnb  # noqa: E402
 from qpage.kernels.cpu import native as cpu_native  # noqa: E402
 from qpage.kernels.cpu import native_gguf as ng  # noqa: E402
 from tests.kernels.conftest import rel_err  # noqa: E402
+from tests.kernels.gguf_weights import RANDOM, TYPES, quantized_weight  # noqa: E402
 
 if cpu_native.no_compiler_or_disabled():  # pragma: no cover
     pytest.skip(f"native CPU kernels unavailable: {cpu_native.unavailable_reason()}", allow_module_level=True)
 
-TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q2_K": 10, "Q3_K": 11, "Q4_K": 12, "Q5_K": 13,
-         "Q6_K": 14, "IQ4_NL": 20, "IQ4_XS": 23, "NF4": ng.NF4, "FP4": ng.FP4}
-RANDOM = {"Q2_K": (256, 84, (80, 82)), "Q3_K": (256, 110, (108,)), "Q4_K": (256, 144, (0, 2)),
-          "Q5_K": (256, 176, (0, 2)), "Q6_K": (256, 210, (208,)), "IQ4_NL": (32, 18, (0,)), "IQ4_XS": (256, 136, (0,))}
-"""Formats ``gguf`` cannot quantize, made as random blocks: weights and bytes per block, and
-where the block's fp16 scales sit (d, then dmin)."""
-DMIN = {"Q2_K": 1.5, "Q4_K": 7.5, "Q5_K": 15.5}
-"""dmin / d that centres a K-quant's random weights on 0 (the mean code), as real blocks are."""
 K_QUANTS = {name for name, (size, _, _) in RANDOM.items() if size == 256}
 ISAS = ("scalar", "avx2", "vnni")
 # (m, n, k): decode rows, a 4- or 8-row call plus a remainder, rows not a multiple of 16 (a
@@ -52,39 +44,6 @@ TOL, TOL_FP32 = 1e-5, 1e-2
 def isa_or_skip(isa: str) -> None:
     if not ng.isa_supported(isa):
         pytest.skip(f"this CPU has no {isa} path")
-
-
-def quantized_weight(name: str, n: int, k: int, seed: int) -> tuple[np.ndarray, torch.Tensor]:
-    """(file rows uint8 [n, row bytes], their fp32 dequantization [n, k])."""
-    rng = np.random.default_rng(seed)
-    if name in ("NF4", "FP4"):
-        return bnb_weight(name.lower(), n, k, rng)
-    qt = gguf.GGMLQuantizationType[name]
-    if name in RANDOM:
-        size, nbytes, scales = RANDOM[name]
-        raw = rng.integers(0, 256, (n, k // size, nbytes), dtype=np.uint8)
-        d = rng.random((n, k // size)) * 0.01 + 0.001
-        for i, at in enumerate(scales):
-            raw[..., at : at + 2] = (d * (1, DMIN.get(name, 0))[i]).astype(np.float16).view(np.uint8).reshape(
-                n, k // size, 2)
-        rows = raw.reshape(n, -1)
-    else:
-        rows = gguf.quants.quantize(rng.standard_normal((n, k)).astype(np.float32), qt)
-    if name == "Q2_K":  # the kernels hold it rewritten as Q8_0 (test_q2k_rewrite_error bounds the change)
-        return rows, torch.from_numpy(gguf.quants.dequantize(ng.q2k_as_q8_0(rows), gguf.GGMLQuantizationType.Q8_0))
-    return rows, torch.from_numpy(gguf.quants.dequantize(rows, qt).astype(np.float32))
-
-
-def bnb_weight(quant_type: str, n: int, k: int, rng: np.random.Generator) -> tuple[np.ndarray, torch.Tensor]:
-    """Random bitsandbytes codes and absmax per 64 weights as the loader writes them, and the
-    weight the kernels hold: d = fp16(absmax / c) times round(codebook * c)."""
-    codes = rng.integers(0, 16, (n, k), dtype=np.uint8)
-    absmax = (rng.random((n, k // 64)) * 1.2 + 0.14).astype(np.float32)
-    c = bnb.KERNEL_SCALE[quant_type]
-    rows = bnb.block_rows(codes, absmax / np.float32(c), 64)
-    assert rows is not None
-    d = np.repeat((absmax / np.float32(c)).astype(np.float16).astype(np.float64), 64, axis=1)
-    return rows, torch.from_numpy(d * np.round(bnb.CODEBOOKS[quant_type].astype(np.float64) * c)[codes]).float()
 
 
 def activations(m: int, k: int, seed: int) -> torch.Tensor:
@@ -205,12 +164,18 @@ def test_pieces_of_mixed_formats_fill_their_columns() -> None:
         ng.PiecewiseMatmul(pieces[:1] + pieces[2:], k, c0)
 
 
-def test_rewritten_formats() -> None:
+def test_rewritten_formats(monkeypatch: pytest.MonkeyPatch) -> None:
     """Q3_K runs as Q6_K with the same weights bit for bit; Q2_K as Q8_0, each weight within
-    1/254 of its 32-block's largest magnitude plus the fp16 rounding of the block's scale."""
+    1/254 of its 32-block's largest magnitude plus the fp16 rounding of the block's scale.
+    Rewrites go a few rows at a time: the same bytes as all at once."""
     rows, _ = quantized_weight("Q3_K", 24, 512, seed=6)
     exact = gguf.quants.dequantize(rows, gguf.GGMLQuantizationType.Q3_K)
-    assert np.array_equal(gguf.quants.dequantize(ng.q3k_as_q6k(rows), gguf.GGMLQuantizationType.Q6_K), exact)
+    whole = ng.q3k_as_q6k(rows)
+    assert np.array_equal(gguf.quants.dequantize(whole, gguf.GGMLQuantizationType.Q6_K), exact)
+    q2_rows, _ = quantized_weight("Q2_K", 24, 512, seed=7)
+    q2_whole = ng.q2k_as_q8_0(q2_rows)
+    monkeypatch.setattr(ng, "REWRITE_CHUNK", 5 * 512)  # 5 rows a chunk
+    assert np.array_equal(ng.q3k_as_q6k(rows), whole) and np.array_equal(ng.q2k_as_q8_0(q2_rows), q2_whole)
     rows, held = quantized_weight("Q2_K", 24, 512, seed=7)
     exact = gguf.quants.dequantize(rows, gguf.GGMLQuantizationType.Q2_K).reshape(24, 16, 32)
     amax = np.abs(exact).max(-1, keepdims=True)
