@@ -132,8 +132,8 @@ def print_table(args: argparse.Namespace, rows: list[dict[str, Any]], windows: i
             print(f"{r['scheme']:<32} failed")
             continue
         print(f"{r['scheme']:<32} {r['perplexity']:>11.4f} {100 * (r['perplexity'] / base - 1):>+7.2f}% "
-              f"{r['size_bytes'] / 1e6:>8.1f} {r.get('quantize_seconds', 0):>7.0f} "
-              f"{r.get('perplexity_dequantized', ''):>11}")
+              f"{r['size_bytes'] / 1e6:>8.1f} {r.get('quantize_seconds', 0):>7.0f}"
+              + (f" {r['perplexity_dequantized']:>11.4f}" if "perplexity_dequantized" in r else ""))
 
 
 def main() -> None:
