@@ -1,6 +1,6 @@
 """The whole decode step in one C call (``models.fused_decode``) against the Python layers it
-replaces, on the default model's GGUF, on a Q4_K_M file (Q4_K and Q6_K layers) and on an INT4
-checkpoint written by ``qpage quantize`` (its Q4_1 blocks): the same kernels in the same
+replaces, on the default model's GGUF, on a Q4_K_M file (Q4_K and Q6_K layers), and on an
+INT4 and an NF4 checkpoint written by ``qpage quantize`` (Q4_1 and NF4 blocks): the same kernels in the same
 order, so the tokens and their log-probabilities must be equal, bit for bit, over batches that
 hold several decode groups (sequences of different lengths) and rows. Bad step inputs are
 refused before C runs.
@@ -39,15 +39,16 @@ def run(llm: Any) -> list[Any]:
     return [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
-@pytest.fixture(scope="module", params=["default-gguf", "q4_k_m", "int4-rtn"])
+@pytest.fixture(scope="module", params=["default-gguf", "q4_k_m", "int4-rtn", "nf4"])
 def fused_llm(request: pytest.FixtureRequest, gguf_llm: Any, llm_factory: Any, default_model_dir: Path,
               tmp_path_factory: pytest.TempPathFactory) -> Any:
     if request.param == "default-gguf":
         return gguf_llm
     if request.param == "q4_k_m":
         return llm_factory(model=str(Q4_K_M), kv_cache_memory="16MiB")
-    out = tmp_path_factory.mktemp("fused") / "int4"
-    quantize_checkpoint(default_model_dir, out, QuantScheme(4, 128, False), progress=False)
+    out = tmp_path_factory.mktemp("fused") / request.param
+    scheme = QuantScheme.parse("nf4") if request.param == "nf4" else QuantScheme(4, 128, False)
+    quantize_checkpoint(default_model_dir, out, scheme, progress=False)
     return llm_factory(model=str(out))
 
 
