@@ -90,6 +90,11 @@ class BnbConfig:
             need |= {"weight.nested_absmax", "weight.nested_quant_map"}
         return need <= parts.keys()
 
+    def linear_part(self, prefix: str, parts: dict[str, torch.Tensor], in_f: int, out_f: int,
+                    file: str) -> Bnb4Tensor | torch.Tensor:
+        """The linear's weight as kernel blocks, or fp32 (``check_linear``)."""
+        return check_linear(prefix, parts, self, in_f, out_f, file)
+
 
 def quantization_config() -> dict[str, Any]:
     """What transformers writes for NF4 without nesting (fp32 compute)."""

@@ -50,6 +50,14 @@ class GgufConfig:
 
     quant_method: str = "gguf"
 
+    def wants(self, parts: dict[str, Any]) -> bool:
+        """Whether one linear's tensors are all there: its weight alone."""
+        return "weight" in parts
+
+    def linear_part(self, prefix: str, parts: dict[str, Any], in_f: int, out_f: int, file: str) -> Any:
+        """The linear's weight as loaded: a ``GgufTensor``, or fp32 for float tensors."""
+        return parts["weight"]
+
 
 @dataclass
 class GgufTensor:

@@ -50,16 +50,11 @@ class BlockLinear(QuantLinearBase):
         self.register_buffer("anchor", torch.empty(0), persistent=False)  # follows the model's device
 
     def wants(self, parts: dict[str, Part]) -> bool:
-        if isinstance(self.cfg, bnb.BnbConfig):
-            return self.cfg.wants(parts)  # type: ignore[arg-type]
-        return "weight" in parts
+        return self.cfg.wants(parts)  # type: ignore[arg-type]
 
     def load_part(self, prefix: str, parts: dict[str, Part], offset: int, cols: int, file: str) -> None:
-        if isinstance(self.cfg, bnb.BnbConfig):
-            value: Part = bnb.check_linear(prefix, parts, self.cfg, self.in_features, cols, file)  # type: ignore[arg-type]
-        else:
-            value = parts["weight"]
-            _check(prefix, value, cols, self.in_features, file)
+        value = self.cfg.linear_part(prefix, parts, self.in_features, cols, file)  # type: ignore[arg-type]
+        _check(prefix, value, cols, self.in_features, file)
         self.parts = sorted([*self.parts, (offset, value)], key=lambda p: p[0])
 
     def spec(self, dtype: torch.dtype) -> LinearSpec:

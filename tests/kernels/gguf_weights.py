@@ -10,6 +10,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
 from qpage.formats import bnb
+from qpage.kernels.cpu import block_rewrite
 from qpage.kernels.cpu import native_gguf as ng
 
 TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q2_K": 10, "Q3_K": 11, "Q4_K": 12, "Q5_K": 13,
@@ -39,7 +40,7 @@ def quantized_weight(name: str, n: int, k: int, seed: int) -> tuple[np.ndarray, 
     else:
         rows = quantize(rng.standard_normal((n, k)).astype(np.float32), qt)
     if name == "Q2_K":  # the kernels hold it rewritten as Q8_0 (test_rewritten_formats bounds the change)
-        return rows, torch.from_numpy(dequantize(ng.q2k_as_q8_0(rows), GGMLQuantizationType.Q8_0))
+        return rows, torch.from_numpy(dequantize(block_rewrite.q2k_as_q8_0(rows), GGMLQuantizationType.Q8_0))
     return rows, torch.from_numpy(dequantize(rows, qt).astype(np.float32))
 
 

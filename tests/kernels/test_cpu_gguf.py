@@ -20,6 +20,7 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 
+from qpage.kernels.cpu import block_rewrite  # noqa: E402
 from qpage.kernels.cpu import native as cpu_native  # noqa: E402
 from qpage.kernels.cpu import native_gguf as ng  # noqa: E402
 from tests.kernels.conftest import rel_err  # noqa: E402
@@ -170,12 +171,13 @@ def test_rewritten_formats(monkeypatch: pytest.MonkeyPatch) -> None:
     Rewrites go a few rows at a time: the same bytes as all at once."""
     rows, _ = quantized_weight("Q3_K", 24, 512, seed=6)
     exact = gguf.quants.dequantize(rows, gguf.GGMLQuantizationType.Q3_K)
-    whole = ng.q3k_as_q6k(rows)
+    whole = block_rewrite.q3k_as_q6k(rows)
     assert np.array_equal(gguf.quants.dequantize(whole, gguf.GGMLQuantizationType.Q6_K), exact)
     q2_rows, _ = quantized_weight("Q2_K", 24, 512, seed=7)
-    q2_whole = ng.q2k_as_q8_0(q2_rows)
-    monkeypatch.setattr(ng, "REWRITE_CHUNK", 5 * 512)  # 5 rows a chunk
-    assert np.array_equal(ng.q3k_as_q6k(rows), whole) and np.array_equal(ng.q2k_as_q8_0(q2_rows), q2_whole)
+    q2_whole = block_rewrite.q2k_as_q8_0(q2_rows)
+    monkeypatch.setattr(block_rewrite, "REWRITE_CHUNK", 5 * 512)  # 5 rows a chunk
+    assert np.array_equal(block_rewrite.q3k_as_q6k(rows), whole)
+    assert np.array_equal(block_rewrite.q2k_as_q8_0(q2_rows), q2_whole)
     rows, held = quantized_weight("Q2_K", 24, 512, seed=7)
     exact = gguf.quants.dequantize(rows, gguf.GGMLQuantizationType.Q2_K).reshape(24, 16, 32)
     amax = np.abs(exact).max(-1, keepdims=True)

@@ -16,15 +16,13 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import pairwise
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType
-from gguf.quants import dequantize, quantize
 
+from qpage.kernels.cpu import block_rewrite
 from qpage.kernels.cpu.native import as_i64, load
 
 BLOCK = 32
@@ -46,8 +44,7 @@ PACKED_BYTES = {Q2_K: 272, Q3_K: 210, Q4_K: 148, Q5_K: 180, IQ4_XS: 138}
 """Bytes of one block in the kernels' layout, where it differs from the file (the 6-bit
 scales of Q4_K, Q5_K and IQ4_XS unpacked to a byte each; Q2_K and Q3_K rewritten)."""
 REWRITTEN = {Q2_K: Q8_0, Q3_K: Q6_K}
-"""Formats the kernels run as another one, rewritten at load: Q3_K as Q6_K exactly
-(``q3k_as_q6k``), Q2_K as Q8_0 (``q2k_as_q8_0``)."""
+"""Formats the kernels run as another one, rewritten at load (``block_rewrite``)."""
 ISAS = {"auto": 0, "scalar": 1, "avx2": 2, "vnni": 3}
 ISA_NAMES = {v: k for k, v in ISAS.items()}
 
@@ -119,7 +116,7 @@ def repack(rows: torch.Tensor | np.ndarray | list[np.ndarray], ggml_type: int, k
     if why is not None:
         raise ValueError(f"gguf repack: {why}")
     if ggml_type in REWRITTEN:
-        rewrite = q3k_as_q6k if ggml_type == Q3_K else q2k_as_q8_0
+        rewrite = block_rewrite.q3k_as_q6k if ggml_type == Q3_K else block_rewrite.q2k_as_q8_0
         parts, ggml_type = [rewrite(p) for p in parts], REWRITTEN[ggml_type]
     n = sum(p.shape[0] for p in parts)
     out = torch.empty(-(-n // ROWS) * ROWS * row_bytes(ggml_type, k, packed=True), dtype=torch.uint8)
@@ -129,65 +126,6 @@ def repack(rows: torch.Tensor | np.ndarray | list[np.ndarray], ggml_type: int, k
         lib.qp_gguf_repack(ggml_type, src.ctypes.data, src.shape[0], k, out.data_ptr(), first, num_threads())
         first += src.shape[0]
     return PackedWeight(out, ggml_type, n, k)
-
-
-def q2k_as_q8_0(rows: np.ndarray) -> np.ndarray:
-    """Q2_K rows uint8 [n, k / 256 * 84] -> Q8_0 rows [n, k / 32 * 34] by llama.cpp's Q8_0
-    quantizer (the ``gguf`` package's) on their exact dequantization. Q2_K's w = d sc q - dmin m
-    per 16 weights has a per-16 offset no other kernel format holds; Q8_0 moves each weight by
-    about 1/254 of its 32-block's largest magnitude at most (plus the fp16 rounding of the
-    block's scale), a small part of a Q2_K step."""
-
-    def one(chunk: np.ndarray) -> np.ndarray:
-        w = dequantize(chunk, GGMLQuantizationType.Q2_K).astype(np.float32)
-        return quantize(w, GGMLQuantizationType.Q8_0)
-
-    return _by_chunks(rows, one, 84, 272)
-
-
-def q3k_as_q6k(rows: np.ndarray) -> np.ndarray:
-    """Q3_K rows uint8 [n, k / 256 * 110] -> the same weights as Q6_K rows [n, k / 256 * 210],
-    exactly. Q3_K per 256 weights: 32 B of high bits, 64 B of 2-bit codes, 12 B of 6-bit
-    scales (stored + 32), fp16 d; w = d (s - 32) (q2 - 4 (1 - h)) per 16 weights. That is
-    Q6_K's w = d sc (q6 - 32) with sc = s - 32 and q6 = q2 + 4 h + 28, in 28..35."""
-    i = np.arange(256)
-    r = i % 128
-    q_at, q_shift = 32 * (i // 128) + r % 32, (2 * (r // 32)).astype(np.uint8)
-    h_shift = (i // 32).astype(np.uint8)
-    j = np.arange(16)
-    lo_shift, hi_shift = (4 * (j // 8)).astype(np.uint8), (2 * (j // 4)).astype(np.uint8)
-
-    def one(chunk: np.ndarray) -> np.ndarray:
-        b = chunk.reshape(-1, 110)
-        hmask, qs, sc = b[:, :32], b[:, 32:96], b[:, 96:108]
-        q6 = ((qs[:, q_at] >> q_shift) & 3) + 4 * ((hmask[:, i % 32] >> h_shift) & 1) + np.uint8(28)
-        s6 = ((sc[:, j % 8] >> lo_shift) & 15) | (((sc[:, 8 + j % 4] >> hi_shift) & 3) << 4)
-        out = np.empty((b.shape[0], 210), dtype=np.uint8)
-        for half in range(2):
-            q = q6[:, 128 * half : 128 * half + 128]
-            out[:, 64 * half : 64 * half + 64] = (q[:, :64] & 15) | ((q[:, 64:] & 15) << 4)
-            hi = (q >> 4).reshape(-1, 4, 32)
-            out[:, 128 + 32 * half : 160 + 32 * half] = hi[:, 0] | (hi[:, 1] << 2) | (hi[:, 2] << 4) | (hi[:, 3] << 6)
-        out[:, 192:208] = (s6.astype(np.int16) - 32).astype(np.int8).view(np.uint8)
-        out[:, 208:210] = b[:, 108:110]
-        return out.reshape(chunk.shape[0], -1)
-
-    return _by_chunks(rows, one, 110, 210)
-
-
-REWRITE_CHUNK = 1 << 22
-"""Weights a rewrite handles at a time (its temporaries are several bytes a weight)."""
-
-
-def _by_chunks(rows: np.ndarray, fn: Callable[[np.ndarray], np.ndarray], block_in: int, block_out: int) -> np.ndarray:
-    """``fn`` over ``REWRITE_CHUNK`` weights of rows at a time, into one array of rows whose
-    256-weight blocks are ``block_out`` bytes instead of ``block_in``."""
-    n, nbytes = rows.shape
-    out = np.empty((n, nbytes // block_in * block_out), dtype=np.uint8)
-    step = max(1, REWRITE_CHUNK // (nbytes // block_in * 256))
-    for r0 in range(0, n, step):
-        out[r0 : r0 + step] = fn(np.ascontiguousarray(rows[r0 : r0 + step]))
-    return out
 
 
 @dataclass
