@@ -13,13 +13,14 @@ import typing
 from collections.abc import Sequence
 from typing import Any
 
-from qpage.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, field_doc
+from qpage.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig, field_doc
 
 ENGINE_FIELDS: dict[type, tuple[str, ...]] = {
     ModelConfig: ("model", "dtype", "max_model_len", "allow_pickle", "device", "attention_backend",
                   "dequantize_weights"),
     CacheConfig: ("kv_cache_memory", "enable_prefix_caching", "kv_cache_dtype", "kv_cache_scales", "kv_cache_rotation"),
     SchedulerConfig: ("max_num_seqs", "max_num_batched_tokens"),
+    ParallelConfig: ("tensor_parallel_size", "distributed_timeout"),
     EngineConfig: ("seed",),
 }
 SAMPLING_FIELDS = (
@@ -92,7 +93,7 @@ def build_engine_config(args: argparse.Namespace) -> EngineConfig:
         return cls(**{n: getattr(args, n) for n in ENGINE_FIELDS[cls]})
 
     return EngineConfig(model=part(ModelConfig), cache=part(CacheConfig), scheduler=part(SchedulerConfig),
-                        seed=args.seed)
+                        parallel=part(ParallelConfig), seed=args.seed)
 
 
 def build_llm(args: argparse.Namespace) -> Any:

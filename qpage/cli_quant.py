@@ -53,14 +53,16 @@ def add_parsers(sub: Any) -> None:
     e.add_argument("--chunk", type=int, default=512, help="prefill chunk; smaller reads more context from the cache")
     e.add_argument("--kl-ref", default=None, help="reference model folder for the mean KL divergence")
     e.add_argument("--kv-cache-dtype", default="auto")
+    e.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks the evaluated model is split over")
     e.add_argument("--out", default=None, help="write the result as JSON here")
 
 
-def _engine(model: str | None, seq_len: int, kv_cache_dtype: str = "auto") -> Any:
+def _engine(model: str | None, seq_len: int, kv_cache_dtype: str = "auto", tp: int = 1) -> Any:
     from qpage import LLM
 
     return LLM(model=model, max_model_len=seq_len, kv_cache_memory=max(64 << 20, seq_len * 50_000),
-               enable_prefix_caching=False, kv_cache_dtype=kv_cache_dtype, log_stats=False).llm_engine
+               enable_prefix_caching=False, kv_cache_dtype=kv_cache_dtype, log_stats=False,
+               tensor_parallel_size=tp).llm_engine
 
 
 def _perplexity(engines: list[Any], text: Path, seq_len: int, windows: int, chunk: int) -> dict[str, Any]:
@@ -122,7 +124,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
-    engines = [_engine(args.model, args.seq_len, args.kv_cache_dtype)]
+    engines = [_engine(args.model, args.seq_len, args.kv_cache_dtype, args.tensor_parallel_size)]
     if args.kl_ref:
         engines.append(_engine(args.kl_ref, args.seq_len))
     res = _perplexity(engines, Path(args.text), args.seq_len, args.windows, args.chunk)

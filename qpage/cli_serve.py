@@ -50,6 +50,8 @@ def add_parsers(sub: Any, engine_args: Any) -> None:
     p.add_argument("--gpu-memory", default="24GiB", help="card memory (default: 24GiB)")
     p.add_argument("--overhead", default=DEFAULT_OVERHEAD, help="memory kept for activations and runtime")
     p.add_argument("--context-len", type=int, default=None, help="tokens per request (default: min(8192, model limit))")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="cards the model is split over; the figures are per card (default: 1)")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
 
     d = sub.add_parser("doctor", help="explain a slow server from its /metrics")
@@ -64,7 +66,8 @@ def run(args: argparse.Namespace, build_engine_config: Any) -> int:
         if args.command == "plan":
             from qpage.plan import run_plan
 
-            print(run_plan(args.model, args.gpu_memory, args.overhead, args.context_len, args.json))
+            print(run_plan(args.model, args.gpu_memory, args.overhead, args.context_len, args.json,
+                           args.tensor_parallel_size))
             return 0
         if args.command == "doctor":
             return _doctor(args)
@@ -105,9 +108,18 @@ def _serve(args: argparse.Namespace, build_engine_config: Any) -> int:
         logging.getLogger("qpage.server").warning(
             "serving on %s without --api-key: anyone who can reach this port can use the model", args.host)
     logging.getLogger("qpage.server").info("serving %s on http://%s:%d/v1", ", ".join(names), args.host, args.port)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info", access_log=args.access_log,
-                timeout_graceful_shutdown=5, http=TimedH11Protocol.with_timeout(args.read_timeout),
-                limit_concurrency=args.max_connections)
+    server = uvicorn.Server(uvicorn.Config(
+        app, host=args.host, port=args.port, log_level="info", access_log=args.access_log,
+        timeout_graceful_shutdown=5, http=TimedH11Protocol.with_timeout(args.read_timeout),
+        limit_concurrency=args.max_connections))
+    aengine.on_fatal = lambda: setattr(server, "should_exit", True)  # requests in flight got their 503 first
+    try:
+        server.run()
+    finally:
+        engine.shutdown()
+    if aengine.error is not None:
+        print(f"qpage serve: error: the engine stopped: {aengine.error}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -155,12 +155,29 @@ class SchedulerConfig:
 
 
 @dataclass
+class ParallelConfig:
+    """Tensor parallelism over torch.distributed (gloo on CPU, NCCL on CUDA)."""
+
+    tensor_parallel_size: int = 1
+    """Ranks that each hold 1/N of every layer and of the KV cache (worker processes, or torchrun's)."""
+    distributed_timeout: float = 300.0
+    """Seconds a rank may take inside a step before the engine stops with an error naming it (dead or hung)."""
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} must be at least 1")
+        if not self.distributed_timeout > 0:
+            raise ValueError(f"distributed_timeout={self.distributed_timeout} must be a positive number of seconds")
+
+
+@dataclass
 class EngineConfig:
     """Everything an engine needs, passed down as one object."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     seed: int = 0
     """Seed of the sampler for requests that give none."""
     log_stats: bool = True

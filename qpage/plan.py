@@ -1,5 +1,8 @@
 """``qpage plan``: what fits on one card, for each weight scheme x KV-cache dtype (docs/serving.md).
 
+With ``tensor_parallel_size`` N each card holds one rank's part (``models.sharding``): the
+figures are those of the largest part, weights and KV bytes per token, per card.
+
 Weights: every linear of the decoder at the scheme's bits plus its scales (and zeros,
 ``g_idx``) in the layout qpage loads; embeddings, the LM head, norms and biases in FP16.
 KV bytes per token: the engine's own formula (``KVCacheSpec.bytes_per_token``), the FP8, int8
@@ -19,6 +22,7 @@ import torch
 from qpage.config import BLOCK_SIZE, parse_size
 from qpage.layers.kv_format import KVCacheSpec
 from qpage.models.arch import ArchConfig, parse_arch_config
+from qpage.models.sharding import check_parallel, plan_shards
 
 CONFIG_DIR = Path(__file__).parent / "data" / "configs"
 DEFAULT_OVERHEAD = "1.5GiB"
@@ -116,13 +120,15 @@ class PlanRow:
     fits: bool
 
 
-def plan(a: ArchConfig, gpu_memory: int, overhead: int, context_len: int) -> list[PlanRow]:
+def plan(a: ArchConfig, gpu_memory: int, overhead: int, context_len: int, tp: int = 1) -> list[PlanRow]:
+    """One row per weight scheme x KV dtype; per card, for the largest of ``tp`` ranks' parts."""
+    parts = [p.local_arch(a) for p in plan_shards(a, tp)] if tp > 1 else [a]
     rows = []
     for s in WEIGHT_SCHEMES:
-        wb = weight_bytes(a, s)
+        wb = max(weight_bytes(part, s) for part in parts)
         for kv_name, kv_dtype in KV_DTYPES:
             spec = KVCacheSpec.from_config(kv_dtype, "per_token", torch.float16)
-            per_tok = spec.bytes_per_token(a.num_layers, a.num_kv_heads, a.head_dim)
+            per_tok = max(spec.bytes_per_token(p.num_layers, p.num_kv_heads, p.head_dim) for p in parts)
             free = gpu_memory - overhead - wb
             blocks = max(free, 0) // (per_tok * BLOCK_SIZE)
             tokens = blocks * BLOCK_SIZE
@@ -131,13 +137,16 @@ def plan(a: ArchConfig, gpu_memory: int, overhead: int, context_len: int) -> lis
     return rows
 
 
-def format_table(name: str, a: ArchConfig, rows: list[PlanRow], gpu_memory: int, overhead: int, ctx: int) -> str:
+def format_table(name: str, a: ArchConfig, rows: list[PlanRow], gpu_memory: int, overhead: int, ctx: int,
+                 tp: int = 1) -> str:
     gb = 1e9
+    cards = f"{tp} cards of" if tp > 1 else "card"
     head = (f"{name}: {num_params(a) / 1e9:.2f} B parameters, {a.num_layers} layers, {a.num_kv_heads} KV heads x "
-            f"{a.head_dim}; card {gpu_memory / 2**30:.1f} GiB, {overhead / 2**30:.1f} GiB kept for activations "
-            f"and runtime; requests of {ctx} tokens")
+            f"{a.head_dim}; {cards} {gpu_memory / 2**30:.1f} GiB, {overhead / 2**30:.1f} GiB each kept for "
+            f"activations and runtime; requests of {ctx} tokens")
+    per = " per card" if tp > 1 else ""
     lines = [head, "",
-             "| weights | KV cache | weights GB | KV bytes/token | KV tokens | concurrent @ ctx | fits |",
+             f"| weights | KV cache | weights GB{per} | KV bytes/token{per} | KV tokens | concurrent @ ctx | fits |",
              "|---|---|---:|---:|---:|---:|---|"]
     for r in rows:
         fits = "yes" if r.fits else ("no: weights too big" if r.tokens == 0 else "no: context too long")
@@ -147,14 +156,16 @@ def format_table(name: str, a: ArchConfig, rows: list[PlanRow], gpu_memory: int,
 
 
 def run_plan(model_or_config: str, gpu_memory: str, overhead: str, context_len: int | None,
-             as_json: bool = False) -> str:
+             as_json: bool = False, tp: int = 1) -> str:
     name, a = load_arch(model_or_config)
+    check_parallel(a, tp, name)
     mem, over = parse_size(gpu_memory, "gpu_memory"), parse_size(overhead, "overhead")
     ctx = context_len or min(a.max_position_embeddings, 8192)
     if ctx < 1:
         raise ValueError(f"context_len={ctx} must be at least 1")
-    rows = plan(a, mem, over, ctx)
+    rows = plan(a, mem, over, ctx, tp)
     if as_json:
         return json.dumps({"model": name, "gpu_memory": mem, "overhead": over, "context_len": ctx,
-                           "params": num_params(a), "rows": [r.__dict__ for r in rows]}, indent=2)
-    return format_table(name, a, rows, mem, over, ctx)
+                           "tensor_parallel_size": tp, "params": num_params(a), "rows": [r.__dict__ for r in rows]},
+                          indent=2)
+    return format_table(name, a, rows, mem, over, ctx, tp)

@@ -74,3 +74,22 @@ def test_unknown_model_names_the_bundled_configs(capsys: pytest.CaptureFixture[s
     assert main(["plan", "Llama-9-1T"]) == 2
     err = capsys.readouterr().err
     assert "Llama-3-8B" in err and "Qwen2.5-32B" in err
+
+
+def test_llama3_70b_int4_fp8_fits_two_24gib_cards() -> None:
+    """70B at INT4 (~37 GB) does not fit one card; split over two, each card holds half the
+    weights and half the KV heads (4 of 8), so the per-token KV bytes halve too."""
+    _, arch = load_arch("Llama-3-70B")
+    one = {(r.weights, r.kv): r for r in plan(arch, 24 * GIB, int(1.5 * GIB), 8192)}
+    two = {(r.weights, r.kv): r for r in plan(arch, 24 * GIB, int(1.5 * GIB), 8192, tp=2)}
+    assert not one[("INT4 g128", "FP8")].fits
+    row = two[("INT4 g128", "FP8")]
+    assert row.fits and row.concurrent >= 1
+    assert row.weight_bytes == pytest.approx(one[("INT4 g128", "FP8")].weight_bytes / 2, rel=0.01)
+    assert row.kv_bytes_per_token == one[("INT4 g128", "FP8")].kv_bytes_per_token // 2
+    free = 24 * GIB - int(1.5 * GIB) - row.weight_bytes
+    assert row.tokens == free // (row.kv_bytes_per_token * 16) * 16
+    text = run_plan("Llama-3-70B", "24GiB", "1.5GiB", None, tp=2)
+    assert "2 cards of 24.0 GiB" in text and "| INT4 g128 | FP8 |" in text
+    with pytest.raises(ValueError, match="does not fit 64 query heads over 8 KV heads"):
+        run_plan("Llama-3-70B", "24GiB", "1.5GiB", None, tp=128)

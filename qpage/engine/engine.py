@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import logging
@@ -28,8 +29,11 @@ from qpage.layers.block_linear import BlockLinear
 from qpage.layers.kv_format import KVCacheSpec
 from qpage.models.arch import ArchConfig
 from qpage.models.loader import load_model, read_arch_config, resolve_dtype, resolve_model_dir
+from qpage.models.sharding import check_parallel, plan_shards
+from qpage.parallel.comm import TensorParallelError
 from qpage.runner.model_runner import ModelRunner
 from qpage.runner.sampler import Sampler
+from qpage.runner.tp_workers import RankReport, RankSetup, Workers, build_rank, rank_device
 from qpage.sampling_params import SamplingParams
 
 PromptType = str | dict[str, Any]
@@ -87,34 +91,45 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         mc = config.model
-        self.device = torch.device(mc.device)
         self.model_dir = resolve_model_dir(mc.model)
         self.arch = read_arch_config(self.model_dir)
+        tp = config.parallel.tensor_parallel_size
+        check_parallel(self.arch, tp, str(self.model_dir))
+        self.device = torch.device(rank_device(mc.device, tp))
         self.dtype = resolve_dtype(mc.dtype, self.arch, self.device)
         self.tokenizer = load_tokenizer(self.model_dir)
         self.eos_token_ids = eos_token_ids(self.model_dir, self.tokenizer)
         self.grammars = GrammarCompiler(self.tokenizer, self.arch.vocab_size, self.eos_token_ids)
         cc = config.cache
         self.kv_spec = KVCacheSpec.from_config(cc.kv_cache_dtype, cc.kv_cache_scales, self.dtype, cc.kv_cache_rotation)
-        num_blocks, block_bytes = plan_capacity(self.arch, self.kv_spec, int(cc.kv_cache_memory))
+        # Each rank holds its KV heads for every block: the blocks are sized for the rank with most.
+        kv_heads = max(p.kv_heads[1] - p.kv_heads[0] for p in plan_shards(self.arch, tp))
+        kv_arch = dataclasses.replace(self.arch, num_kv_heads=kv_heads)
+        num_blocks, block_bytes = plan_capacity(kv_arch, self.kv_spec, int(cc.kv_cache_memory))
         self.max_model_len = self._decide_max_model_len(num_blocks * BLOCK_SIZE, block_bytes)
-        self.model = load_model(
-            self.model_dir, self.arch, self.dtype, self.device, self.max_model_len, mc.allow_pickle,
-            mc.dequantize_weights,
-        )
-        if self.model.ops.torch_threads is not None:  # the chosen ops' thread count (layers.ops)
-            torch.set_num_threads(self.model.ops.torch_threads)
-        if self.device.type == "cpu":  # one BLAS thread beside the block-format kernels' own (kernels.cpu.blas)
-            blas.set_threads(1 if self.model.runs_own_threads() else None)
         self.kv = KVCacheManager(num_blocks, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
-        self.runner = ModelRunner(self.model, self.arch, self.kv, self.dtype, self.device,
-                                  kv_spec=self.kv_spec, attention_backend=mc.attention_backend)
+        self.workers: Workers | None = None
+        self.rank_reports: list[RankReport] = []
+        """With tensor parallelism: what each rank holds (weights, KV bytes and heads)."""
+        if tp == 1:
+            self.model = load_model(
+                self.model_dir, self.arch, self.dtype, self.device, self.max_model_len, mc.allow_pickle,
+                mc.dequantize_weights,
+            )
+            if self.model.ops.torch_threads is not None:  # the chosen ops' thread count (layers.ops)
+                torch.set_num_threads(self.model.ops.torch_threads)
+            if self.device.type == "cpu":  # one BLAS thread beside the block-format kernels' own (kernels.cpu.blas)
+                blas.set_threads(1 if self.model.runs_own_threads() else None)
+            self.runner = ModelRunner(self.model, self.arch, self.kv, self.dtype, self.device,
+                                      kv_spec=self.kv_spec, attention_backend=mc.attention_backend)
+        else:
+            self._start_ranks(num_blocks)
         if self.kv_spec.centered:
             from qpage.layers.kv_calibration import CALIBRATION_TEXT
 
             ids = self.tokenizer.encode(CALIBRATION_TEXT, add_special_tokens=False)
-            self.runner.calibrate_kv_shifts(ids[: min(512, self.max_model_len)])
+            self._run_ranks(lambda: self.runner.calibrate_kv_shifts(ids[: min(512, self.max_model_len)]))
         self.sampler = Sampler(config.seed)
         self.metrics = EngineMetrics()
         self.outputs = OutputProcessor(self.tokenizer, self.metrics)
@@ -126,9 +141,59 @@ class LLMEngine:
                 f"qpage: {self.model_dir.name} ({self.arch.architecture}, {self.dtype}) on "
                 f"{self.device}; KV cache {self.kv_spec.describe()}, {num_blocks} blocks x {BLOCK_SIZE} = "
                 f"{cap} tokens ({block_bytes // BLOCK_SIZE} B/token); attention {self.runner.backend.name}; "
-                f"max_model_len {self.max_model_len}{self._quantized_note()}",
+                f"max_model_len {self.max_model_len}{self._quantized_note()}{self._parallel_note()}",
                 flush=True,
             )
+
+    def _start_ranks(self, num_blocks: int) -> None:
+        """Start the tensor-parallel group: the workers build their parts while this process
+        (rank 0) builds its own; raise the first rank's load error, if any."""
+        mc, pc = self.config.model, self.config.parallel
+        self.workers = Workers(pc.tensor_parallel_size, pc.distributed_timeout, str(self.device))
+        setup = RankSetup(self.model_dir, self.arch, self.dtype, str(self.device), self.max_model_len, num_blocks,
+                          self.kv_spec, mc.attention_backend, mc.allow_pickle, mc.dequantize_weights)
+        comm = self.workers.comm
+        try:
+            comm.broadcast(setup, pc.distributed_timeout)
+            runner, own = build_rank(setup, comm, self.kv, self.workers.send)
+        except BaseException:
+            self.workers.close(force=True)  # the workers may be building still, or waiting to report
+            raise
+        self.rank_reports = [own, *(self._run_ranks(lambda: comm.gather_objects(own)) or [])[1:]]
+        errors = [f"rank {r.rank}: {r.error}" for r in self.rank_reports if r.error]
+        if errors:
+            self.workers.close()
+            raise ValueError("; ".join(errors))
+        self.runner, self.model = runner, runner.model
+
+    def _run_ranks(self, fn: Any) -> Any:
+        """``fn()``; with tensor parallelism a failed collective becomes a TensorParallelError
+        naming the dead or silent rank (the workers are stopped)."""
+        if self.workers is None:
+            return fn()
+        try:
+            return fn()
+        except TensorParallelError:
+            raise
+        except RuntimeError as e:
+            raise self.workers.failure(e) from e
+
+    def _parallel_note(self) -> str:
+        """'; tensor parallel N ranks: ...' for the start line (empty with one rank)."""
+        if not self.rank_reports:
+            return ""
+        mib = "/".join(f"{r.weight_bytes / 2**20:.0f}" for r in self.rank_reports)
+        kv = "/".join(f"{r.kv_bytes / 2**20:.0f}" for r in self.rank_reports)
+        heads = "/".join(str(r.kv_heads) for r in self.rank_reports)
+        backend = self.workers.comm.backend if self.workers else ""
+        return (f"; tensor parallel {len(self.rank_reports)} ranks ({backend}): weights "
+                f"{mib} MiB, KV cache {kv} MiB ({heads} of {self.arch.num_kv_heads} KV heads) per rank")
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (also done at exit)."""
+        if self.workers is not None:
+            self.workers.close()
+            self.workers = None
 
     def _quantized_note(self) -> str:
         """'; quantized linears: ...' for the start line (empty for a dense model)."""
@@ -257,7 +322,7 @@ class LLMEngine:
         if sched.is_empty:
             self.update_gauges()
             return []
-        step = self.runner.execute(sched)
+        step = self._run_ranks(lambda: self.runner.execute(sched))
         failed: dict[str, str] = {}  # parent request id -> why it failed (it alone ends)
         for rid, (first, logits) in step.prompt_logits.items():
             req = next(s.request for s in sched.scheduled if s.request.request_id == rid)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from qpage.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, field_default
+from qpage.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig, field_default
 from qpage.engine.engine import LLMEngine, PromptType
 from qpage.engine.outputs import RequestOutput
 from qpage.sampling_params import SamplingParams
@@ -36,6 +36,8 @@ class LLM:
         kv_cache_rotation: bool = field_default(CacheConfig, "kv_cache_rotation"),
         attention_backend: str = field_default(ModelConfig, "attention_backend"),
         dequantize_weights: bool = field_default(ModelConfig, "dequantize_weights"),
+        tensor_parallel_size: int = field_default(ParallelConfig, "tensor_parallel_size"),
+        distributed_timeout: float = field_default(ParallelConfig, "distributed_timeout"),
     ) -> None:
         config = EngineConfig(
             model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len,
@@ -46,6 +48,8 @@ class LLM:
                               kv_cache_dtype=kv_cache_dtype, kv_cache_scales=kv_cache_scales,
                               kv_cache_rotation=kv_cache_rotation),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
+            parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size,
+                                    distributed_timeout=distributed_timeout),
             seed=seed,
             log_stats=log_stats,
         )

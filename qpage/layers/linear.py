@@ -1,7 +1,7 @@
 """The one factory every linear layer of a model comes from, and the dense linear.
 
-Quantized schemes (INT4/INT8/FP8) and tensor-parallel shards swap in here, so model code
-never assumes a whole dense matrix.
+Quantized schemes (INT4/INT8/FP8, block formats) swap in here, so model code never assumes a
+dense matrix; a tensor-parallel rank builds the same layers at its part's size.
 """
 
 from __future__ import annotations

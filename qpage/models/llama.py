@@ -17,6 +17,7 @@ from torch import nn
 from qpage.formats import bnb
 from qpage.formats.detect import LinearConfig, linear_config
 from qpage.formats.gguf_model import GgufConfig
+from qpage.formats.gptq import GptqConfig
 from qpage.kernels.cpu.native_decode import DecodeStack
 from qpage.layers.attention import AttentionBackend
 from qpage.layers.attention_metadata import StepMetadata
@@ -31,6 +32,7 @@ from qpage.layers.quant_linear import IntLinear
 from qpage.layers.rotary import RotaryEmbedding, apply_rotary
 from qpage.models.arch import ArchConfig
 from qpage.models.fused_decode import build_decode_stack, run_decode_stack, step_fits
+from qpage.models.sharding import Rank, shard_gptq, shard_weight
 
 KVCache = LayerKV
 QuantLinear = IntLinear | Fp8Linear | BlockLinear
@@ -56,13 +58,25 @@ def _quant(c: ArchConfig) -> LinearConfig | None:
     return linear_config(c.quantization, "config.json") if c.quantization else None
 
 
+def _row_inputs(c: ArchConfig, proj: str, tp: Rank | None) -> int:
+    """Input width of a row-parallel projection (o_proj, down_proj) on this rank."""
+    if tp is None:
+        return c.q_size if proj == "o_proj" else c.intermediate_size
+    q = _quant(c)
+    a, b = tp.plan.row_inputs(proj, tp.arch, q if isinstance(q, GptqConfig) else None)
+    return b - a
+
+
 class Attention(nn.Module):
-    def __init__(self, c: ArchConfig) -> None:
+    def __init__(self, c: ArchConfig, tp: Rank | None = None) -> None:
         super().__init__()
         self.c = c
         q = _quant(c)
         self.qkv_proj = make_linear(c.hidden_size, c.q_size + 2 * c.kv_size, c.qkv_bias, q)
-        self.o_proj = make_linear(c.q_size, c.hidden_size, c.o_bias, q)
+        self.o_proj = make_linear(_row_inputs(c, "o_proj", tp), c.hidden_size, c.o_bias, q)
+        self.tp = tp
+        self.o_cols: torch.Tensor | None = None
+        """With tensor parallelism: the global input columns o_proj reads (``Rank.row_parallel``)."""
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
         self.scale = c.head_dim**-0.5
@@ -94,28 +108,37 @@ class Attention(nn.Module):
             out = cache.rotate(out)
         if cache.v_shift is not None:
             out = (out.view(t, c.num_kv_heads, -1, c.head_dim) + cache.v_shift[:, None]).view(t, nq, c.head_dim)
-        return self.o_proj.forward(out.reshape(t, c.q_size))
+        out = out.reshape(t, c.q_size)
+        if self.tp is not None:
+            return self.tp.row_parallel(self.o_proj.forward, out, "o_proj", self.o_cols)
+        return self.o_proj.forward(out)
 
 
 class MLP(nn.Module):
-    def __init__(self, c: ArchConfig) -> None:
+    def __init__(self, c: ArchConfig, tp: Rank | None = None) -> None:
         super().__init__()
         q = _quant(c)
         self.gate_up_proj = make_linear(c.hidden_size, 2 * c.intermediate_size, c.mlp_bias, q)
-        self.down_proj = make_linear(c.intermediate_size, c.hidden_size, c.mlp_bias, q)
+        self.down_proj = make_linear(_row_inputs(c, "down_proj", tp), c.hidden_size, c.mlp_bias, q)
         self.ops: TorchOps = TORCH_OPS
+        self.tp = tp
+        self.down_cols: torch.Tensor | None = None
+        """With tensor parallelism: the global input columns down_proj reads."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj.forward(self.ops.silu_mul(self.gate_up_proj.forward(x)))
+        h = self.ops.silu_mul(self.gate_up_proj.forward(x))
+        if self.tp is not None:
+            return self.tp.row_parallel(self.down_proj.forward, h, "down_proj", self.down_cols)
+        return self.down_proj.forward(h)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, c: ArchConfig) -> None:
+    def __init__(self, c: ArchConfig, tp: Rank | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.self_attn = Attention(c)
+        self.self_attn = Attention(c, tp)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.mlp = MLP(c)
+        self.mlp = MLP(c, tp)
 
     def forward(
         self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
@@ -144,14 +167,17 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, c: ArchConfig, max_positions: int, dtype: torch.dtype) -> None:
+    def __init__(self, c: ArchConfig, max_positions: int, dtype: torch.dtype, tp: Rank | None = None) -> None:
+        """``c`` is the shape this process holds: with tensor parallelism (``tp``) the rank's
+        part, ``tp.plan.local_arch(tp.arch)``."""
         super().__init__()
         self.config = c
         self.dtype = dtype
+        self.tp = tp
         gguf = isinstance(_quant(c), GgufConfig)  # a GGUF file: every tensor keeps its own format
         self.embed_tokens: nn.Embedding | GgufEmbedding = (
             GgufEmbedding(c.vocab_size, c.hidden_size) if gguf else nn.Embedding(c.vocab_size, c.hidden_size))
-        self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(c, tp) for _ in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.lm_head = None if c.tie_word_embeddings else make_linear(c.hidden_size, c.vocab_size, False,
                                                                        _quant(c) if gguf else None)
@@ -186,7 +212,8 @@ class LlamaForCausalLM(nn.Module):
         if self.lm_head is None:
             e = self.embed_tokens
             self._tied_head = e.head() if isinstance(e, GgufEmbedding) else tied_head(e.weight.data)
-        self.decode_stack = build_decode_stack(self)
+        # The fused step has no collectives: with tensor parallelism decode runs the Python layers.
+        self.decode_stack = build_decode_stack(self) if self.tp is None else None
 
     def runs_own_threads(self) -> bool:
         """Whether matmuls run on the block-format kernels, which split rows across the cores
@@ -204,7 +231,8 @@ class LlamaForCausalLM(nn.Module):
         meta: StepMetadata, backend: AttentionBackend,
     ) -> torch.Tensor:
         """Hidden states after the final norm, [num_tokens, hidden]."""
-        h = self.embed_tokens.forward(input_ids)
+        h = (self.embed_tokens.forward(input_ids) if self.tp is None
+             else self.tp.embed(input_ids, self.embed_tokens.forward))
         cos, sin = self.rotary.lookup(positions)
         if self.decode_stack is not None and step_fits(backend, caches, meta):
             h, res = run_decode_stack(self.decode_stack, h, cos, sin, caches, meta)  # type: ignore[arg-type]
@@ -215,7 +243,12 @@ class LlamaForCausalLM(nn.Module):
         return self.norm.forward(h) if residual is None else self.norm.forward(h, residual)[0]
 
     @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Logits [rows, vocab]; with tensor parallelism on rank 0 only (None on the others)."""
+        logits = self._local_logits(hidden)
+        return logits if self.tp is None else self.tp.logits(logits)
+
+    def _local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:
             if self._tied_head is not None:
                 return self._tied_head(hidden.contiguous())
@@ -296,6 +329,8 @@ class LlamaForCausalLM(nn.Module):
         seen: set[str] = set()
         found: dict[int, dict[str, float]] = {}
         for file, name, t in tensors:
+            if self.tp is not None and name.endswith((".weight", ".bias")):
+                t = shard_weight(name, t, self.tp.plan, self.tp.arch)
             prefix, _, suffix = name.rpartition(".")
             prefix, suffix = bnb.split_name(name) or (prefix, suffix)
             if prefix in qtargets and suffix in QUANT_SUFFIXES:
@@ -343,9 +378,15 @@ class LlamaForCausalLM(nn.Module):
                 f"{self.config.architecture}"
             )
 
-    @staticmethod
-    def _load_quant(prefix: str, parts: dict[str, torch.Tensor],
+    def _load_quant(self, prefix: str, parts: dict[str, torch.Tensor],
                     qtargets: dict[str, tuple[QuantLinear | GgufEmbedding, int, int]],
                     file: str) -> None:
         mod, off, cols = qtargets[prefix]
+        if self.tp is not None and isinstance(mod, IntLinear) and isinstance(mod.cfg, GptqConfig):
+            parts, inputs = shard_gptq(prefix, parts, self.tp.plan, self.tp.arch, mod.cfg)
+            layer = self.layers[int(prefix.split(".")[2])]
+            if prefix.endswith("o_proj"):
+                layer.self_attn.o_cols = inputs
+            elif prefix.endswith("down_proj"):
+                layer.mlp.down_cols = inputs
         mod.load_part(prefix, parts, off, cols, file)

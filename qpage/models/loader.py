@@ -19,6 +19,7 @@ from qpage.formats.gguf_model import iter_tensors as iter_gguf_tensors
 from qpage.formats.gguf_reader import GgufFile
 from qpage.models.arch import ArchConfig, parse_arch_config
 from qpage.models.registry import model_class
+from qpage.models.sharding import Rank
 
 DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -114,10 +115,13 @@ def iter_tensors(files: list[Path]) -> Iterator[tuple[str, str, torch.Tensor]]:
 def load_model(
     model_dir: Path, arch: ArchConfig, dtype: torch.dtype, device: torch.device,
     max_positions: int, allow_pickle: bool = False, dequantize_weights: bool = False,
+    tp: Rank | None = None,
 ) -> torch.nn.Module:
+    """The model with its weights, kernels chosen; with ``tp``, this rank's part of it."""
     cls = model_class(arch.architecture)
     with torch.device("cpu"):
-        model = cls(arch, max_positions, dtype)
+        model = cls(arch, max_positions, dtype) if tp is None else cls(tp.plan.local_arch(arch), max_positions,
+                                                                        dtype, tp)
     model.to(dtype)
     if is_gguf(model_dir):
         model.load_weights(iter_gguf_tensors(GgufFile(model_dir)))

@@ -10,7 +10,9 @@ layer reuses them.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -37,24 +39,36 @@ class StepOutput:
 
 
 @dataclass
-class _Batch:
+class StepInputs:
+    """One step's model inputs, all a rank needs to run it (sent to tensor-parallel workers)."""
+
     input_ids: list[int] = field(default_factory=list)
     positions: list[torch.Tensor] = field(default_factory=list)
     slots: list[torch.Tensor] = field(default_factory=list)
     decodes: list[SeqSpan] = field(default_factory=list)
     prefills: list[SeqSpan] = field(default_factory=list)
+    logit_rows: list[torch.Tensor] = field(default_factory=list)
+    """Rows of the hidden states whose logits are computed, one tensor per ``compute_logits`` call."""
 
 
 class ModelRunner:
     def __init__(
-        self, model: torch.nn.Module, arch: ArchConfig, kv: KVCacheManager,
+        self, model: torch.nn.Module, arch: ArchConfig, kv: KVCacheManager | None,
         dtype: torch.dtype, device: torch.device,
         kv_spec: KVCacheSpec | None = None, attention_backend: str = "auto",
+        num_blocks: int | None = None, broadcast: Callable[[Any], None] | None = None,
     ) -> None:
+        """``arch`` is the shape the model holds (a tensor-parallel rank's part). ``kv`` is the
+        block manager; a tensor-parallel worker has none and gives ``num_blocks``. ``broadcast``
+        (the driver of a tensor-parallel group) sends each command to the workers first."""
         self.model = model
         self.arch = arch
         self.kv = kv
         self.device = device
+        self.broadcast = broadcast
+        num_blocks = kv.num_blocks if kv is not None else num_blocks
+        if num_blocks is None:
+            raise ValueError("ModelRunner needs a KV manager or num_blocks")
         spec = kv_spec or KVCacheSpec(dtype)
         self.backend = select_attention_backend(device, spec, arch.head_dim, attention_backend)
         scales: dict[int, tuple[float, float]] = getattr(model, "kv_scales", {})
@@ -67,7 +81,7 @@ class ModelRunner:
             logger.info("head_dim %d is not a power of two: the %s cache rotates K/V by a block-diagonal "
                         "Hadamard matrix of %d-wide blocks", arch.head_dim, spec.format, block)
         self.caches = [
-            make_layer_kv(spec, kv.num_blocks, arch.num_kv_heads, arch.head_dim, device, scales.get(i))
+            make_layer_kv(spec, num_blocks, arch.num_kv_heads, arch.head_dim, device, scales.get(i))
             for i in range(arch.num_layers)
         ]
 
@@ -75,6 +89,8 @@ class ModelRunner:
     def calibrate_kv_shifts(self, token_ids: list[int]) -> None:
         """Set each layer's K/V shifts to their per-channel means over ``token_ids`` (a
         forward pass into a scratch cache in the model dtype; the real cache is untouched)."""
+        if self.broadcast is not None:
+            self.broadcast(("calibrate", token_ids))
         n = len(token_ids)
         nb = -(-n // BLOCK_SIZE)
         spec = KVCacheSpec(self.caches[0].dtype)
@@ -108,18 +124,38 @@ class ModelRunner:
         decodes = sorted((s for s in out.scheduled if s.num_tokens == 1),
                          key=lambda s: -s.request.num_computed_tokens)
         prefills = [s for s in out.scheduled if s.num_tokens > 1]
-        batch = _Batch()
+        assert self.kv is not None, "a tensor-parallel worker runs StepInputs (run), not scheduler outputs"
+        batch = StepInputs()
         self._prepare_decodes(decodes, batch)
         self._prepare_prefills(prefills, batch)
+        step = self._plan_logits(decodes + prefills, batch)
+        if self.broadcast is not None:
+            self.broadcast(("step", batch))
+        logits = self.run(batch)
+        if step.sample_requests:
+            step.logits = logits.pop()
+        for rid, (first, _) in step.prompt_logits.items():
+            step.prompt_logits[rid] = (first, logits.pop(0))
+        return step
+
+    @torch.inference_mode()
+    def run(self, batch: StepInputs) -> list[torch.Tensor]:
+        """Run the model on one step's inputs; the fp32 CPU logits of each ``logit_rows`` entry
+        (empty on a tensor-parallel worker: rank 0 gathers them)."""
         dev = self.device
         input_ids = torch.tensor(batch.input_ids, dtype=torch.long, device=dev)
         positions = torch.cat(batch.positions).to(dev)
         step = AttentionBatch(torch.cat(batch.slots).to(dev), batch.decodes, batch.prefills)
         meta = self.backend.build_metadata(step, dev)
         hidden = self.model(input_ids, positions, self.caches, meta, self.backend)
-        return self._select_logits(decodes + prefills, hidden)
+        out = []
+        for rows in batch.logit_rows:
+            logits = self.model.compute_logits(hidden[rows.to(hidden.device)])
+            if logits is not None:
+                out.append(logits.float().cpu())
+        return out
 
-    def _prepare_decodes(self, decodes: list[ScheduledRequest], batch: _Batch) -> None:
+    def _prepare_decodes(self, decodes: list[ScheduledRequest], batch: StepInputs) -> None:
         """Decodes are ordered longest context first (the caller keeps this order for the logits)."""
         if not decodes:
             return
@@ -135,7 +171,7 @@ class ModelRunner:
         batch.positions.append(pos)
         batch.slots.append(slots)
 
-    def _prepare_prefills(self, prefills: list[ScheduledRequest], batch: _Batch) -> None:
+    def _prepare_prefills(self, prefills: list[ScheduledRequest], batch: StepInputs) -> None:
         row = len(batch.input_ids)
         for s in prefills:
             req, n = s.request, s.num_tokens
@@ -150,7 +186,10 @@ class ModelRunner:
             batch.prefills.append(SeqSpan(row, row + n, ctx, list(table)))
             row += n
 
-    def _select_logits(self, ordered: list[ScheduledRequest], hidden: torch.Tensor) -> StepOutput:
+    @staticmethod
+    def _plan_logits(ordered: list[ScheduledRequest], batch: StepInputs) -> StepOutput:
+        """Which rows' logits the step needs: each prompt-logprobs chunk, then the sampled rows
+        (``batch.logit_rows`` in that order); the returned step's logits are filled by ``execute``."""
         step = StepOutput()
         rows: list[int] = []
         row = 0
@@ -160,13 +199,12 @@ class ModelRunner:
                 # Positions p in this chunk with p + 1 a prompt token predict that token.
                 first = req.num_computed_tokens
                 last = min(first + s.num_tokens, req.num_prompt_tokens - 1)
-                h = hidden[row : row + last - first]
-                step.prompt_logits[req.request_id] = (first, self.model.compute_logits(h).float().cpu())
+                batch.logit_rows.append(torch.arange(row, row + last - first))
+                step.prompt_logits[req.request_id] = (first, torch.empty(0))
             if s.samples:
                 rows.append(row + s.num_tokens - 1)
                 step.sample_requests.append(req)
             row += s.num_tokens
         if rows:
-            idx = torch.tensor(rows, dtype=torch.long, device=hidden.device)
-            step.logits = self.model.compute_logits(hidden[idx]).float().cpu()
+            batch.logit_rows.append(torch.tensor(rows, dtype=torch.long))
         return step

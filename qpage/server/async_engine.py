@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 
 from qpage.engine.engine import LLMEngine, PromptType
 from qpage.engine.outputs import RequestOutput, SampleLogprobs
+from qpage.parallel.comm import TensorParallelError
 from qpage.sampling_params import SamplingParams
 
 log = logging.getLogger("qpage.server")
@@ -123,6 +124,8 @@ class AsyncEngine:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.error: str | None = None
+        self.on_fatal: Callable[[], None] | None = None
+        """Called once when the engine thread stops on an error (the server then exits)."""
         self._last_log = (time.monotonic(), 0, 0, 0, 0)
         self.history: deque[tuple[float, dict[str, Any]]] = deque(maxlen=64)
         """(time, metrics snapshot) every ``log_interval`` seconds, for the doctor."""
@@ -240,6 +243,8 @@ class AsyncEngine:
             for s in list(self._streams.values()):
                 s.put_threadsafe(EngineDeadError(self.error))
             self._streams.clear()
+            if self.on_fatal is not None:
+                self.on_fatal()
 
     def _drain_commands(self, block: bool) -> None:
         try:
@@ -256,6 +261,8 @@ class AsyncEngine:
     def _step(self) -> None:
         try:
             outs = self.engine.step()
+        except TensorParallelError:
+            raise  # a rank is gone: the engine cannot go on (the loop stops, /health answers 503)
         except Exception as e:
             # A step that failed outside any one request's part (the model forward) is not any
             # request's fault, and its state is unknown: end every request with the error, drop

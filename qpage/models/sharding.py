@@ -1,0 +1,242 @@
+"""How a Llama-family model splits over N ranks (Megatron style), each rank's slice of a
+checkpoint tensor, and the split layers' collectives (``Rank``).
+
+- Column-parallel: the fused qkv (a rank's query heads and the KV heads they read) and gate_up
+  (a range of the intermediate size). No communication.
+- Row-parallel: o_proj and down_proj take the matching input columns and produce partial
+  sums, all-reduced once each.
+- Vocabulary-parallel: the embedding and the LM head hold a range of token rows; lookups are
+  all-reduced, logits gathered to rank 0. Norms are replicated.
+
+Heads split in whole GQA groups, so attention on a rank is ordinary GQA over its own heads.
+With fewer KV heads than ranks each KV head is replicated on N / kv_heads ranks, which split
+its group of query heads (as vLLM does). When the KV heads do not divide by N (SmolLM2-135M:
+3 over 2 ranks) the ranks get unequal whole groups; the KV cache is sized for the largest.
+
+Quantized row-parallel layers (GPTQ) split by whole groups in the order of ``g_idx`` (the
+checkpoint's act-order), so each rank's part is an ordinary in-order GPTQ weight that the
+packed kernels run. When those columns are not the rank's own input columns (act-order, or a
+group that straddles a head boundary) the layer all-gathers its input and picks them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from qpage.formats.gguf_model import GgufTensor
+from qpage.formats.gptq import GptqConfig
+from qpage.kernels.packing import pack_rows, unpack_rows
+from qpage.models.arch import ArchConfig
+from qpage.parallel.comm import Collectives
+
+_LAYER = re.compile(r"^model\.layers\.\d+\.(self_attn|mlp)\.(\w+_proj)\.(weight|bias)$")
+COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+ROW_PARALLEL = ("o_proj", "down_proj")
+
+
+def _even(n: int, world: int, rank: int, unit: int = 1) -> tuple[int, int]:
+    """Rank's share [a, b) of n items split in units of ``unit`` as evenly as possible."""
+    units = -(-n // unit)
+    return min(n, rank * units // world * unit), min(n, (rank + 1) * units // world * unit)
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """What one rank holds, as global [start, stop) ranges."""
+
+    rank: int
+    world: int
+    heads: tuple[int, int]
+    """Query heads."""
+    kv_heads: tuple[int, int]
+    """KV heads (replicated ones counted on each rank that holds them)."""
+    intermediate: tuple[int, int]
+    vocab: tuple[int, int]
+
+    def local_arch(self, arch: ArchConfig) -> ArchConfig:
+        """The shape of this rank's part: a smaller model of the same architecture."""
+        return dataclasses.replace(
+            arch, num_heads=self.heads[1] - self.heads[0], num_kv_heads=self.kv_heads[1] - self.kv_heads[0],
+            intermediate_size=self.intermediate[1] - self.intermediate[0], vocab_size=self.vocab[1] - self.vocab[0])
+
+    def own_inputs(self, proj: str, arch: ArchConfig) -> tuple[int, int]:
+        """The input columns of a row-parallel projection this rank computes itself."""
+        if proj == "o_proj":
+            return self.heads[0] * arch.head_dim, self.heads[1] * arch.head_dim
+        return self.intermediate
+
+    def row_inputs(self, proj: str, arch: ArchConfig, quant: GptqConfig | None) -> tuple[int, int]:
+        """[a, b) in ``g_idx`` order of the input columns this rank's row-parallel weight covers:
+        its own columns when dense or per-channel, else its share of whole groups."""
+        if quant is None or quant.group_size is None:
+            return self.own_inputs(proj, arch)
+        k = arch.q_size if proj == "o_proj" else arch.intermediate_size
+        g = quant.group_size
+        g0, g1 = _even(-(-k // g), self.world, self.rank)
+        return g0 * g, min(g1 * g, k)
+
+
+def check_parallel(arch: ArchConfig, world: int, source: str) -> None:
+    """Refuse a configuration tensor parallelism cannot run, with the reason."""
+    if world < 1:
+        raise ValueError(f"tensor_parallel_size={world} must be at least 1")
+    if world == 1:
+        return
+    q = arch.quantization
+    if q is not None and q.get("quant_method") not in ("gptq", "gguf"):
+        raise ValueError(f"{source}: tensor_parallel_size={world} runs dense, GPTQ and GGUF checkpoints; this one is "
+                         f"{q.get('quant_method')!r}. Run it with tensor_parallel_size=1, or quantize the dense "
+                         "model with `qpage quantize --format gptq`")
+    h, hk = arch.num_heads, arch.num_kv_heads
+    if hk < world and (world % hk or (h // hk) % (world // hk)):
+        raise ValueError(f"{source}: tensor_parallel_size={world} does not fit {h} query heads over {hk} KV heads: "
+                         f"with fewer KV heads than ranks, the ranks must divide by the KV heads ({world} % {hk}) and "
+                         f"each group of {h // hk} query heads by the ranks per KV head; choose a size that divides "
+                         f"{hk} or a multiple of it")
+    if arch.intermediate_size < world or arch.vocab_size < world:
+        raise ValueError(f"{source}: tensor_parallel_size={world} is larger than the model's intermediate size "
+                         f"or vocabulary")
+
+
+def plan_shards(arch: ArchConfig, world: int) -> list[ShardPlan]:
+    """Every rank's share (``check_parallel`` first)."""
+    h, hk = arch.num_heads, arch.num_kv_heads
+    group = h // hk
+    # Whole GGUF blocks (256 or 32 weights) or packed int32 columns of GPTQ zeros (8), where they divide.
+    unit = next(u for u in (256, 32, 8, 1) if arch.intermediate_size % (u * world) == 0)
+    plans = []
+    for r in range(world):
+        if hk >= world:
+            k0, k1 = _even(hk, world, r)
+            q0, q1 = k0 * group, k1 * group
+        else:
+            reps = world // hk
+            k0, k1 = r // reps, r // reps + 1
+            per = group // reps
+            q0 = k0 * group + (r % reps) * per
+            q1 = q0 + per
+        plans.append(ShardPlan(r, world, (q0, q1), (k0, k1), _even(arch.intermediate_size, world, r, unit),
+                               _even(arch.vocab_size, world, r)))
+    return plans
+
+
+def _rows(plan: ShardPlan, arch: ArchConfig, proj: str) -> tuple[int, int]:
+    """Output rows of a column-parallel projection this rank holds."""
+    hd = arch.head_dim
+    if proj == "q_proj":
+        return plan.heads[0] * hd, plan.heads[1] * hd
+    if proj in ("k_proj", "v_proj"):
+        return plan.kv_heads[0] * hd, plan.kv_heads[1] * hd
+    return plan.intermediate
+
+
+Weight = torch.Tensor | GgufTensor
+
+
+def _row_slice(t: Weight, a: int, b: int) -> Weight:
+    if isinstance(t, GgufTensor):
+        return GgufTensor(t.rows[a:b], t.ggml_type, (b - a, t.shape[1]), t.name)
+    return t[a:b]
+
+
+def _col_slice(t: Weight, a: int, b: int, rank: int) -> Weight:
+    """Input columns [a, b): for a GGUF tensor, whole blocks of each row's bytes."""
+    if not isinstance(t, GgufTensor):
+        return t[:, a:b]
+    block, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType(t.ggml_type)]
+    if a % block or b % block:
+        raise ValueError(f"{t.name}: rank {rank}'s input columns [{a}, {b}) do not fall on the file's {block}-weight "
+                         "blocks; run this file with tensor_parallel_size=1, or a file of 32-weight blocks "
+                         "(Q4_0, Q4_1, Q5_0, Q5_1, Q8_0)")
+    return GgufTensor(t.rows[:, a // block * nbytes : b // block * nbytes], t.ggml_type, (t.shape[0], b - a), t.name)
+
+
+def shard_weight(name: str, t: Weight, plan: ShardPlan, arch: ArchConfig) -> Weight:
+    """This rank's slice of a checkpoint's ``.weight`` or ``.bias`` tensor, dense or in GGUF
+    blocks (norms whole)."""
+    if name in ("model.embed_tokens.weight", "lm_head.weight"):
+        return _row_slice(t, *plan.vocab)
+    m = _LAYER.match(name)
+    if m is None:
+        return t
+    proj, kind = m.group(2), m.group(3)
+    if proj in COLUMN_PARALLEL:
+        return _row_slice(t, *_rows(plan, arch, proj))
+    if kind == "bias":  # a row-parallel bias is added once: by rank 0
+        assert isinstance(t, torch.Tensor)
+        return t if plan.rank == 0 else torch.zeros_like(t)
+    return _col_slice(t, *plan.own_inputs(proj, arch), plan.rank)
+
+
+def shard_gptq(prefix: str, parts: dict[str, torch.Tensor], plan: ShardPlan, arch: ArchConfig,
+               cfg: GptqConfig) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+    """This rank's part of one GPTQ projection, and for a row-parallel one the global input
+    columns it reads when they are not its own (None: its own input as it is)."""
+    proj = prefix.rpartition(".")[2]
+    pack = 32 // cfg.bits
+    out = dict(parts)
+    if proj in COLUMN_PARALLEL:
+        a, b = _rows(plan, arch, proj)
+        if a % pack or b % pack:
+            raise ValueError(f"{prefix}: rank {plan.rank}'s output columns [{a}, {b}) do not start and end on a "
+                             f"packed int32 of qzeros ({pack} columns); choose another tensor_parallel_size")
+        out["qweight"], out["scales"] = parts["qweight"][:, a:b], parts["scales"][:, a:b]
+        out["qzeros"] = parts["qzeros"][:, a // pack : b // pack]
+        return out, None
+    k = arch.q_size if proj == "o_proj" else arch.intermediate_size
+    g = cfg.group_size or k
+    g_idx = parts.get("g_idx")
+    g_idx = torch.arange(k) // g if g_idx is None else g_idx.long()
+    c0, c1 = plan.row_inputs(proj, arch, cfg)
+    cols = torch.argsort(g_idx, stable=True)[c0:c1]
+    out["qweight"] = pack_rows(unpack_rows(parts["qweight"], cfg.bits, k)[cols], cfg.bits)
+    if cfg.group_size is not None:
+        g0 = c0 // g
+        g1 = -(-c1 // g)
+        out["scales"], out["qzeros"] = parts["scales"][g0:g1], parts["qzeros"][g0:g1]
+        out["g_idx"] = (g_idx[cols] - g0).to(torch.int32)
+    elif "g_idx" in parts:
+        out["g_idx"] = torch.zeros(c1 - c0, dtype=torch.int32)
+    own = plan.own_inputs(proj, arch)
+    same = (c0, c1) == own and torch.equal(cols, torch.arange(own[0], own[1]))
+    return out, None if same else cols
+
+
+@dataclass
+class Rank:
+    plans: list[ShardPlan]
+    """Every rank's share, indexed by rank."""
+    arch: ArchConfig
+    """The whole model's shape (``plan.local_arch(arch)`` is this rank's)."""
+    comm: Collectives
+
+    @property
+    def plan(self) -> ShardPlan:
+        return self.plans[self.comm.rank]
+
+    def embed(self, ids: torch.Tensor, lookup: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """Vocabulary-parallel lookup: rows of this rank's tokens, zeros elsewhere, summed over ranks."""
+        v0, v1 = self.plan.vocab
+        inside = (ids >= v0) & (ids < v1)
+        h = lookup(torch.where(inside, ids - v0, 0))
+        h.masked_fill_(~inside[:, None], 0.0)
+        return self.comm.all_reduce(h)
+
+    def logits(self, local: torch.Tensor) -> torch.Tensor | None:
+        """This rank's vocabulary columns -> the whole row on rank 0 (None on the others)."""
+        return self.comm.gather_cols(local, [p.vocab[1] - p.vocab[0] for p in self.plans])
+
+    def row_parallel(self, forward: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, proj: str,
+                     cols: torch.Tensor | None) -> torch.Tensor:
+        """A row-parallel projection: partial sums over this rank's input columns, all-reduced.
+        ``cols`` (global input columns, see ``shard.shard_gptq``) first all-gathers the input."""
+        if cols is not None:
+            widths = [b - a for a, b in (p.own_inputs(proj, self.arch) for p in self.plans)]
+            x = self.comm.all_gather_cols(x, widths)[:, cols]
+        return self.comm.all_reduce(forward(x))

@@ -1,0 +1,266 @@
+"""Tensor-parallel ranks as processes. Rank 0 is the engine's own process (the driver: it
+schedules, samples and detokenizes, and holds its part of the model); ranks 1..N-1 are
+workers that hold theirs and follow the driver's commands: ``("step", StepInputs)``,
+``("calibrate", token ids)``, and None to stop.
+
+``LLM(tensor_parallel_size=N)`` spawns the workers and joins them over TCP on 127.0.0.1.
+Under ``torchrun`` (RANK and WORLD_SIZE set) every process runs the same command; rank 0
+returns from ``start`` as the driver, the others serve as workers and exit when it stops.
+A rank that dies or hangs surfaces in the driver's next collective (connection reset, or the
+group's timeout) and becomes a ``TensorParallelError`` naming the rank.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import socket
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+from qpage.engine.kv_cache import KVCacheManager
+from qpage.kernels.cpu import blas
+from qpage.layers.kv_format import KVCacheSpec
+from qpage.models.arch import ArchConfig
+from qpage.models.loader import load_model
+from qpage.models.sharding import Rank, plan_shards
+from qpage.parallel.comm import Collectives, TensorParallelError
+from qpage.runner.model_runner import ModelRunner
+
+log = logging.getLogger("qpage")
+
+
+@dataclass
+class RankSetup:
+    """What every rank builds its part from, decided once by the driver."""
+
+    model_dir: Path
+    arch: ArchConfig
+    dtype: torch.dtype
+    device: str
+    max_model_len: int
+    num_blocks: int
+    kv_spec: KVCacheSpec
+    attention_backend: str
+    allow_pickle: bool
+    dequantize_weights: bool
+
+
+@dataclass
+class RankReport:
+    """What a rank holds once built (the start line; None error) or why it failed."""
+
+    rank: int
+    weight_bytes: int = 0
+    kv_bytes: int = 0
+    kv_heads: int = 0
+    error: str | None = None
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the weights this process holds: each linear's on its kernel path, plus the
+    embedding and norms (a tied head's BLAS copy of the embedding not counted)."""
+    total = 0
+    for m in model.modules():
+        if hasattr(m, "kernel_path"):
+            total += int(m.weight_bytes)
+        else:
+            total += sum(p.numel() * p.element_size() for p in m.parameters(recurse=False))
+    return total
+
+
+def _pin(rank: int, world: int, device: str) -> Callable[[], None]:
+    """On CPU, give each rank its share of this process's cores (one pool of threads per
+    core, none spinning on another rank's), and size the thread pools to it. Returns what
+    undoes it (the driver's process outlives its engine)."""
+    if device != "cpu" or not hasattr(os, "sched_setaffinity"):
+        return lambda: None
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < world:
+        return lambda: None
+    threads = torch.get_num_threads()
+    mine = cores[rank * len(cores) // world : (rank + 1) * len(cores) // world]
+    os.sched_setaffinity(0, mine)
+    torch.set_num_threads(len(mine))
+    blas.set_threads(len(mine))
+
+    def undo() -> None:
+        os.sched_setaffinity(0, cores)
+        torch.set_num_threads(threads)
+        blas.set_threads(None)
+
+    return undo
+
+
+def build_rank(setup: RankSetup, comm: Collectives, kv: KVCacheManager | None = None,
+               broadcast: Callable[[Any], None] | None = None) -> tuple[ModelRunner, RankReport]:
+    """This rank's part of the model and of the KV cache (the driver passes its block manager
+    and how it sends commands to the workers)."""
+    tp = Rank(plan_shards(setup.arch, comm.world), setup.arch, comm)
+    device = torch.device(setup.device)
+    model = load_model(setup.model_dir, setup.arch, setup.dtype, device, setup.max_model_len,
+                       setup.allow_pickle, setup.dequantize_weights, tp)
+    if model.ops.torch_threads is not None:
+        torch.set_num_threads(model.ops.torch_threads)
+    if device.type == "cpu" and model.runs_own_threads():
+        blas.set_threads(1)
+    local = tp.plan.local_arch(setup.arch)
+    runner = ModelRunner(model, local, kv, setup.dtype, device, kv_spec=setup.kv_spec,
+                         attention_backend=setup.attention_backend, num_blocks=setup.num_blocks,
+                         broadcast=broadcast)
+    kv = setup.kv_spec.bytes_per_token(local.num_layers, local.num_kv_heads, local.head_dim)
+    return runner, RankReport(comm.rank, weight_bytes(model), kv * setup.num_blocks * 16, local.num_kv_heads)
+
+
+def serve(comm: Collectives) -> None:
+    """A worker's life: build its part, report, then run the driver's commands until None."""
+    setup: RankSetup = comm.broadcast()
+    try:
+        runner, report = build_rank(setup, comm)
+    except Exception as e:  # reported to the driver, which raises it
+        comm.gather_objects(RankReport(comm.rank, error=f"{type(e).__name__}: {e}"))
+        return
+    comm.gather_objects(report)
+    while True:
+        try:
+            cmd = comm.broadcast()
+        except RuntimeError:  # rank 0 is gone without a word: its own exit status tells why
+            log.warning("qpage: rank %d: rank 0 closed the tensor-parallel group; stopping", comm.rank)
+            return
+        if cmd is None:
+            return
+        kind, arg = cmd
+        if kind == "step":
+            runner.run(arg)
+        elif kind == "calibrate":
+            runner.calibrate_kv_shifts(arg)
+
+
+def _worker(rank: int, world: int, init_method: str, timeout_s: float, device: str) -> None:
+    """Entry point of a spawned worker."""
+    _pin(rank, world, device)
+    comm = Collectives.join(rank, world, init_method, timeout_s, _backend(device))
+    try:
+        serve(comm)
+    finally:
+        comm.leave()
+
+
+def _backend(device: str) -> str:
+    return "nccl" if device.startswith("cuda") else "gloo"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def launched_by_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def rank_device(device: str, world: int) -> str:
+    """This process's device: on CUDA, the card of its local rank (checked to exist)."""
+    if not device.startswith("cuda"):
+        return device
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.device_count() < (world if not launched_by_torchrun() else local + 1):
+        raise ValueError(f"tensor_parallel_size={world} needs {world} CUDA devices; this machine has "
+                         f"{torch.cuda.device_count()}")
+    return f"cuda:{local}"
+
+
+class Workers:
+    """The driver's side of the group: rank 0's collectives and the worker processes."""
+
+    def __init__(self, world: int, timeout_s: float, device: str) -> None:
+        self.world, self.timeout_s = world, timeout_s
+        self.procs: list[Any] = []
+        self._unpin: Callable[[], None] = lambda: None
+        self.external = launched_by_torchrun()
+        """Ranks started by torchrun (else spawned here)."""
+        if self.external:
+            n = int(os.environ["WORLD_SIZE"])
+            if n != world:
+                raise ValueError(f"torchrun started {n} processes but tensor_parallel_size={world}; give the same "
+                                 "number to both")
+            rank = int(os.environ["RANK"])
+            self._unpin = _pin(int(os.environ.get("LOCAL_RANK", rank)), int(os.environ.get("LOCAL_WORLD_SIZE", n)),
+                               device)
+            self.comm = Collectives.join(rank, world, "env://", timeout_s, _backend(device))
+            if rank == 0:
+                atexit.register(self.close)
+            else:  # a worker for the whole life of this process
+                try:
+                    serve(self.comm)
+                finally:
+                    self.comm.leave()
+                sys.exit(0)
+            return
+        atexit.register(self.close)  # the workers hear "stop" when this process ends
+        init = f"tcp://127.0.0.1:{_free_port()}"
+        ctx = mp.get_context("spawn")
+        for r in range(1, world):
+            p = ctx.Process(target=_worker, args=(r, world, init, timeout_s, device), daemon=True,
+                            name=f"qpage-tp-rank{r}")
+            p.start()
+            self.procs.append(p)
+        self._unpin = _pin(0, world, device)
+        try:
+            self.comm = Collectives.join(0, world, init, timeout_s, _backend(device))
+        except Exception as e:
+            self.close()
+            raise TensorParallelError(f"the tensor-parallel workers did not join: {e}") from e
+
+    def start(self, setup: RankSetup) -> list[RankReport]:
+        """Send the setup; every rank's report once it has built its part."""
+        self.comm.broadcast(setup)
+        return self.comm.gather_objects(None) or []
+
+    def send(self, cmd: Any) -> None:
+        if not hasattr(self, "comm"):
+            raise TensorParallelError("the tensor-parallel group stopped after an earlier error; start a new engine")
+        self.comm.broadcast(cmd, self.timeout_s)
+
+    def failure(self, e: BaseException) -> TensorParallelError:
+        """The error to raise for a failed collective: which rank is gone, or the timeout."""
+        for p in self.procs:  # a rank killed a moment ago may not have been reaped yet
+            p.join(timeout=1)
+        dead = [f"rank {i + 1} (pid {p.pid}) exited with code {p.exitcode}" for i, p in enumerate(self.procs)
+                if p.exitcode is not None]
+        if dead:
+            why = "; ".join(dead)
+        elif "timed out" in str(e).lower():
+            why = f"a rank did not answer within {self.timeout_s:g} s (distributed_timeout)"
+        else:
+            why = "a rank's connection broke"
+        self.close(force=True)
+        return TensorParallelError(f"tensor-parallel group failed: {why} ({type(e).__name__}: {e})")
+
+    def close(self, force: bool = False) -> None:
+        """Stop the workers (politely unless ``force``, and by force if they do not stop) and leave."""
+        alive = [p for p in self.procs if p.exitcode is None]
+        if (alive or self.external) and hasattr(self, "comm") and not force:
+            try:
+                self.comm.broadcast(None, self.timeout_s)
+            except Exception:  # the group is already broken; the workers are killed below
+                log.debug("could not tell the tensor-parallel workers to stop", exc_info=True)
+        for p in self.procs:
+            p.join(timeout=0 if force else 5)
+            if p.exitcode is None:
+                p.kill()
+                p.join()
+        self.procs = []
+        if hasattr(self, "comm"):
+            self.comm.leave()
+            del self.comm
+        self._unpin()
+        self._unpin = lambda: None

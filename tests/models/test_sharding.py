@@ -1,0 +1,114 @@
+"""How a model splits over ranks (``models.sharding``): head groups, replication, refusals, and
+GPTQ row-parallel parts that equal the matching slice of the whole weight."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from qpage.formats.gguf_model import GgufTensor
+from qpage.formats.gptq import GptqConfig
+from qpage.kernels.packing import dequantize_ref, pack_cols, pack_rows
+from qpage.models.arch import ArchConfig
+from qpage.models.sharding import check_parallel, plan_shards, shard_gptq, shard_weight
+
+ARCH = ArchConfig("LlamaForCausalLM", vocab_size=1000, hidden_size=256, intermediate_size=512, num_layers=2,
+                  num_heads=8, num_kv_heads=4, head_dim=32, rms_norm_eps=1e-5, rope_theta=1e4, rope_scaling=None,
+                  max_position_embeddings=512, tie_word_embeddings=True, qkv_bias=False, o_bias=False,
+                  mlp_bias=False, qk_norm=False, sliding_window=None, torch_dtype="float32")
+
+
+def test_even_split_covers_everything_once() -> None:
+    plans = plan_shards(ARCH, 2)
+    assert [p.heads for p in plans] == [(0, 4), (4, 8)]
+    assert [p.kv_heads for p in plans] == [(0, 2), (2, 4)]
+    assert [p.intermediate for p in plans] == [(0, 256), (256, 512)]
+    assert [p.vocab for p in plans] == [(0, 500), (500, 1000)]
+    local = plans[1].local_arch(ARCH)
+    assert (local.num_heads, local.num_kv_heads, local.intermediate_size, local.vocab_size) == (4, 2, 256, 500)
+
+
+def test_uneven_kv_heads_split_in_whole_groups() -> None:
+    arch = dataclasses.replace(ARCH, num_heads=9, num_kv_heads=3, head_dim=64, hidden_size=576)  # SmolLM2-135M
+    plans = plan_shards(arch, 2)
+    assert [p.kv_heads for p in plans] == [(0, 1), (1, 3)]
+    assert [p.heads for p in plans] == [(0, 3), (3, 9)], "each rank's query heads are its KV heads' groups"
+
+
+def test_fewer_kv_heads_than_ranks_are_replicated() -> None:
+    arch = dataclasses.replace(ARCH, num_heads=8, num_kv_heads=2)
+    plans = plan_shards(arch, 4)
+    assert [p.kv_heads for p in plans] == [(0, 1), (0, 1), (1, 2), (1, 2)]
+    assert [p.heads for p in plans] == [(0, 2), (2, 4), (4, 6), (6, 8)]
+
+
+def test_refuses_what_cannot_split() -> None:
+    arch = dataclasses.replace(ARCH, num_heads=6, num_kv_heads=2)
+    with pytest.raises(ValueError, match="does not fit 6 query heads over 2 KV heads"):
+        check_parallel(arch, 4, "m")  # 2 ranks per KV head, but 3 query heads per group
+    with pytest.raises(ValueError, match="runs dense, GPTQ and GGUF checkpoints; this one is 'awq'"):
+        check_parallel(dataclasses.replace(ARCH, quantization={"quant_method": "awq"}), 2, "m")
+    check_parallel(arch, 1, "m")  # one rank always fits
+
+
+def test_dense_slices() -> None:
+    p = plan_shards(ARCH, 2)[1]
+    w = torch.arange(256 * 256, dtype=torch.float32).view(256, 256)
+    assert torch.equal(shard_weight("model.layers.0.self_attn.q_proj.weight", w, p, ARCH), w[128:256])
+    assert torch.equal(shard_weight("model.layers.0.self_attn.k_proj.weight", w[:128], p, ARCH), w[64:128])
+    assert torch.equal(shard_weight("model.layers.0.self_attn.o_proj.weight", w, p, ARCH), w[:, 128:256])
+    assert torch.equal(shard_weight("model.layers.0.mlp.down_proj.bias", w[0], p, ARCH), torch.zeros(256)), \
+        "a row-parallel bias is added by rank 0 only"
+    assert torch.equal(shard_weight("model.norm.weight", w[0], p, ARCH), w[0])
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_gptq_row_parallel_parts_sum_to_the_whole(act_order: bool) -> None:
+    """Each rank's down_proj part, fed the input columns it names, sums to the whole layer."""
+    torch.manual_seed(0)
+    k, n, g = 512, 256, 128
+    cfg = GptqConfig(4, g, False, act_order, False)
+    q = torch.randint(0, 16, (k, n))
+    scales = torch.rand(k // g, n, dtype=torch.float16) / 10
+    zeros = torch.randint(0, 16, (k // g, n))
+    g_idx = (torch.randperm(k) // g if act_order else torch.arange(k) // g).to(torch.int32)
+    parts = {"qweight": pack_rows(q, 4), "scales": scales, "qzeros": pack_cols(zeros, 4), "g_idx": g_idx}
+    whole = dequantize_ref(parts["qweight"], scales, parts["qzeros"], g_idx, bits=4, group_size=g, in_features=k)
+    x = torch.randn(3, k)
+    total = torch.zeros(3, n)
+    for plan in plan_shards(ARCH, 2):
+        part, cols = shard_gptq("model.layers.0.mlp.down_proj", parts, plan, ARCH, cfg)
+        own = torch.arange(*plan.intermediate)
+        if act_order:
+            assert cols is not None, "act-order columns are scattered: the input is gathered"
+        else:
+            assert cols is None, "in-order groups on the rank's own columns need no gather"
+            cols = own
+        w = dequantize_ref(part["qweight"], part["scales"], part["qzeros"], part["g_idx"], bits=4, group_size=g,
+                           in_features=len(cols))
+        total += x[:, cols] @ w
+    torch.testing.assert_close(total, x @ whole, rtol=1e-5, atol=1e-4)
+
+
+def test_gguf_blocks_slice_on_block_boundaries() -> None:
+    """A row-parallel GGUF weight is cut between blocks: each rank's part dequantizes to its
+    columns of the whole; a cut inside a 256-weight K-quant block is refused by name."""
+    from gguf import GGMLQuantizationType, quants
+
+    torch.manual_seed(0)
+    w = torch.randn(256, 256).numpy()
+    q = quants.quantize(w, GGMLQuantizationType.Q4_0)
+    t = GgufTensor(q, int(GGMLQuantizationType.Q4_0), (256, 256), "blk.0.attn_output.weight")
+    whole = quants.dequantize(q, GGMLQuantizationType.Q4_0)
+    for plan in plan_shards(ARCH, 2):
+        part = shard_weight("model.layers.0.self_attn.o_proj.weight", t, plan, ARCH)
+        a, b = plan.own_inputs("o_proj", ARCH)
+        assert isinstance(part, GgufTensor) and part.shape == (256, b - a)
+        assert (part.dequantize().numpy() == whole[:, a:b]).all()
+    kq = np.zeros((256, 144), dtype=np.uint8)  # one 256-weight Q4_K block (144 bytes) per row
+    k = GgufTensor(kq, int(GGMLQuantizationType.Q4_K), (256, 256), "blk.0.x")
+    with pytest.raises(ValueError, match=r"blk.0.x: rank 0's input columns \[0, 128\) do not fall on the file's 256"):
+        shard_weight("model.layers.0.self_attn.o_proj.weight", k, plan_shards(ARCH, 2)[0], ARCH)
