@@ -115,8 +115,8 @@ def _serve(args: argparse.Namespace, build_engine_config: Any) -> int:
     aengine.on_fatal = lambda: setattr(server, "should_exit", True)  # requests in flight got their 503 first
     try:
         server.run()
-    finally:
-        engine.shutdown()
+    finally:  # the engine thread may still be inside a step (it was given 10 s): then no polite stop
+        engine.shutdown(force=aengine.running)
     if aengine.error is not None:
         print(f"qpage serve: error: the engine stopped: {aengine.error}", file=sys.stderr)
         return 1

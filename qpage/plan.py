@@ -141,8 +141,9 @@ def format_table(name: str, a: ArchConfig, rows: list[PlanRow], gpu_memory: int,
                  tp: int = 1) -> str:
     gb = 1e9
     cards = f"{tp} cards of" if tp > 1 else "card"
+    each = " each" if tp > 1 else ""
     head = (f"{name}: {num_params(a) / 1e9:.2f} B parameters, {a.num_layers} layers, {a.num_kv_heads} KV heads x "
-            f"{a.head_dim}; {cards} {gpu_memory / 2**30:.1f} GiB, {overhead / 2**30:.1f} GiB each kept for "
+            f"{a.head_dim}; {cards} {gpu_memory / 2**30:.1f} GiB, {overhead / 2**30:.1f} GiB{each} kept for "
             f"activations and runtime; requests of {ctx} tokens")
     per = " per card" if tp > 1 else ""
     lines = [head, "",

@@ -7,8 +7,10 @@ import itertools
 import json
 import logging
 import time
+import weakref
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -37,6 +39,7 @@ from qpage.runner.tp_workers import RankReport, RankSetup, Workers, build_rank, 
 from qpage.sampling_params import SamplingParams
 
 PromptType = str | dict[str, Any]
+T = TypeVar("T")
 log = logging.getLogger("qpage.engine")
 
 
@@ -95,7 +98,7 @@ class LLMEngine:
         self.arch = read_arch_config(self.model_dir)
         tp = config.parallel.tensor_parallel_size
         check_parallel(self.arch, tp, str(self.model_dir))
-        self.device = torch.device(rank_device(mc.device, tp))
+        self.device = torch.device(rank_device(mc.device, tp, 0))
         self.dtype = resolve_dtype(mc.dtype, self.arch, self.device)
         self.tokenizer = load_tokenizer(self.model_dir)
         self.eos_token_ids = eos_token_ids(self.model_dir, self.tokenizer)
@@ -150,7 +153,8 @@ class LLMEngine:
         (rank 0) builds its own; raise the first rank's load error, if any."""
         mc, pc = self.config.model, self.config.parallel
         self.workers = Workers(pc.tensor_parallel_size, pc.distributed_timeout, str(self.device))
-        setup = RankSetup(self.model_dir, self.arch, self.dtype, str(self.device), self.max_model_len, num_blocks,
+        self._finalizer = weakref.finalize(self, self.workers.close)  # workers stop when this engine goes
+        setup = RankSetup(self.model_dir, self.arch, self.dtype, mc.device, self.max_model_len, num_blocks,
                           self.kv_spec, mc.attention_backend, mc.allow_pickle, mc.dequantize_weights)
         comm = self.workers.comm
         try:
@@ -166,16 +170,16 @@ class LLMEngine:
             raise ValueError("; ".join(errors))
         self.runner, self.model = runner, runner.model
 
-    def _run_ranks(self, fn: Any) -> Any:
-        """``fn()``; with tensor parallelism a failed collective becomes a TensorParallelError
-        naming the dead or silent rank (the workers are stopped)."""
+    def _run_ranks(self, fn: Callable[[], T]) -> T:
+        """``fn()``; with tensor parallelism any error inside it ends the group (the ranks may be
+        out of step) as a TensorParallelError naming the dead or silent rank, or the cause."""
         if self.workers is None:
             return fn()
         try:
             return fn()
         except TensorParallelError:
             raise
-        except RuntimeError as e:
+        except Exception as e:
             raise self.workers.failure(e) from e
 
     def _parallel_note(self) -> str:
@@ -189,10 +193,11 @@ class LLMEngine:
         return (f"; tensor parallel {len(self.rank_reports)} ranks ({backend}): weights "
                 f"{mib} MiB, KV cache {kv} MiB ({heads} of {self.arch.num_kv_heads} KV heads) per rank")
 
-    def shutdown(self) -> None:
-        """Stop the tensor-parallel workers, if any (also done at exit)."""
+    def shutdown(self, force: bool = False) -> None:
+        """Stop the tensor-parallel workers, if any (also done when the engine is collected or
+        the process exits); ``force`` kills them without a word (a step may still be running)."""
         if self.workers is not None:
-            self.workers.close()
+            self.workers.close(force)
             self.workers = None
 
     def _quantized_note(self) -> str:

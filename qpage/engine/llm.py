@@ -55,6 +55,11 @@ class LLM:
         )
         self.llm_engine = LLMEngine(config)
 
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel worker processes now (they also stop when this object is
+        collected or the process exits)."""
+        self.llm_engine.shutdown()
+
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
 

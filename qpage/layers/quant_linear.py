@@ -43,12 +43,21 @@ class IntLinear(QuantLinearBase):
 
     def load_part(self, prefix: str, parts: dict[str, torch.Tensor], offset: int, cols: int, file: str) -> None:
         """Copy one projection's tensors into output columns [offset, offset + cols)."""
+        self.store_part(prefix, self.check_part(prefix, parts, self.in_features, cols, file), offset, cols, file)
+
+    def check_part(self, prefix: str, parts: dict[str, torch.Tensor], in_features: int, cols: int,
+                   file: str) -> dict[str, torch.Tensor]:
+        """One projection's tensors, as stored in the checkpoint, validated for an
+        [in_features -> cols] projection and converted to the GPTQ layout (v2 zeros)."""
         if isinstance(self.cfg, AwqConfig):
-            t = awq_check_linear(prefix, parts, self.cfg, self.in_features, cols, file)
-        elif isinstance(self.cfg, CtIntConfig):
-            t = ct_check_linear(prefix, parts, self.cfg, self.in_features, cols, file)
-        else:
-            t = check_linear(prefix, parts, self.cfg, self.in_features, cols, file)
+            return awq_check_linear(prefix, parts, self.cfg, in_features, cols, file)
+        if isinstance(self.cfg, CtIntConfig):
+            return ct_check_linear(prefix, parts, self.cfg, in_features, cols, file)
+        return check_linear(prefix, parts, self.cfg, in_features, cols, file)
+
+    def store_part(self, prefix: str, t: dict[str, torch.Tensor | None], offset: int, cols: int, file: str) -> None:
+        """Copy a projection in the GPTQ layout (``check_part``'s result) into output columns
+        [offset, offset + cols)."""
         pack = 32 // self.cfg.bits
         self.qweight[:, offset : offset + cols] = t["qweight"]
         self.qzeros[:, offset // pack : (offset + cols) // pack] = t["qzeros"]

@@ -17,7 +17,6 @@ from torch import nn
 from qpage.formats import bnb
 from qpage.formats.detect import LinearConfig, linear_config
 from qpage.formats.gguf_model import GgufConfig
-from qpage.formats.gptq import GptqConfig
 from qpage.kernels.cpu.native_decode import DecodeStack
 from qpage.layers.attention import AttentionBackend
 from qpage.layers.attention_metadata import StepMetadata
@@ -32,7 +31,7 @@ from qpage.layers.quant_linear import IntLinear
 from qpage.layers.rotary import RotaryEmbedding, apply_rotary
 from qpage.models.arch import ArchConfig
 from qpage.models.fused_decode import build_decode_stack, run_decode_stack, step_fits
-from qpage.models.sharding import Rank, shard_gptq, shard_weight
+from qpage.models.sharding import IntConfig, Rank, global_shape, shard_gptq, shard_weight
 
 KVCache = LayerKV
 QuantLinear = IntLinear | Fp8Linear | BlockLinear
@@ -63,7 +62,7 @@ def _row_inputs(c: ArchConfig, proj: str, tp: Rank | None) -> int:
     if tp is None:
         return c.q_size if proj == "o_proj" else c.intermediate_size
     q = _quant(c)
-    a, b = tp.plan.row_inputs(proj, tp.arch, q if isinstance(q, GptqConfig) else None)
+    a, b = tp.plan.row_inputs(proj, tp.arch, q if isinstance(q, IntConfig) else None)
     return b - a
 
 
@@ -382,11 +381,16 @@ class LlamaForCausalLM(nn.Module):
                     qtargets: dict[str, tuple[QuantLinear | GgufEmbedding, int, int]],
                     file: str) -> None:
         mod, off, cols = qtargets[prefix]
-        if self.tp is not None and isinstance(mod, IntLinear) and isinstance(mod.cfg, GptqConfig):
-            parts, inputs = shard_gptq(prefix, parts, self.tp.plan, self.tp.arch, mod.cfg)
-            layer = self.layers[int(prefix.split(".")[2])]
-            if prefix.endswith("o_proj"):
-                layer.self_attn.o_cols = inputs
-            elif prefix.endswith("down_proj"):
-                layer.mlp.down_cols = inputs
-        mod.load_part(prefix, parts, off, cols, file)
+        if self.tp is None or not isinstance(mod, IntLinear):
+            mod.load_part(prefix, parts, off, cols, file)
+            return
+        # Validated and converted to the GPTQ layout at the whole model's shape, then sliced.
+        part, inputs = shard_gptq(prefix, mod.check_part(prefix, parts, *global_shape(prefix.rpartition(".")[2],
+                                                                                     self.tp.arch), file),
+                                  self.tp.plans, self.tp.comm.rank, self.tp.arch, mod.cfg)
+        layer = self.layers[int(prefix.split(".")[2])]
+        if prefix.endswith("o_proj"):
+            layer.self_attn.o_cols = inputs
+        elif prefix.endswith("down_proj"):
+            layer.mlp.down_cols = inputs
+        mod.store_part(prefix, part, off, cols, file)

@@ -29,13 +29,18 @@ from dataclasses import dataclass
 import torch
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from qpage.formats.gguf_model import GgufTensor
+from qpage.formats.awq import AwqConfig
+from qpage.formats.compressed_tensors import CtIntConfig
+from qpage.formats.detect import linear_config
+from qpage.formats.gguf_model import GgufConfig, GgufTensor
 from qpage.formats.gptq import GptqConfig
 from qpage.kernels.packing import pack_rows, unpack_rows
 from qpage.models.arch import ArchConfig
 from qpage.parallel.comm import Collectives
 
 _LAYER = re.compile(r"^model\.layers\.\d+\.(self_attn|mlp)\.(\w+_proj)\.(weight|bias)$")
+IntConfig = GptqConfig | AwqConfig | CtIntConfig
+"""Integer formats, all held in the GPTQ layout once loaded (``IntLinear.check_part``)."""
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 ROW_PARALLEL = ("o_proj", "down_proj")
 
@@ -71,7 +76,7 @@ class ShardPlan:
             return self.heads[0] * arch.head_dim, self.heads[1] * arch.head_dim
         return self.intermediate
 
-    def row_inputs(self, proj: str, arch: ArchConfig, quant: GptqConfig | None) -> tuple[int, int]:
+    def row_inputs(self, proj: str, arch: ArchConfig, quant: IntConfig | None) -> tuple[int, int]:
         """[a, b) in ``g_idx`` order of the input columns this rank's row-parallel weight covers:
         its own columns when dense or per-channel, else its share of whole groups."""
         if quant is None or quant.group_size is None:
@@ -89,10 +94,11 @@ def check_parallel(arch: ArchConfig, world: int, source: str) -> None:
     if world == 1:
         return
     q = arch.quantization
-    if q is not None and q.get("quant_method") not in ("gptq", "gguf"):
-        raise ValueError(f"{source}: tensor_parallel_size={world} runs dense, GPTQ and GGUF checkpoints; this one is "
-                         f"{q.get('quant_method')!r}. Run it with tensor_parallel_size=1, or quantize the dense "
-                         "model with `qpage quantize --format gptq`")
+    if q is not None and not isinstance(linear_config(q, source), (GptqConfig, AwqConfig, CtIntConfig, GgufConfig)):
+        raise ValueError(f"{source}: tensor_parallel_size={world} runs dense, integer (GPTQ, AWQ, compressed-tensors "
+                         f"pack-quantized) and GGUF checkpoints; this one is {q.get('quant_method')!r} "
+                         f"({type(linear_config(q, source)).__name__}). Run it with tensor_parallel_size=1, or "
+                         "quantize the dense model with `qpage quantize --format gptq`")
     h, hk = arch.num_heads, arch.num_kv_heads
     if hk < world and (world % hk or (h // hk) % (world // hk)):
         raise ValueError(f"{source}: tensor_parallel_size={world} does not fit {h} query heads over {hk} KV heads: "
@@ -102,6 +108,11 @@ def check_parallel(arch: ArchConfig, world: int, source: str) -> None:
     if arch.intermediate_size < world or arch.vocab_size < world:
         raise ValueError(f"{source}: tensor_parallel_size={world} is larger than the model's intermediate size "
                          f"or vocabulary")
+    g = getattr(linear_config(q, source), "group_size", None) if q is not None else None
+    for name, k in (("attention output", arch.q_size), ("intermediate", arch.intermediate_size)):
+        if g and -(-k // g) < world:
+            raise ValueError(f"{source}: the {name} size {k} holds {-(-k // g)} quantization groups of {g}, fewer "
+                             f"than tensor_parallel_size={world}: a rank would hold none; use fewer ranks")
 
 
 def plan_shards(arch: ArchConfig, world: int) -> list[ShardPlan]:
@@ -109,7 +120,8 @@ def plan_shards(arch: ArchConfig, world: int) -> list[ShardPlan]:
     h, hk = arch.num_heads, arch.num_kv_heads
     group = h // hk
     # Whole GGUF blocks (256 or 32 weights) or packed int32 columns of GPTQ zeros (8), where they divide.
-    unit = next(u for u in (256, 32, 8, 1) if arch.intermediate_size % (u * world) == 0)
+    n = arch.intermediate_size
+    unit = next(u for u in (256, 32, 8, 1) if n % u == 0 and n // u >= world)
     plans = []
     for r in range(world):
         if hk >= world:
@@ -169,47 +181,66 @@ def shard_weight(name: str, t: Weight, plan: ShardPlan, arch: ArchConfig) -> Wei
     if proj in COLUMN_PARALLEL:
         return _row_slice(t, *_rows(plan, arch, proj))
     if kind == "bias":  # a row-parallel bias is added once: by rank 0
-        assert isinstance(t, torch.Tensor)
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name}: a quantized bias is not supported with tensor parallelism")
         return t if plan.rank == 0 else torch.zeros_like(t)
     return _col_slice(t, *plan.own_inputs(proj, arch), plan.rank)
 
 
-def shard_gptq(prefix: str, parts: dict[str, torch.Tensor], plan: ShardPlan, arch: ArchConfig,
-               cfg: GptqConfig) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
-    """This rank's part of one GPTQ projection, and for a row-parallel one the global input
-    columns it reads when they are not its own (None: its own input as it is)."""
+def global_shape(proj: str, arch: ArchConfig) -> tuple[int, int]:
+    """(in_features, out_features) of one checkpoint projection of the whole model."""
+    return {"q_proj": (arch.hidden_size, arch.q_size), "k_proj": (arch.hidden_size, arch.kv_size),
+            "v_proj": (arch.hidden_size, arch.kv_size), "o_proj": (arch.q_size, arch.hidden_size),
+            "gate_proj": (arch.hidden_size, arch.intermediate_size),
+            "up_proj": (arch.hidden_size, arch.intermediate_size),
+            "down_proj": (arch.intermediate_size, arch.hidden_size)}[proj]
+
+
+def shard_gptq(prefix: str, parts: dict[str, torch.Tensor | None], plans: list[ShardPlan], rank: int,
+               arch: ArchConfig, cfg: IntConfig) -> tuple[dict[str, torch.Tensor | None], torch.Tensor | None]:
+    """Rank ``rank``'s part of one integer projection in the GPTQ layout (v2 zeros, g_idx None
+    when in order), and for a row-parallel one the global input columns it reads, or None
+    when every rank reads its own input as it is (all ranks decide alike: a gather is a
+    collective)."""
+    plan = plans[rank]
     proj = prefix.rpartition(".")[2]
     pack = 32 // cfg.bits
     out = dict(parts)
+    qweight, scales, qzeros = parts["qweight"], parts["scales"], parts["qzeros"]
+    assert qweight is not None and scales is not None and qzeros is not None
     if proj in COLUMN_PARALLEL:
         a, b = _rows(plan, arch, proj)
         if a % pack or b % pack:
             raise ValueError(f"{prefix}: rank {plan.rank}'s output columns [{a}, {b}) do not start and end on a "
                              f"packed int32 of qzeros ({pack} columns); choose another tensor_parallel_size")
-        out["qweight"], out["scales"] = parts["qweight"][:, a:b], parts["scales"][:, a:b]
-        out["qzeros"] = parts["qzeros"][:, a // pack : b // pack]
+        out["qweight"], out["scales"], out["qzeros"] = qweight[:, a:b], scales[:, a:b], qzeros[:, a // pack : b // pack]
         return out, None
+    if proj not in ROW_PARALLEL:
+        raise ValueError(f"{prefix}: not a projection tensor parallelism splits")
     k = arch.q_size if proj == "o_proj" else arch.intermediate_size
     g = cfg.group_size or k
     g_idx = parts.get("g_idx")
-    g_idx = torch.arange(k) // g if g_idx is None else g_idx.long()
+    order = torch.argsort(torch.arange(k) // g if g_idx is None else g_idx.long(), stable=True)
+
+    def reads_own(p: ShardPlan) -> bool:
+        a, b = p.row_inputs(proj, arch, cfg)
+        return (a, b) == p.own_inputs(proj, arch) and torch.equal(order[a:b], torch.arange(a, b))
+
     c0, c1 = plan.row_inputs(proj, arch, cfg)
-    cols = torch.argsort(g_idx, stable=True)[c0:c1]
-    out["qweight"] = pack_rows(unpack_rows(parts["qweight"], cfg.bits, k)[cols], cfg.bits)
+    cols = order[c0:c1]
+    out["qweight"] = pack_rows(unpack_rows(qweight, cfg.bits, k)[cols], cfg.bits)
+    out["g_idx"] = None  # whole groups in g_idx order: in order on the rank
     if cfg.group_size is not None:
         g0 = c0 // g
-        g1 = -(-c1 // g)
-        out["scales"], out["qzeros"] = parts["scales"][g0:g1], parts["qzeros"][g0:g1]
-        out["g_idx"] = (g_idx[cols] - g0).to(torch.int32)
-    elif "g_idx" in parts:
-        out["g_idx"] = torch.zeros(c1 - c0, dtype=torch.int32)
-    own = plan.own_inputs(proj, arch)
-    same = (c0, c1) == own and torch.equal(cols, torch.arange(own[0], own[1]))
-    return out, None if same else cols
+        out["scales"], out["qzeros"] = scales[g0 : -(-c1 // g)], qzeros[g0 : -(-c1 // g)]
+    return out, None if all(reads_own(p) for p in plans) else cols
 
 
 @dataclass
 class Rank:
+    """This process's rank of a split model: every rank's share, the whole shape, and the
+    collectives the model's layers call."""
+
     plans: list[ShardPlan]
     """Every rank's share, indexed by rank."""
     arch: ArchConfig
@@ -235,7 +266,7 @@ class Rank:
     def row_parallel(self, forward: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, proj: str,
                      cols: torch.Tensor | None) -> torch.Tensor:
         """A row-parallel projection: partial sums over this rank's input columns, all-reduced.
-        ``cols`` (global input columns, see ``shard.shard_gptq``) first all-gathers the input."""
+        ``cols`` (global input columns, see ``shard_gptq``) first all-gathers the input."""
         if cols is not None:
             widths = [b - a for a, b in (p.own_inputs(proj, self.arch) for p in self.plans)]
             x = self.comm.all_gather_cols(x, widths)[:, cols]

@@ -29,8 +29,8 @@ class Collectives:
     rank: int
     world: int
     backend: str
-    compute: Any
-    control: Any
+    compute: dist.ProcessGroup
+    control: dist.ProcessGroup
     comm_seconds: float = 0.0
     """Time spent in collectives inside steps (for the benchmarks)."""
 
@@ -66,9 +66,9 @@ class Collectives:
             work.wait(timeout=datetime.timedelta(seconds=wait_s))
 
     def gather_objects(self, obj: Any) -> list[Any] | None:
-        """Every rank's ``obj`` on rank 0 (None elsewhere)."""
+        """Every rank's ``obj`` on rank 0 (None elsewhere), within the group's timeout."""
         out: list[Any] | None = [None] * self.world if self.rank == 0 else None
-        dist.gather_object(obj, out, dst=0, group=self.control)
+        dist.gather_object(obj, out, dst=0, group=self.compute)
         return out
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
@@ -77,7 +77,7 @@ class Collectives:
         two phases and took 1.7x as long as one all-gather for 576 floats on two CPU ranks; on
         two ranks both move the same bytes. Every rank adds in the same order, so all agree."""
         t = time.perf_counter()
-        if self.world == 2 or x.numel() <= SMALL:
+        if self.backend == "gloo" and (self.world == 2 or x.numel() <= SMALL):
             parts = [torch.empty_like(x) for _ in range(self.world)]
             dist.all_gather(parts, x.contiguous(), group=self.compute)
             total = parts[0]

@@ -12,19 +12,20 @@ group's timeout) and becomes a ``TensorParallelError`` naming the rank.
 
 from __future__ import annotations
 
-import atexit
 import logging
 import os
 import socket
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.multiprocessing as mp
 
+from qpage.config import BLOCK_SIZE
 from qpage.engine.kv_cache import KVCacheManager
 from qpage.kernels.cpu import blas
 from qpage.layers.kv_format import KVCacheSpec
@@ -104,7 +105,7 @@ def build_rank(setup: RankSetup, comm: Collectives, kv: KVCacheManager | None = 
     """This rank's part of the model and of the KV cache (the driver passes its block manager
     and how it sends commands to the workers)."""
     tp = Rank(plan_shards(setup.arch, comm.world), setup.arch, comm)
-    device = torch.device(setup.device)
+    device = torch.device(rank_device(setup.device, comm.world, comm.rank))
     model = load_model(setup.model_dir, setup.arch, setup.dtype, device, setup.max_model_len,
                        setup.allow_pickle, setup.dequantize_weights, tp)
     if model.ops.torch_threads is not None:
@@ -116,26 +117,27 @@ def build_rank(setup: RankSetup, comm: Collectives, kv: KVCacheManager | None = 
                          attention_backend=setup.attention_backend, num_blocks=setup.num_blocks,
                          broadcast=broadcast)
     kv = setup.kv_spec.bytes_per_token(local.num_layers, local.num_kv_heads, local.head_dim)
-    return runner, RankReport(comm.rank, weight_bytes(model), kv * setup.num_blocks * 16, local.num_kv_heads)
+    return runner, RankReport(comm.rank, weight_bytes(model), kv * setup.num_blocks * BLOCK_SIZE, local.num_kv_heads)
 
 
-def serve(comm: Collectives) -> None:
-    """A worker's life: build its part, report, then run the driver's commands until None."""
+def serve(comm: Collectives) -> int:
+    """A worker's life: build its part, report, then run the driver's commands until None.
+    Returns the process's exit status (1: its part failed to load)."""
     setup: RankSetup = comm.broadcast()
     try:
         runner, report = build_rank(setup, comm)
     except Exception as e:  # reported to the driver, which raises it
         comm.gather_objects(RankReport(comm.rank, error=f"{type(e).__name__}: {e}"))
-        return
+        return 1
     comm.gather_objects(report)
     while True:
         try:
             cmd = comm.broadcast()
         except RuntimeError:  # rank 0 is gone without a word: its own exit status tells why
             log.warning("qpage: rank %d: rank 0 closed the tensor-parallel group; stopping", comm.rank)
-            return
+            return 0
         if cmd is None:
-            return
+            return 0
         kind, arg = cmd
         if kind == "step":
             runner.run(arg)
@@ -146,11 +148,13 @@ def serve(comm: Collectives) -> None:
 def _worker(rank: int, world: int, init_method: str, timeout_s: float, device: str) -> None:
     """Entry point of a spawned worker."""
     _pin(rank, world, device)
+    rank_device(device, world, rank)  # selects this rank's card before NCCL starts
     comm = Collectives.join(rank, world, init_method, timeout_s, _backend(device))
     try:
-        serve(comm)
+        status = serve(comm)
     finally:
         comm.leave()
+    sys.exit(status)
 
 
 def _backend(device: str) -> str:
@@ -167,14 +171,16 @@ def launched_by_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def rank_device(device: str, world: int) -> str:
-    """This process's device: on CUDA, the card of its local rank (checked to exist)."""
-    if not device.startswith("cuda"):
+def rank_device(device: str, world: int, rank: int) -> str:
+    """This rank's device: the one asked for with one rank; on CUDA with several, the card of
+    its local rank (torchrun's LOCAL_RANK, else its rank), checked to exist and selected."""
+    if not device.startswith("cuda") or (world == 1 and not launched_by_torchrun()):
         return device
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    if torch.cuda.device_count() < (world if not launched_by_torchrun() else local + 1):
-        raise ValueError(f"tensor_parallel_size={world} needs {world} CUDA devices; this machine has "
-                         f"{torch.cuda.device_count()}")
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    if torch.cuda.device_count() <= local:
+        raise ValueError(f"tensor_parallel_size={world} puts rank {rank} on cuda:{local}, but this machine has "
+                         f"{torch.cuda.device_count()} CUDA devices; use at most that many ranks per machine")
+    torch.cuda.set_device(local)
     return f"cuda:{local}"
 
 
@@ -183,7 +189,7 @@ class Workers:
 
     def __init__(self, world: int, timeout_s: float, device: str) -> None:
         self.world, self.timeout_s = world, timeout_s
-        self.procs: list[Any] = []
+        self.procs: list[BaseProcess] = []
         self._unpin: Callable[[], None] = lambda: None
         self.external = launched_by_torchrun()
         """Ranks started by torchrun (else spawned here)."""
@@ -196,16 +202,13 @@ class Workers:
             self._unpin = _pin(int(os.environ.get("LOCAL_RANK", rank)), int(os.environ.get("LOCAL_WORLD_SIZE", n)),
                                device)
             self.comm = Collectives.join(rank, world, "env://", timeout_s, _backend(device))
-            if rank == 0:
-                atexit.register(self.close)
-            else:  # a worker for the whole life of this process
+            if rank != 0:  # a worker for the whole life of this process
                 try:
-                    serve(self.comm)
+                    status = serve(self.comm)
                 finally:
                     self.comm.leave()
-                sys.exit(0)
+                sys.exit(status)
             return
-        atexit.register(self.close)  # the workers hear "stop" when this process ends
         init = f"tcp://127.0.0.1:{_free_port()}"
         ctx = mp.get_context("spawn")
         for r in range(1, world):
@@ -220,11 +223,6 @@ class Workers:
             self.close()
             raise TensorParallelError(f"the tensor-parallel workers did not join: {e}") from e
 
-    def start(self, setup: RankSetup) -> list[RankReport]:
-        """Send the setup; every rank's report once it has built its part."""
-        self.comm.broadcast(setup)
-        return self.comm.gather_objects(None) or []
-
     def send(self, cmd: Any) -> None:
         if not hasattr(self, "comm"):
             raise TensorParallelError("the tensor-parallel group stopped after an earlier error; start a new engine")
@@ -236,12 +234,15 @@ class Workers:
             p.join(timeout=1)
         dead = [f"rank {i + 1} (pid {p.pid}) exited with code {p.exitcode}" for i, p in enumerate(self.procs)
                 if p.exitcode is not None]
+        text = str(e).lower()
         if dead:
             why = "; ".join(dead)
-        elif "timed out" in str(e).lower():
+        elif "timed out" in text:
             why = f"a rank did not answer within {self.timeout_s:g} s (distributed_timeout)"
-        else:
+        elif "connection" in text or "peer" in text:
             why = "a rank's connection broke"
+        else:  # the ranks may be out of step after this: the group cannot go on
+            why = "rank 0 failed inside a step"
         self.close(force=True)
         return TensorParallelError(f"tensor-parallel group failed: {why} ({type(e).__name__}: {e})")
 

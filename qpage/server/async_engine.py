@@ -143,6 +143,11 @@ class AsyncEngine:
             self._thread.join(timeout=10)
 
     @property
+    def running(self) -> bool:
+        """Whether the engine thread is still running (a step may be in progress)."""
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self.error is None
 

@@ -55,8 +55,8 @@ class Run:
     with their top-2 logprobs, and the prompt logprobs of a ~400-token text."""
 
     def __init__(self, llm: LLM) -> None:
-        outs = llm.chat([README_PROMPT], SamplingParams(temperature=0, max_tokens=48, logprobs=2), use_tqdm=False)
-        outs += llm.generate(PROMPTS, [SamplingParams(temperature=0, max_tokens=8 + 5 * i, logprobs=2)
+        outs = llm.chat([README_PROMPT], SamplingParams(temperature=0, max_tokens=32, logprobs=2), use_tqdm=False)
+        outs += llm.generate(PROMPTS, [SamplingParams(temperature=0, max_tokens=8 + 3 * i, logprobs=2)
                                        for i in range(len(PROMPTS))], use_tqdm=False)
         self.tokens = [o.outputs[0].token_ids for o in outs]
         self.logprobs = [o.outputs[0].logprobs for o in outs]
@@ -119,6 +119,27 @@ def gptq_act_order(default_model_dir: Path, tokenizer: Any, tmp_path_factory: py
     return out
 
 
+@pytest.fixture(scope="module")
+def compressed_tensors_int4(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("tp") / "ct-int4"
+    quantize_checkpoint(default_model_dir, out, QuantScheme.parse("int4-rtn", group_size=128, sym=False),
+                        progress=False, fmt="compressed-tensors")
+    return out
+
+
+def test_compressed_tensors_two_ranks_split_exactly(compressed_tensors_int4: Path) -> None:
+    """compressed-tensors INT4 is converted to the GPTQ layout at the whole shape, then split:
+    on the noise-free computation (dequantized weights) two ranks equal one."""
+    model = str(compressed_tensors_int4)
+    ref, _ = run(model, dequantize_weights=True)
+    two, llm = run(model, 2, dequantize_weights=True)
+    assert llm is not None
+    try:
+        assert_exact(ref, two)
+    finally:
+        llm.shutdown()
+
+
 def test_dense_two_ranks_match_one(default_model_dir: Path) -> None:
     one_llm = LLM(model=str(default_model_dir), kv_cache_memory="32MiB", log_stats=False)
     one, one_engine = Run(one_llm), one_llm.llm_engine
@@ -138,7 +159,7 @@ def test_dense_two_ranks_match_one(default_model_dir: Path) -> None:
         # Every rank has the same budget; the blocks are sized for the rank with 2 of the 3 KV heads.
         assert eng.kv.num_blocks == pytest.approx(one_engine.kv.num_blocks * 3 / 2, rel=0.02)
     finally:
-        llm.llm_engine.shutdown()
+        llm.shutdown()
 
 
 def test_even_heads_halve_weights_and_kv(default_model_dir: Path, tmp_path: Path) -> None:
@@ -167,7 +188,7 @@ def test_even_heads_halve_weights_and_kv(default_model_dir: Path, tmp_path: Path
         assert eng.kv.num_blocks == 2 * blocks
         assert eng.rank_reports[0].kv_bytes == eng.rank_reports[1].kv_bytes
     finally:
-        llm.llm_engine.shutdown()
+        llm.shutdown()
 
 
 @pytest.mark.parametrize("which", ["gptq-act-order", "gguf"])
@@ -177,7 +198,7 @@ def test_packed_two_ranks_match_one(request: pytest.FixtureRequest, which: str) 
     ref, _ = run(model, dequantize_weights=True)
     ref2, llm = run(model, 2, dequantize_weights=True)
     assert llm is not None
-    llm.llm_engine.shutdown()
+    llm.shutdown()
     assert_exact(ref, ref2)  # the sharding is exact on the same weights without int8 activations
     one, _ = run(model)
     two, llm = run(model, 2)
@@ -192,7 +213,7 @@ def test_packed_two_ranks_match_one(request: pytest.FixtureRequest, which: str) 
         else:
             assert eng.model.layers[0].self_attn.o_cols is not None, "act-order o_proj reads gathered input columns"
     finally:
-        llm.llm_engine.shutdown()
+        llm.shutdown()
 
 
 def test_fp8_kv_two_ranks_match_one(default_model_dir: Path) -> None:
@@ -201,7 +222,7 @@ def test_fp8_kv_two_ranks_match_one(default_model_dir: Path) -> None:
     one, _ = run(model, kv_cache_dtype="fp8")
     two, llm = run(model, 2, kv_cache_dtype="fp8")
     assert llm is not None
-    llm.llm_engine.shutdown()
+    llm.shutdown()
     assert_same_noise(ref, one, two)
 
 
@@ -224,7 +245,7 @@ def test_preemption_and_prefix_caching_at_two_ranks(default_model_dir: Path) -> 
         assert again[0].outputs[0].token_ids == want[0]
         assert llm.get_metrics()["qpage:prefix_cache_hits"] > 0
     finally:
-        llm.llm_engine.shutdown()
+        llm.shutdown()
 
 
 @pytest.mark.parametrize("how", ["dies", "hangs"])

@@ -49,8 +49,9 @@ def test_refuses_what_cannot_split() -> None:
     arch = dataclasses.replace(ARCH, num_heads=6, num_kv_heads=2)
     with pytest.raises(ValueError, match="does not fit 6 query heads over 2 KV heads"):
         check_parallel(arch, 4, "m")  # 2 ranks per KV head, but 3 query heads per group
-    with pytest.raises(ValueError, match="runs dense, GPTQ and GGUF checkpoints; this one is 'awq'"):
-        check_parallel(dataclasses.replace(ARCH, quantization={"quant_method": "awq"}), 2, "m")
+    fp8 = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    with pytest.raises(ValueError, match=r"GGUF checkpoints; this one is 'fp8' \(Fp8Config\)"):
+        check_parallel(dataclasses.replace(ARCH, quantization=fp8), 2, "m")
     check_parallel(arch, 1, "m")  # one rank always fits
 
 
@@ -79,8 +80,9 @@ def test_gptq_row_parallel_parts_sum_to_the_whole(act_order: bool) -> None:
     whole = dequantize_ref(parts["qweight"], scales, parts["qzeros"], g_idx, bits=4, group_size=g, in_features=k)
     x = torch.randn(3, k)
     total = torch.zeros(3, n)
-    for plan in plan_shards(ARCH, 2):
-        part, cols = shard_gptq("model.layers.0.mlp.down_proj", parts, plan, ARCH, cfg)
+    plans = plan_shards(ARCH, 2)
+    for plan in plans:
+        part, cols = shard_gptq("model.layers.0.mlp.down_proj", parts, plans, plan.rank, ARCH, cfg)
         own = torch.arange(*plan.intermediate)
         if act_order:
             assert cols is not None, "act-order columns are scattered: the input is gathered"
@@ -112,3 +114,17 @@ def test_gguf_blocks_slice_on_block_boundaries() -> None:
     k = GgufTensor(kq, int(GGMLQuantizationType.Q4_K), (256, 256), "blk.0.x")
     with pytest.raises(ValueError, match=r"blk.0.x: rank 0's input columns \[0, 128\) do not fall on the file's 256"):
         shard_weight("model.layers.0.self_attn.o_proj.weight", k, plan_shards(ARCH, 2)[0], ARCH)
+
+
+def test_ranks_agree_on_gathering() -> None:
+    """15 heads over 5 KV heads, groups of 64, 4 ranks: rank 0's o_proj columns happen to be
+    its own, the others' are not; a gather is a collective, so every rank gathers."""
+    arch = dataclasses.replace(ARCH, num_heads=15, num_kv_heads=5, head_dim=64, hidden_size=960)
+    cfg = GptqConfig(4, 64, True, False, False)
+    k, n = arch.q_size, 64
+    parts = {"qweight": pack_rows(torch.randint(0, 16, (k, n)), 4), "scales": torch.ones(k // 64, n),
+             "qzeros": pack_cols(torch.full((k // 64, n), 8), 4), "g_idx": None}
+    plans = plan_shards(arch, 4)
+    cols = [shard_gptq("model.layers.0.self_attn.o_proj", parts, plans, r, arch, cfg)[1] for r in range(4)]
+    assert all(c is not None for c in cols)
+    assert torch.equal(torch.cat(cols), torch.arange(k)), "the ranks' columns cover the input once"
