@@ -89,7 +89,9 @@ def test_chat_answers_whole_and_ctrl_c_stops_only_the_answer(tokenizer: Any) -> 
     assert "(stopped)" in err and "(cut:" not in err, err  # one answer stopped, the next one whole
     answers = (first + out).split("\n> ")  # "> story...\n> colors...\n> " (the prompt for /exit)
     assert len(answers) == 3 and answers[-1] == "", answers
-    assert "primary" in answers[1].lower() and len(tokenizer.encode(answers[1])) > 16, answers[1]
+    # The second answer is about colors, whole (past 16 tokens). Its wording depends on where the
+    # first answer was stopped, which the machine's speed decides: "primary" is not always in it.
+    assert "colo" in answers[1].lower() and len(tokenizer.encode(answers[1])) > 16, answers[1]
     cut = qpage("chat", "--temperature", "0", "--max-tokens", "3", "--kv-cache-memory", "64MiB",
                 stdin="Tell me a story about a dragon.\n/exit\n")
     assert cut.returncode == 0 and "(cut: --max-tokens" in cut.stderr, cut.stderr

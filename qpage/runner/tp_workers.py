@@ -5,9 +5,9 @@ workers that hold theirs and follow the driver's commands: ``("step", StepInputs
 
 ``LLM(tensor_parallel_size=N)`` spawns the workers and joins them over TCP on 127.0.0.1.
 Under ``torchrun`` (RANK and WORLD_SIZE set) every process runs the same command; rank 0
-returns from ``start`` as the driver, the others serve as workers and exit when it stops.
+goes on as the driver, the others serve as workers (in ``Workers()``) and exit when it stops.
 A rank that dies or hangs surfaces in the driver's next collective (connection reset, or the
-group's timeout) and becomes a ``TensorParallelError`` naming the rank.
+group's timeout) and becomes a ``TensorParallelError`` naming the spawned rank or the timeout.
 """
 
 from __future__ import annotations
