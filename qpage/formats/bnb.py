@@ -21,6 +21,7 @@ the reason logged. The writer stores NF4 with fp32 absmax per 64 weights (no nes
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import re
@@ -113,6 +114,19 @@ class Bnb4Tensor(GgufTensor):
     """fp32 [out, in / blocksize]."""
     codebook: np.ndarray
     """fp32 [16]: the checkpoint's quant_map."""
+
+    def block(self) -> tuple[int, int]:
+        return 32, 18
+
+    def take_rows(self, a: int, b: int) -> Bnb4Tensor:
+        return dataclasses.replace(self, rows=self.rows[a:b], shape=(b - a, self.shape[1]), absmax=self.absmax[a:b])
+
+    def take_cols(self, a: int, b: int) -> Bnb4Tensor:
+        """Input columns [a, b) on 32-weight blocks: the absmax goes per 32 weights first, so
+        a cut inside a bitsandbytes block of 64 keeps each weight's exact scale."""
+        part = super().take_cols(a, b)
+        per32 = np.repeat(self.absmax, self.shape[1] // 32 // self.absmax.shape[1], axis=1)
+        return dataclasses.replace(part, absmax=per32[:, a // 32 : b // 32])
 
     def dequantize(self) -> torch.Tensor:
         out_f, in_f = self.shape

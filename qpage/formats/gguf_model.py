@@ -10,6 +10,7 @@ are stored in Hugging Face order already.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -21,6 +22,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
 from qpage.config import cache_root
@@ -73,6 +75,24 @@ class GgufTensor:
     def dequantize(self) -> torch.Tensor:
         """fp32 [out, in] through the ``gguf`` package (the reference dequantization)."""
         return torch.from_numpy(np.ascontiguousarray(dequantize(self.rows, self.ggml_type), dtype=np.float32))
+
+    def block(self) -> tuple[int, int]:
+        """(weights, bytes) of one block of a row."""
+        return GGML_QUANT_SIZES[GGMLQuantizationType(self.ggml_type)]
+
+    def take_rows(self, a: int, b: int) -> GgufTensor:
+        """Output rows [a, b) (a view)."""
+        return dataclasses.replace(self, rows=self.rows[a:b], shape=(b - a, self.shape[1]))
+
+    def take_cols(self, a: int, b: int) -> GgufTensor:
+        """Input columns [a, b) of every row (a view): whole blocks only."""
+        size, nbytes = self.block()
+        if a % size or b % size:
+            raise ValueError(f"{self.name}: input columns [{a}, {b}) do not fall on the weight's {size}-weight "
+                             "blocks; run it with tensor_parallel_size=1, or a file of 32-weight blocks "
+                             "(Q4_0, Q4_1, Q5_0, Q5_1, Q8_0)")
+        return dataclasses.replace(self, rows=self.rows[:, a // size * nbytes : b // size * nbytes],
+                                   shape=(self.shape[0], b - a))
 
 
 def is_gguf(path: Path) -> bool:

@@ -12,6 +12,7 @@ reads it; no pickle anywhere.
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from collections.abc import Collection, Iterator
@@ -49,6 +50,19 @@ def read_header(path: Path) -> tuple[dict, int]:
     return header, 8 + n
 
 
+def _pread(fd: int, view: memoryview, offset: int, path: Path, name: str) -> None:
+    done = 0
+    while done < len(view):
+        got = os.preadv(fd, [view[done:]], offset + done)
+        if got <= 0:
+            raise ValueError(f"{path}: unexpected end of file in tensor {name!r}")
+        done += got
+
+
+def _tensor(buf: bytearray, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
+    return (torch.frombuffer(buf, dtype=dtype) if buf else torch.empty(0, dtype=dtype)).view(shape)
+
+
 def iter_tensors(path: Path, names: Collection[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Each tensor of a file (or only ``names``), read into its own buffer (nothing stays mapped)."""
     header, base = read_header(path)
@@ -59,17 +73,60 @@ def iter_tensors(path: Path, names: Collection[str] | None = None) -> Iterator[t
                 continue
             begin, end = info["data_offsets"]
             buf = bytearray(end - begin)
-            view, done = memoryview(buf), 0
-            while done < len(buf):
-                got = os.preadv(fd, [view[done:]], base + begin + done)
-                if got <= 0:
-                    raise ValueError(f"{path}: unexpected end of file in tensor {name!r}")
-                done += got
-            dtype = DTYPES[info["dtype"]]
-            t = torch.frombuffer(buf, dtype=dtype) if buf else torch.empty(0, dtype=dtype)
-            yield name, t.view(info["shape"])
+            _pread(fd, memoryview(buf), base + begin, path, name)
+            yield name, _tensor(buf, DTYPES[info["dtype"]], info["shape"])
     finally:
         os.close(fd)
+
+
+class LazyTensor:
+    """A tensor of a safetensors file not read yet: ``t[a:b]`` reads only rows [a, b),
+    ``t[:, a:b]`` only those columns of each row (a positioned read per row), ``read()`` all
+    of it. What a tensor-parallel rank reads its slices with."""
+
+    def __init__(self, path: Path, name: str, info: dict, base: int) -> None:
+        self.path, self.name = path, name
+        self.dtype: torch.dtype = DTYPES[info["dtype"]]
+        self.shape = tuple(info["shape"])
+        self._offset = base + info["data_offsets"][0]
+
+    def read(self) -> torch.Tensor:
+        return self[:] if self.shape else self._read(self._offset, self.dtype.itemsize, 1, 0, [])
+
+    def __getitem__(self, index: slice | tuple[slice, slice]) -> torch.Tensor:
+        rows, cols = index if isinstance(index, tuple) else (index, slice(None))
+        whole_rows = cols == slice(None)
+        if not (self.shape and isinstance(rows, slice) and isinstance(cols, slice) and rows.step in (None, 1)
+                and cols.step in (None, 1) and (whole_rows or len(self.shape) == 2)):
+            raise TypeError(f"{self.name}: a lazy tensor of shape {self.shape} reads [a:b] or [:, a:b], not {index!r}")
+        r0, r1, _ = rows.indices(self.shape[0])
+        r1 = max(r0, r1)
+        es = self.dtype.itemsize
+        row = math.prod(self.shape[1:]) * es
+        if whole_rows:
+            return self._read(self._offset + r0 * row, (r1 - r0) * row, 1, 0, [r1 - r0, *self.shape[1:]])
+        c0, c1, _ = cols.indices(self.shape[1])
+        c1 = max(c0, c1)
+        return self._read(self._offset + r0 * row + c0 * es, (c1 - c0) * es, r1 - r0, row, [r1 - r0, c1 - c0])
+
+    def _read(self, offset: int, nbytes: int, count: int, stride: int, shape: list[int]) -> torch.Tensor:
+        """``count`` runs of ``nbytes``, ``stride`` bytes apart from ``offset``, as one tensor."""
+        buf = bytearray(nbytes * count)
+        view = memoryview(buf)
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            for i in range(count):
+                _pread(fd, view[i * nbytes : (i + 1) * nbytes], offset + i * stride, self.path, self.name)
+        finally:
+            os.close(fd)
+        return _tensor(buf, self.dtype, shape)
+
+
+def lazy_tensors(path: Path) -> Iterator[tuple[str, LazyTensor]]:
+    """Each tensor of a file, not read yet (``LazyTensor``), in file order."""
+    header, base = read_header(path)
+    for name, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+        yield name, LazyTensor(path, name, info, base)
 
 
 def write_file(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:

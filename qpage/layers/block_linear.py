@@ -53,7 +53,16 @@ class BlockLinear(QuantLinearBase):
         return self.cfg.wants(parts)  # type: ignore[arg-type]
 
     def load_part(self, prefix: str, parts: dict[str, Part], offset: int, cols: int, file: str) -> None:
-        value = self.cfg.linear_part(prefix, parts, self.in_features, cols, file)  # type: ignore[arg-type]
+        self.store_part(prefix, self.check_part(prefix, parts, self.in_features, cols, file), offset, cols, file)
+
+    def check_part(self, prefix: str, parts: dict[str, Part], in_features: int, cols: int, file: str) -> Part:
+        """One projection's weight [cols, in_features] as its format holds it, validated."""
+        value = self.cfg.linear_part(prefix, parts, in_features, cols, file)  # type: ignore[arg-type]
+        _check(prefix, value, cols, in_features, file)
+        return value
+
+    def store_part(self, prefix: str, value: Part, offset: int, cols: int, file: str) -> None:
+        """Keep ``check_part``'s result (or a rank's slice of it) as output rows [offset, offset + cols)."""
         _check(prefix, value, cols, self.in_features, file)
         self.parts = sorted([*self.parts, (offset, value)], key=lambda p: p[0])
 

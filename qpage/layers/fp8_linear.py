@@ -31,7 +31,16 @@ class Fp8Linear(QuantLinearBase):
         return "weight" in parts and self.cfg.scale_name in parts
 
     def load_part(self, prefix: str, parts: dict[str, torch.Tensor], offset: int, cols: int, file: str) -> None:
-        codes, scale = check_linear(prefix, parts, self.cfg, self.in_features, cols, file)
+        self.store_part(*self.check_part(prefix, parts, self.in_features, cols, file), offset, cols)
+
+    def check_part(self, prefix: str, parts: dict[str, torch.Tensor], in_features: int, cols: int,
+                   file: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """One projection's (codes uint8 [cols, in_features], scale), validated
+        (``formats.fp8.check_linear``'s layout)."""
+        return check_linear(prefix, parts, self.cfg, in_features, cols, file)
+
+    def store_part(self, codes: torch.Tensor, scale: torch.Tensor, offset: int, cols: int) -> None:
+        """Copy ``check_part``'s result into output rows [offset, offset + cols)."""
         self.codes[offset : offset + cols] = codes
         self.scale[offset : offset + cols] = scale
         self.offsets.append(offset)

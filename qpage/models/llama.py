@@ -17,6 +17,7 @@ from torch import nn
 from qpage.formats import bnb
 from qpage.formats.detect import LinearConfig, linear_config
 from qpage.formats.gguf_model import GgufConfig
+from qpage.formats.safetensors_io import LazyTensor
 from qpage.kernels.cpu.native_decode import DecodeStack
 from qpage.layers.attention import AttentionBackend
 from qpage.layers.attention_metadata import StepMetadata
@@ -31,7 +32,7 @@ from qpage.layers.quant_linear import IntLinear
 from qpage.layers.rotary import RotaryEmbedding, apply_rotary
 from qpage.models.arch import ArchConfig
 from qpage.models.fused_decode import build_decode_stack, run_decode_stack, step_fits
-from qpage.models.sharding import IntConfig, Rank, global_shape, shard_gptq, shard_weight
+from qpage.models.sharding import Rank, global_shape, row_group, shard_fp8, shard_gptq, shard_weight
 
 KVCache = LayerKV
 QuantLinear = IntLinear | Fp8Linear | BlockLinear
@@ -61,8 +62,7 @@ def _row_inputs(c: ArchConfig, proj: str, tp: Rank | None) -> int:
     """Input width of a row-parallel projection (o_proj, down_proj) on this rank."""
     if tp is None:
         return c.q_size if proj == "o_proj" else c.intermediate_size
-    q = _quant(c)
-    a, b = tp.plan.row_inputs(proj, tp.arch, q if isinstance(q, IntConfig) else None)
+    a, b = tp.plan.row_inputs(proj, tp.arch, row_group(_quant(c)))
     return b - a
 
 
@@ -327,12 +327,14 @@ class LlamaForCausalLM(nn.Module):
         pending_file: dict[str, str] = {}
         seen: set[str] = set()
         found: dict[int, dict[str, float]] = {}
-        for file, name, t in tensors:
-            if self.tp is not None and name.endswith((".weight", ".bias")):
-                t = shard_weight(name, t, self.tp.plan, self.tp.arch)
+        for file, name, lazy in tensors:
             prefix, _, suffix = name.rpartition(".")
             prefix, suffix = bnb.split_name(name) or (prefix, suffix)
-            if prefix in qtargets and suffix in QUANT_SUFFIXES:
+            quant_part = prefix in qtargets and suffix in QUANT_SUFFIXES
+            if self.tp is not None and not quant_part:  # quantized parts are split whole (_load_quant)
+                lazy = shard_weight(name, lazy, self.tp.plan, self.tp.arch)
+            t = lazy.read() if isinstance(lazy, LazyTensor) else lazy
+            if quant_part:
                 if suffix == "input_scale":
                     continue  # static FP8 activation scales: qpage keeps activations unquantized
                 parts = pending.setdefault(prefix, {})
@@ -381,16 +383,30 @@ class LlamaForCausalLM(nn.Module):
                     qtargets: dict[str, tuple[QuantLinear | GgufEmbedding, int, int]],
                     file: str) -> None:
         mod, off, cols = qtargets[prefix]
-        if self.tp is None or not isinstance(mod, IntLinear):
+        tp = self.tp
+        if tp is None:
             mod.load_part(prefix, parts, off, cols, file)
             return
-        # Validated and converted to the GPTQ layout at the whole model's shape, then sliced.
-        part, inputs = shard_gptq(prefix, mod.check_part(prefix, parts, *global_shape(prefix.rpartition(".")[2],
-                                                                                     self.tp.arch), file),
-                                  self.tp.plans, self.tp.comm.rank, self.tp.arch, mod.cfg)
-        layer = self.layers[int(prefix.split(".")[2])]
+        # Validated (and converted) at the whole model's shape, then this rank's part sliced.
+        if isinstance(mod, GgufEmbedding):
+            mod.load_part(prefix, {"weight": shard_weight(f"{prefix}.weight", parts["weight"], tp.plan, tp.arch)},
+                          off, cols, file)
+            return
+        whole = global_shape(prefix.rpartition(".")[2], tp.arch)
+        inputs = None
+        if isinstance(mod, IntLinear):
+            part, inputs = shard_gptq(prefix, mod.check_part(prefix, parts, *whole, file), tp.plans, tp.comm.rank,
+                                      tp.arch, mod.cfg)
+            mod.store_part(prefix, part, off, cols, file)
+        elif isinstance(mod, Fp8Linear):
+            codes, scale, inputs = shard_fp8(prefix, *mod.check_part(prefix, parts, *whole, file), tp.plans,
+                                             tp.comm.rank, tp.arch, mod.cfg.block)
+            mod.store_part(codes, scale, off, cols)
+        else:
+            value = shard_weight(f"{prefix}.weight", mod.check_part(prefix, parts, *whole, file), tp.plan, tp.arch)
+            assert not isinstance(value, LazyTensor)
+            mod.store_part(prefix, value, off, cols, file)
         if prefix.endswith("o_proj"):
-            layer.self_attn.o_cols = inputs
+            self.layers[int(prefix.split(".")[2])].self_attn.o_cols = inputs
         elif prefix.endswith("down_proj"):
-            layer.mlp.down_cols = inputs
-        mod.store_part(prefix, part, off, cols, file)
+            self.layers[int(prefix.split(".")[2])].mlp.down_cols = inputs

@@ -17,6 +17,7 @@ from qpage.formats.gguf import convert_gguf, default_gguf_path, default_model_di
 from qpage.formats.gguf_model import hf_config, is_gguf
 from qpage.formats.gguf_model import iter_tensors as iter_gguf_tensors
 from qpage.formats.gguf_reader import GgufFile
+from qpage.formats.safetensors_io import LazyTensor, lazy_tensors
 from qpage.models.arch import ArchConfig, parse_arch_config
 from qpage.models.registry import model_class
 from qpage.models.sharding import Rank
@@ -95,10 +96,16 @@ def weight_files(model_dir: Path, allow_pickle: bool) -> list[Path]:
     raise FileNotFoundError(f"{model_dir} has no *.safetensors weight files")
 
 
-def iter_tensors(files: list[Path]) -> Iterator[tuple[str, str, torch.Tensor]]:
+def iter_tensors(files: list[Path], lazy: bool = False) -> Iterator[tuple[str, str, torch.Tensor | LazyTensor]]:
+    """(file name, tensor name, tensor) over the weight files; with ``lazy``, safetensors
+    tensors are not read yet (a tensor-parallel rank reads only its slices)."""
     from safetensors import SafetensorError, safe_open
 
     for f in files:
+        if lazy and f.suffix == ".safetensors":
+            for name, lazy_t in lazy_tensors(f):
+                yield f.name, name, lazy_t
+            continue
         if f.suffix != ".safetensors":
             state = torch.load(f, map_location="cpu", weights_only=True)
             for name, t in state.items():
@@ -126,7 +133,7 @@ def load_model(
     if is_gguf(model_dir):
         model.load_weights(iter_gguf_tensors(GgufFile(model_dir)))
     else:
-        model.load_weights(iter_tensors(weight_files(model_dir, allow_pickle)))
+        model.load_weights(iter_tensors(weight_files(model_dir, allow_pickle), lazy=tp is not None))
     model.to_device(device)
     model.prepare(dequantize_weights)
     model.eval()

@@ -13,10 +13,13 @@ With fewer KV heads than ranks each KV head is replicated on N / kv_heads ranks,
 its group of query heads (as vLLM does). When the KV heads do not divide by N (SmolLM2-135M:
 3 over 2 ranks) the ranks get unequal whole groups; the KV cache is sized for the largest.
 
-Quantized row-parallel layers (GPTQ) split by whole groups in the order of ``g_idx`` (the
-checkpoint's act-order), so each rank's part is an ordinary in-order GPTQ weight that the
-packed kernels run. When those columns are not the rank's own input columns (act-order, or a
-group that straddles a head boundary) the layer all-gathers its input and picks them.
+Quantized weights are validated (and converted) at the whole model's shape, then sliced, so
+their scales go with their weights. Row-parallel layers whose scales cover groups of input
+columns (GPTQ/AWQ/compressed-tensors groups, FP8 128x128 blocks) split by whole groups, in the
+order of ``g_idx`` (the checkpoint's act-order): each rank's part is an ordinary in-order
+weight that the kernels run. When those columns are not the rank's own input columns
+(act-order, or a group that straddles a head boundary) the layer all-gathers its input and
+picks them. Block formats (GGUF, bitsandbytes) split on their 32- or 256-weight blocks.
 """
 
 from __future__ import annotations
@@ -27,13 +30,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from qpage.formats.awq import AwqConfig
+from qpage.formats.bnb import BnbConfig
 from qpage.formats.compressed_tensors import CtIntConfig
-from qpage.formats.detect import linear_config
+from qpage.formats.detect import LinearConfig, linear_config
+from qpage.formats.fp8 import Fp8Config
 from qpage.formats.gguf_model import GgufConfig, GgufTensor
 from qpage.formats.gptq import GptqConfig
+from qpage.formats.safetensors_io import LazyTensor
 from qpage.kernels.packing import pack_rows, unpack_rows
 from qpage.models.arch import ArchConfig
 from qpage.parallel.comm import Collectives
@@ -41,8 +46,20 @@ from qpage.parallel.comm import Collectives
 _LAYER = re.compile(r"^model\.layers\.\d+\.(self_attn|mlp)\.(\w+_proj)\.(weight|bias)$")
 IntConfig = GptqConfig | AwqConfig | CtIntConfig
 """Integer formats, all held in the GPTQ layout once loaded (``IntLinear.check_part``)."""
+SPLITS = (GptqConfig, AwqConfig, CtIntConfig, Fp8Config, BnbConfig)
+"""The safetensors weight formats a rank's part is sliced from (GGUF files: ``GgufConfig``)."""
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 ROW_PARALLEL = ("o_proj", "down_proj")
+
+
+def row_group(quant: LinearConfig | None) -> int | None:
+    """The input columns a row-parallel quantized weight keeps together on one rank (a
+    quantization group, an FP8 scale block), or None when any split of the columns works."""
+    if isinstance(quant, IntConfig):
+        return quant.group_size
+    if isinstance(quant, Fp8Config):
+        return quant.block
+    return None
 
 
 def _even(n: int, world: int, rank: int, unit: int = 1) -> tuple[int, int]:
@@ -76,13 +93,13 @@ class ShardPlan:
             return self.heads[0] * arch.head_dim, self.heads[1] * arch.head_dim
         return self.intermediate
 
-    def row_inputs(self, proj: str, arch: ArchConfig, quant: IntConfig | None) -> tuple[int, int]:
+    def row_inputs(self, proj: str, arch: ArchConfig, group: int | None) -> tuple[int, int]:
         """[a, b) in ``g_idx`` order of the input columns this rank's row-parallel weight covers:
-        its own columns when dense or per-channel, else its share of whole groups."""
-        if quant is None or quant.group_size is None:
+        its own columns when any split works, else its share of whole groups (``row_group``)."""
+        if group is None:
             return self.own_inputs(proj, arch)
         k = arch.q_size if proj == "o_proj" else arch.intermediate_size
-        g = quant.group_size
+        g = group
         g0, g1 = _even(-(-k // g), self.world, self.rank)
         return g0 * g, min(g1 * g, k)
 
@@ -94,11 +111,10 @@ def check_parallel(arch: ArchConfig, world: int, source: str) -> None:
     if world == 1:
         return
     q = arch.quantization
-    if q is not None and not isinstance(linear_config(q, source), (GptqConfig, AwqConfig, CtIntConfig, GgufConfig)):
-        raise ValueError(f"{source}: tensor_parallel_size={world} runs dense, integer (GPTQ, AWQ, compressed-tensors "
-                         f"pack-quantized) and GGUF checkpoints; this one is {q.get('quant_method')!r} "
-                         f"({type(linear_config(q, source)).__name__}). Run it with tensor_parallel_size=1, or "
-                         "quantize the dense model with `qpage quantize --format gptq`")
+    quant = linear_config(q, source) if q is not None else None
+    if quant is not None and not isinstance(quant, (*SPLITS, GgufConfig)):
+        raise ValueError(f"{source}: tensor_parallel_size={world} does not split {type(quant).__name__} weights "
+                         f"({q.get('quant_method')!r}); run it with tensor_parallel_size=1")
     h, hk = arch.num_heads, arch.num_kv_heads
     if hk < world and (world % hk or (h // hk) % (world // hk)):
         raise ValueError(f"{source}: tensor_parallel_size={world} does not fit {h} query heads over {hk} KV heads: "
@@ -108,7 +124,7 @@ def check_parallel(arch: ArchConfig, world: int, source: str) -> None:
     if arch.intermediate_size < world or arch.vocab_size < world:
         raise ValueError(f"{source}: tensor_parallel_size={world} is larger than the model's intermediate size "
                          f"or vocabulary")
-    g = getattr(linear_config(q, source), "group_size", None) if q is not None else None
+    g = row_group(quant)
     for name, k in (("attention output", arch.q_size), ("intermediate", arch.intermediate_size)):
         if g and -(-k // g) < world:
             raise ValueError(f"{source}: the {name} size {k} holds {-(-k // g)} quantization groups of {g}, fewer "
@@ -139,7 +155,9 @@ def plan_shards(arch: ArchConfig, world: int) -> list[ShardPlan]:
 
 
 def _rows(plan: ShardPlan, arch: ArchConfig, proj: str) -> tuple[int, int]:
-    """Output rows of a column-parallel projection this rank holds."""
+    """Output rows of a column-parallel projection (or the LM head) this rank holds."""
+    if proj == "lm_head":
+        return plan.vocab
     hd = arch.head_dim
     if proj == "q_proj":
         return plan.heads[0] * hd, plan.heads[1] * hd
@@ -148,30 +166,23 @@ def _rows(plan: ShardPlan, arch: ArchConfig, proj: str) -> tuple[int, int]:
     return plan.intermediate
 
 
-Weight = torch.Tensor | GgufTensor
+Weight = torch.Tensor | GgufTensor | LazyTensor
+"""A dense tensor, blocks (GGUF, bitsandbytes ``Bnb4Tensor``), or a tensor not read yet, of
+which only the slice is read."""
 
 
 def _row_slice(t: Weight, a: int, b: int) -> Weight:
-    if isinstance(t, GgufTensor):
-        return GgufTensor(t.rows[a:b], t.ggml_type, (b - a, t.shape[1]), t.name)
-    return t[a:b]
+    return t.take_rows(a, b) if isinstance(t, GgufTensor) else t[a:b]
 
 
-def _col_slice(t: Weight, a: int, b: int, rank: int) -> Weight:
-    """Input columns [a, b): for a GGUF tensor, whole blocks of each row's bytes."""
-    if not isinstance(t, GgufTensor):
-        return t[:, a:b]
-    block, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType(t.ggml_type)]
-    if a % block or b % block:
-        raise ValueError(f"{t.name}: rank {rank}'s input columns [{a}, {b}) do not fall on the file's {block}-weight "
-                         "blocks; run this file with tensor_parallel_size=1, or a file of 32-weight blocks "
-                         "(Q4_0, Q4_1, Q5_0, Q5_1, Q8_0)")
-    return GgufTensor(t.rows[:, a // block * nbytes : b // block * nbytes], t.ggml_type, (t.shape[0], b - a), t.name)
+def _col_slice(t: Weight, a: int, b: int) -> Weight:
+    """Input columns [a, b): for blocks, whole blocks of each row."""
+    return t.take_cols(a, b) if isinstance(t, GgufTensor) else t[:, a:b]
 
 
 def shard_weight(name: str, t: Weight, plan: ShardPlan, arch: ArchConfig) -> Weight:
-    """This rank's slice of a checkpoint's ``.weight`` or ``.bias`` tensor, dense or in GGUF
-    blocks (norms whole)."""
+    """This rank's slice of a checkpoint's ``.weight`` or ``.bias`` tensor, dense or in blocks
+    (norms, and what no layer splits, whole)."""
     if name in ("model.embed_tokens.weight", "lm_head.weight"):
         return _row_slice(t, *plan.vocab)
     m = _LAYER.match(name)
@@ -181,10 +192,11 @@ def shard_weight(name: str, t: Weight, plan: ShardPlan, arch: ArchConfig) -> Wei
     if proj in COLUMN_PARALLEL:
         return _row_slice(t, *_rows(plan, arch, proj))
     if kind == "bias":  # a row-parallel bias is added once: by rank 0
+        t = t.read() if isinstance(t, LazyTensor) else t
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name}: a quantized bias is not supported with tensor parallelism")
         return t if plan.rank == 0 else torch.zeros_like(t)
-    return _col_slice(t, *plan.own_inputs(proj, arch), plan.rank)
+    return _col_slice(t, *plan.own_inputs(proj, arch))
 
 
 def global_shape(proj: str, arch: ArchConfig) -> tuple[int, int]:
@@ -193,7 +205,41 @@ def global_shape(proj: str, arch: ArchConfig) -> tuple[int, int]:
             "v_proj": (arch.hidden_size, arch.kv_size), "o_proj": (arch.q_size, arch.hidden_size),
             "gate_proj": (arch.hidden_size, arch.intermediate_size),
             "up_proj": (arch.hidden_size, arch.intermediate_size),
-            "down_proj": (arch.intermediate_size, arch.hidden_size)}[proj]
+            "down_proj": (arch.intermediate_size, arch.hidden_size),
+            "lm_head": (arch.hidden_size, arch.vocab_size)}[proj]
+
+
+def _row_part(proj: str, plans: list[ShardPlan], rank: int, arch: ArchConfig, group: int | None,
+              order: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A row-parallel weight's input columns on ``rank`` (global, in ``order``: the whole
+    groups ``row_inputs`` gives it) and the same to gather its input by, or None when every
+    rank reads its own input as it is (all ranks decide alike: a gather is a collective)."""
+
+    def reads_own(p: ShardPlan) -> bool:
+        a, b = p.row_inputs(proj, arch, group)
+        return (a, b) == p.own_inputs(proj, arch) and torch.equal(order[a:b], torch.arange(a, b))
+
+    c0, c1 = plans[rank].row_inputs(proj, arch, group)
+    cols = order[c0:c1]
+    return cols, None if all(reads_own(p) for p in plans) else cols
+
+
+def shard_fp8(prefix: str, codes: torch.Tensor, scale: torch.Tensor, plans: list[ShardPlan], rank: int,
+              arch: ArchConfig, block: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Rank ``rank``'s part of one FP8 projection: codes [out, in] and scale [out] per channel
+    or [out, in / block] (``formats.fp8.check_linear``'s layout), and the global input columns
+    a row-parallel part gathers (``_row_part``). Block scales split by whole blocks."""
+    proj = prefix.rpartition(".")[2]
+    if proj in (*COLUMN_PARALLEL, "lm_head"):
+        a, b = _rows(plans[rank], arch, proj)
+        return codes[a:b], scale[a:b], None
+    if proj not in ROW_PARALLEL:
+        raise ValueError(f"{prefix}: not a projection tensor parallelism splits")
+    _, gather = _row_part(proj, plans, rank, arch, block, torch.arange(codes.shape[1]))
+    c0, c1 = plans[rank].row_inputs(proj, arch, block)
+    if block is not None:
+        scale = scale[:, c0 // block : -(-c1 // block)]
+    return codes[:, c0:c1], scale, gather
 
 
 def shard_gptq(prefix: str, parts: dict[str, torch.Tensor | None], plans: list[ShardPlan], rank: int,
@@ -222,18 +268,14 @@ def shard_gptq(prefix: str, parts: dict[str, torch.Tensor | None], plans: list[S
     g_idx = parts.get("g_idx")
     order = torch.argsort(torch.arange(k) // g if g_idx is None else g_idx.long(), stable=True)
 
-    def reads_own(p: ShardPlan) -> bool:
-        a, b = p.row_inputs(proj, arch, cfg)
-        return (a, b) == p.own_inputs(proj, arch) and torch.equal(order[a:b], torch.arange(a, b))
-
-    c0, c1 = plan.row_inputs(proj, arch, cfg)
-    cols = order[c0:c1]
+    cols, gather = _row_part(proj, plans, rank, arch, cfg.group_size, order)
+    c0, c1 = plan.row_inputs(proj, arch, cfg.group_size)
     out["qweight"] = pack_rows(unpack_rows(qweight, cfg.bits, k)[cols], cfg.bits)
     out["g_idx"] = None  # whole groups in g_idx order: in order on the rank
     if cfg.group_size is not None:
         g0 = c0 // g
         out["scales"], out["qzeros"] = scales[g0 : -(-c1 // g)], qzeros[g0 : -(-c1 // g)]
-    return out, None if all(reads_own(p) for p in plans) else cols
+    return out, gather
 
 
 @dataclass

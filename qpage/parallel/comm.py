@@ -35,10 +35,12 @@ class Collectives:
     """Time spent in collectives inside steps (for the benchmarks)."""
 
     @classmethod
-    def join(cls, rank: int, world: int, init_method: str, timeout_s: float, backend: str = "gloo") -> Collectives:
-        """Join the group (``init_method``: ``tcp://host:port`` or ``env://``)."""
+    def join(cls, rank: int, world: int, init: str | dist.Store, timeout_s: float,
+             backend: str = "gloo") -> Collectives:
+        """Join the group (``init``: ``env://``, or the store rank 0 serves)."""
         timeout = datetime.timedelta(seconds=timeout_s)
-        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world, timeout=timeout)
+        where = {"init_method": init} if isinstance(init, str) else {"store": init}
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout, **where)
         control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
         return cls(rank, world, backend, dist.group.WORLD, control)
 

@@ -12,10 +12,12 @@ group's timeout) and becomes a ``TensorParallelError`` naming the spawned rank o
 
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 import socket
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
@@ -23,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from qpage.config import BLOCK_SIZE
@@ -145,16 +148,23 @@ def serve(comm: Collectives) -> int:
             runner.calibrate_kv_shifts(arg)
 
 
-def _worker(rank: int, world: int, init_method: str, timeout_s: float, device: str) -> None:
-    """Entry point of a spawned worker."""
+def _worker(rank: int, world: int, port: int, timeout_s: float, device: str) -> None:
+    """Entry point of a spawned worker: it checks in on the driver's store, then joins."""
     _pin(rank, world, device)
     rank_device(device, world, rank)  # selects this rank's card before NCCL starts
-    comm = Collectives.join(rank, world, init_method, timeout_s, _backend(device))
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
+    store.set(_ready(rank), "1")
+    comm = Collectives.join(rank, world, store, timeout_s, _backend(device))
     try:
         status = serve(comm)
     finally:
         comm.leave()
     sys.exit(status)
+
+
+def _ready(rank: int) -> str:
+    """The store key a spawned worker sets once it runs."""
+    return f"qpage/ready/{rank}"
 
 
 def _backend(device: str) -> str:
@@ -209,19 +219,39 @@ class Workers:
                     self.comm.leave()
                 sys.exit(status)
             return
-        init = f"tcp://127.0.0.1:{_free_port()}"
+        port = _free_port()
+        store = dist.TCPStore("127.0.0.1", port, world, is_master=True, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=timeout_s))
         ctx = mp.get_context("spawn")
         for r in range(1, world):
-            p = ctx.Process(target=_worker, args=(r, world, init, timeout_s, device), daemon=True,
+            p = ctx.Process(target=_worker, args=(r, world, port, timeout_s, device), daemon=True,
                             name=f"qpage-tp-rank{r}")
             p.start()
             self.procs.append(p)
         self._unpin = _pin(0, world, device)
         try:
-            self.comm = Collectives.join(0, world, init, timeout_s, _backend(device))
+            self._await_workers(store)
+            self.comm = Collectives.join(0, world, store, timeout_s, _backend(device))
         except Exception as e:
             self.close()
-            raise TensorParallelError(f"the tensor-parallel workers did not join: {e}") from e
+            why = e if isinstance(e, TensorParallelError) else f"the tensor-parallel workers did not join: {e}"
+            raise TensorParallelError(str(why)) from e
+
+    def _await_workers(self, store: dist.Store) -> None:
+        """Wait for every spawned worker to check in, failing as soon as one exits first (an
+        error at its start, printed above) or after the timeout."""
+        keys = [_ready(r) for r in range(1, self.world)]
+        deadline = time.monotonic() + self.timeout_s
+        while not store.check(keys):
+            dead = [f"rank {i + 1} (pid {p.pid}) exited with code {p.exitcode}" for i, p in enumerate(self.procs)
+                    if p.exitcode is not None]
+            if dead:
+                raise TensorParallelError(f"a tensor-parallel worker stopped before it joined: {'; '.join(dead)} "
+                                          "(its error is printed above)")
+            if time.monotonic() > deadline:
+                raise TensorParallelError(f"the tensor-parallel workers did not start within {self.timeout_s:g} s "
+                                          "(distributed_timeout)")
+            time.sleep(0.05)
 
     def send(self, cmd: Any) -> None:
         if not hasattr(self, "comm"):

@@ -140,6 +140,35 @@ def test_compressed_tensors_two_ranks_split_exactly(compressed_tensors_int4: Pat
         llm.shutdown()
 
 
+@pytest.mark.parametrize("scheme", ["fp8", "fp8-block", "nf4"])
+def test_fp8_and_bitsandbytes_weights_split(default_model_dir: Path, tmp_path: Path, scheme: str) -> None:
+    """FP8 weights (per channel; 128x128 blocks, whose o_proj parts straddle head boundaries
+    and gather their input) and bitsandbytes NF4 (blocks of 64, cut on 32-weight blocks) are
+    sliced with their scales: two ranks equal one on the same (dequantized) weights. NF4 also
+    runs packed on each rank, with the packed path's noise (see the module note)."""
+    model = tmp_path / scheme
+    quantize_checkpoint(default_model_dir, model, QuantScheme.parse(scheme), progress=False)
+    ref, _ = run(str(model), dequantize_weights=True)
+    two, llm = run(str(model), 2, dequantize_weights=True)
+    assert llm is not None
+    try:
+        assert_exact(ref, two)
+        if scheme == "fp8-block":
+            assert llm.llm_engine.model.layers[0].self_attn.o_cols is not None
+    finally:
+        llm.shutdown()
+    if scheme != "nf4":
+        return
+    one, _ = run(str(model))
+    two, llm = run(str(model), 2)
+    assert llm is not None
+    try:
+        assert_same_noise(ref, one, two)
+        assert llm.llm_engine.kernel_paths()["quantized_linears"] == {"cpu-blocks": 120}
+    finally:
+        llm.shutdown()
+
+
 def test_dense_two_ranks_match_one(default_model_dir: Path) -> None:
     one_llm = LLM(model=str(default_model_dir), kv_cache_memory="32MiB", log_stats=False)
     one, one_engine = Run(one_llm), one_llm.llm_engine
@@ -261,6 +290,22 @@ def test_lost_rank_is_an_error_within_the_timeout(default_model_dir: Path, how: 
     print(f"{how}: error after {took:.2f} s")
     assert took < 10 + 5
     assert not worker.is_alive(), "the lost rank's process is gone"
+
+
+def test_worker_that_fails_to_start_is_an_error_at_once(default_model_dir: Path, tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A spawned worker that exits before it joins (here: its interpreter stops at start)
+    fails the engine's start with its exit code, not after the whole timeout."""
+    stop = 'import sys\nif "--multiprocessing-fork" in sys.argv:\n    sys.exit(3)\n'
+    (tmp_path / "sitecustomize.py").write_text(stop)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    t = time.monotonic()
+    with pytest.raises(TensorParallelError, match=r"stopped before it joined: rank 1 \(pid \d+\) exited with code"):
+        LLM(model=str(default_model_dir), kv_cache_memory="16MiB", tensor_parallel_size=2, distributed_timeout=120,
+            log_stats=False)
+    took = time.monotonic() - t
+    print(f"failed start: error after {took:.2f} s")
+    assert took < 30
 
 
 def _free_port() -> int:
