@@ -74,3 +74,18 @@ def llm_factory(default_model_dir: Path) -> Callable[..., Any]:
 @pytest.fixture(scope="session")
 def llm(llm_factory: Callable[..., Any]) -> Any:
     return llm_factory()
+
+
+@pytest.fixture(scope="session")
+def gptq_act_order(default_model_dir: Path, tokenizer: Any, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The default model as an INT4 GPTQ act-order checkpoint (groups of 128, calibrated on
+    two 64-token windows of the README): what the packed CPU and tensor-parallel tests run."""
+    from qpage.eval.perplexity import token_windows
+    from qpage.quantizers.pipeline import quantize_checkpoint
+    from qpage.quantizers.scheme import QuantScheme
+
+    calib = token_windows(tokenizer, Path(__file__).resolve().parents[1] / "README.md", 64, 2)
+    out = tmp_path_factory.mktemp("gptq") / "gptq-act-order"
+    quantize_checkpoint(default_model_dir, out, QuantScheme(4, 128, True, method="gptq", act_order=True),
+                        progress=False, calib=calib)
+    return out

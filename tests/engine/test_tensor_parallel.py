@@ -32,7 +32,6 @@ import pytest
 import torch
 
 from qpage import LLM, SamplingParams
-from qpage.eval.perplexity import token_windows
 from qpage.formats.gguf import default_gguf_path
 from qpage.parallel.comm import TensorParallelError
 from qpage.quantizers.pipeline import quantize_checkpoint
@@ -108,15 +107,6 @@ def assert_same_noise(ref: Run, one: Run, two: Run) -> None:
           f"greedy partings: {partings}")
     assert d2 <= 1.25 * d1 + 0.01
     assert all(m < bound for m in _margins(partings)), partings
-
-
-@pytest.fixture(scope="module")
-def gptq_act_order(default_model_dir: Path, tokenizer: Any, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    calib = token_windows(tokenizer, Path(__file__).resolve().parents[2] / "README.md", 64, 2)
-    out = tmp_path_factory.mktemp("tp") / "gptq-act-order"
-    quantize_checkpoint(default_model_dir, out, QuantScheme(4, 128, True, method="gptq", act_order=True),
-                        progress=False, calib=calib)
-    return out
 
 
 @pytest.fixture(scope="module")

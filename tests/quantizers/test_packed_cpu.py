@@ -26,20 +26,16 @@ from qpage.quantizers.scheme import QuantScheme
 
 pytestmark = pytest.mark.slow
 
-SCHEMES = {
-    "gptq-act-order": QuantScheme(4, 128, True, method="gptq", act_order=True),
-    "awq": QuantScheme.parse("int4-awq", group_size=128, sym=False),
-}
+AWQ = QuantScheme.parse("int4-awq", group_size=128, sym=False)
 
 
 @pytest.fixture(scope="module")
-def checkpoints(default_model_dir: Path, tokenizer: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def checkpoints(default_model_dir: Path, tokenizer: Any, tmp_path_factory: pytest.TempPathFactory,
+                gptq_act_order: Path) -> dict[str, Path]:
     calib = token_windows(tokenizer, Path(__file__).resolve().parents[2] / "README.md", 64, 2)
-    out = {}
-    for name, scheme in SCHEMES.items():
-        out[name] = tmp_path_factory.mktemp("packed") / name
-        quantize_checkpoint(default_model_dir, out[name], scheme, progress=False, calib=calib)
-    return out
+    awq = tmp_path_factory.mktemp("packed") / "awq"
+    quantize_checkpoint(default_model_dir, awq, AWQ, progress=False, calib=calib)
+    return {"gptq-act-order": gptq_act_order, "awq": awq}
 
 
 def test_act_order_checkpoint_layout(checkpoints: dict[str, Path]) -> None:
@@ -52,7 +48,7 @@ def test_act_order_checkpoint_layout(checkpoints: dict[str, Path]) -> None:
     assert torch.equal(g_idx, t["model.layers.0.self_attn.k_proj.g_idx"]), "q/k/v share one input and one order"
 
 
-@pytest.mark.parametrize("name", list(SCHEMES))
+@pytest.mark.parametrize("name", ["gptq-act-order", "awq"])
 def test_runs_packed_like_the_dequantized_weights(checkpoints: dict[str, Path], tokenizer: Any, name: str) -> None:
     ids = tokenizer.encode("The history of the river town is told in its mills and bridges. " * 12)[:160]
     packed = LLM(model=str(checkpoints[name]), kv_cache_memory="16MiB", log_stats=False)
