@@ -76,7 +76,9 @@ class GptqConfig:
 
 def check_linear(prefix: str, parts: dict[str, torch.Tensor], cfg: GptqConfig, in_f: int, out_f: int,
                  file: str) -> dict[str, torch.Tensor]:
-    """Validate one linear's tensors and return them in the kernels' convention (v2 zeros)."""
+    """Validate one linear's tensors and return them in the kernels' convention (v2 zeros).
+    Of ``qweight`` only the shape and dtype are read: it may be a ``LazyTensor``, returned
+    unread, so that a tensor-parallel rank reads only its part of it."""
     missing = [s for s in SUFFIXES if s not in parts and s != "g_idx"]
     if missing:
         raise ValueError(f"{file}: {prefix} lacks {', '.join(prefix + '.' + m for m in missing)}")

@@ -17,6 +17,7 @@ import os
 import struct
 from collections.abc import Collection, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -120,6 +121,11 @@ class LazyTensor:
         finally:
             os.close(fd)
         return _tensor(buf, self.dtype, shape)
+
+
+def read_parts(parts: dict[str, Any], keep: Collection[str] = ()) -> dict[str, Any]:
+    """``parts`` with every ``LazyTensor`` read, but those named in ``keep``."""
+    return {k: v.read() if isinstance(v, LazyTensor) and k not in keep else v for k, v in parts.items()}
 
 
 def lazy_tensors(path: Path) -> Iterator[tuple[str, LazyTensor]]:

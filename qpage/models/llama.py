@@ -16,8 +16,8 @@ from torch import nn
 
 from qpage.formats import bnb
 from qpage.formats.detect import LinearConfig, linear_config
-from qpage.formats.gguf_model import GgufConfig
-from qpage.formats.safetensors_io import LazyTensor
+from qpage.formats.gguf_model import GgufConfig, GgufTensor
+from qpage.formats.safetensors_io import LazyTensor, read_parts
 from qpage.kernels.cpu.native_decode import DecodeStack
 from qpage.layers.attention import AttentionBackend
 from qpage.layers.attention_metadata import StepMetadata
@@ -32,7 +32,7 @@ from qpage.layers.quant_linear import IntLinear
 from qpage.layers.rotary import RotaryEmbedding, apply_rotary
 from qpage.models.arch import ArchConfig
 from qpage.models.fused_decode import build_decode_stack, run_decode_stack, step_fits
-from qpage.models.sharding import Rank, global_shape, row_group, shard_fp8, shard_gptq, shard_weight
+from qpage.models.sharding import Rank, global_shape, row_group, shard_fp8, shard_gptq, shard_weight, unread_parts
 
 KVCache = LayerKV
 QuantLinear = IntLinear | Fp8Linear | BlockLinear
@@ -319,8 +319,9 @@ class LlamaForCausalLM(nn.Module):
         return out
 
     @torch.no_grad()
-    def load_weights(self, tensors: Iterable[tuple[str, str, torch.Tensor]]) -> None:
-        """Copy (file, name, tensor) triples into the model, checking every shape."""
+    def load_weights(self, tensors: Iterable[tuple[str, str, torch.Tensor | LazyTensor | GgufTensor]]) -> None:
+        """Copy (file, name, tensor) triples into the model, checking every shape; a rank of a
+        split model reads only its slices of ``LazyTensor`` s."""
         targets = self.weight_targets()
         qtargets = self.quant_targets()
         pending: dict[str, dict[str, torch.Tensor]] = {}
@@ -331,19 +332,19 @@ class LlamaForCausalLM(nn.Module):
             prefix, _, suffix = name.rpartition(".")
             prefix, suffix = bnb.split_name(name) or (prefix, suffix)
             quant_part = prefix in qtargets and suffix in QUANT_SUFFIXES
-            if self.tp is not None and not quant_part:  # quantized parts are split whole (_load_quant)
+            if self.tp is not None and not quant_part:  # a quantized projection is split in _load_quant
                 lazy = shard_weight(name, lazy, self.tp.plan, self.tp.arch)
-            t = lazy.read() if isinstance(lazy, LazyTensor) else lazy
             if quant_part:
                 if suffix == "input_scale":
                     continue  # static FP8 activation scales: qpage keeps activations unquantized
                 parts = pending.setdefault(prefix, {})
-                parts[suffix] = t
+                parts[suffix] = lazy  # read in _load_quant
                 pending_file[prefix] = file
                 if qtargets[prefix][0].wants(parts):
                     self._load_quant(prefix, pending.pop(prefix), qtargets, file)
                     seen.add(prefix)
                 continue
+            t = lazy.read() if isinstance(lazy, LazyTensor) else lazy
             m = _KV_SCALE.match(name)
             if m:
                 if t.numel() != 1 or not torch.isfinite(t).all() or float(t) <= 0:
@@ -384,6 +385,7 @@ class LlamaForCausalLM(nn.Module):
                     file: str) -> None:
         mod, off, cols = qtargets[prefix]
         tp = self.tp
+        parts = read_parts(parts, unread_parts(mod.cfg) if tp is not None and isinstance(mod, IntLinear) else ())
         if tp is None:
             mod.load_part(prefix, parts, off, cols, file)
             return

@@ -242,6 +242,13 @@ def shard_fp8(prefix: str, codes: torch.Tensor, scale: torch.Tensor, plans: list
     return codes[:, c0:c1], scale, gather
 
 
+def unread_parts(quant: LinearConfig | None) -> tuple[str, ...]:
+    """The tensors of a quantized projection a rank slices before it reads them (``LazyTensor``):
+    GPTQ's qweight, the bulk of it, whose validation needs only its shape. The others are read
+    whole (validated or converted at the whole shape), one projection at a time."""
+    return ("qweight",) if isinstance(quant, GptqConfig) else ()
+
+
 def shard_gptq(prefix: str, parts: dict[str, torch.Tensor | None], plans: list[ShardPlan], rank: int,
                arch: ArchConfig, cfg: IntConfig) -> tuple[dict[str, torch.Tensor | None], torch.Tensor | None]:
     """Rank ``rank``'s part of one integer projection in the GPTQ layout (v2 zeros, g_idx None
@@ -270,7 +277,11 @@ def shard_gptq(prefix: str, parts: dict[str, torch.Tensor | None], plans: list[S
 
     cols, gather = _row_part(proj, plans, rank, arch, cfg.group_size, order)
     c0, c1 = plan.row_inputs(proj, arch, cfg.group_size)
-    out["qweight"] = pack_rows(unpack_rows(qweight, cfg.bits, k)[cols], cfg.bits)
+    if c0 % pack == 0 and torch.equal(cols, torch.arange(c0, c1)):  # in order: whole packed rows
+        out["qweight"] = qweight[c0 // pack : -(-c1 // pack)]
+    else:
+        whole = qweight.read() if isinstance(qweight, LazyTensor) else qweight
+        out["qweight"] = pack_rows(unpack_rows(whole, cfg.bits, k)[cols], cfg.bits)
     out["g_idx"] = None  # whole groups in g_idx order: in order on the rank
     if cfg.group_size is not None:
         g0 = c0 // g

@@ -73,8 +73,9 @@ def test_dense_slices() -> None:
 
 
 @pytest.mark.parametrize("act_order", [False, True])
-def test_gptq_row_parallel_parts_sum_to_the_whole(act_order: bool) -> None:
-    """Each rank's down_proj part, fed the input columns it names, sums to the whole layer."""
+def test_gptq_row_parallel_parts_sum_to_the_whole(act_order: bool, tmp_path: Path) -> None:
+    """Each rank's down_proj part, fed the input columns it names, sums to the whole layer;
+    qweight is read from a file as a rank reads it (``LazyTensor``: in order, only its rows)."""
     torch.manual_seed(0)
     k, n, g = 512, 256, 128
     cfg = GptqConfig(4, g, False, act_order, False)
@@ -84,11 +85,14 @@ def test_gptq_row_parallel_parts_sum_to_the_whole(act_order: bool) -> None:
     g_idx = (torch.randperm(k) // g if act_order else torch.arange(k) // g).to(torch.int32)
     parts = {"qweight": pack_rows(q, 4), "scales": scales, "qzeros": pack_cols(zeros, 4), "g_idx": g_idx}
     whole = dequantize_ref(parts["qweight"], scales, parts["qzeros"], g_idx, bits=4, group_size=g, in_features=k)
+    write_file(tmp_path / "w.safetensors", {"qweight": parts["qweight"]})
+    parts["qweight"] = dict(lazy_tensors(tmp_path / "w.safetensors"))["qweight"]
     x = torch.randn(3, k)
     total = torch.zeros(3, n)
     plans = plan_shards(ARCH, 2)
     for plan in plans:
         part, cols = shard_gptq("model.layers.0.mlp.down_proj", parts, plans, plan.rank, ARCH, cfg)
+        assert isinstance(part["qweight"], torch.Tensor)
         own = torch.arange(*plan.intermediate)
         if act_order:
             assert cols is not None, "act-order columns are scattered: the input is gathered"
