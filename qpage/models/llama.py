@@ -17,7 +17,7 @@ from torch import nn
 from qpage.formats import bnb
 from qpage.formats.detect import LinearConfig, linear_config
 from qpage.formats.gguf_model import GgufConfig, GgufTensor
-from qpage.formats.safetensors_io import LazyTensor, read_parts
+from qpage.formats.safetensors_io import LazyTensor
 from qpage.kernels.cpu.native_decode import DecodeStack
 from qpage.layers.attention import AttentionBackend
 from qpage.layers.attention_metadata import StepMetadata
@@ -32,7 +32,7 @@ from qpage.layers.quant_linear import IntLinear
 from qpage.layers.rotary import RotaryEmbedding, apply_rotary
 from qpage.models.arch import ArchConfig
 from qpage.models.fused_decode import build_decode_stack, run_decode_stack, step_fits
-from qpage.models.sharding import Rank, global_shape, row_group, shard_fp8, shard_gptq, shard_weight, unread_parts
+from qpage.models.sharding import Rank, row_group, shard_weight
 
 KVCache = LayerKV
 QuantLinear = IntLinear | Fp8Linear | BlockLinear
@@ -384,30 +384,10 @@ class LlamaForCausalLM(nn.Module):
                     qtargets: dict[str, tuple[QuantLinear | GgufEmbedding, int, int]],
                     file: str) -> None:
         mod, off, cols = qtargets[prefix]
-        tp = self.tp
-        parts = read_parts(parts, unread_parts(mod.cfg) if tp is not None and isinstance(mod, IntLinear) else ())
-        if tp is None:
+        if self.tp is None:
             mod.load_part(prefix, parts, off, cols, file)
             return
-        # Validated (and converted) at the whole model's shape, then this rank's part sliced.
-        if isinstance(mod, GgufEmbedding):
-            mod.load_part(prefix, {"weight": shard_weight(f"{prefix}.weight", parts["weight"], tp.plan, tp.arch)},
-                          off, cols, file)
-            return
-        whole = global_shape(prefix.rpartition(".")[2], tp.arch)
-        inputs = None
-        if isinstance(mod, IntLinear):
-            part, inputs = shard_gptq(prefix, mod.check_part(prefix, parts, *whole, file), tp.plans, tp.comm.rank,
-                                      tp.arch, mod.cfg)
-            mod.store_part(prefix, part, off, cols, file)
-        elif isinstance(mod, Fp8Linear):
-            codes, scale, inputs = shard_fp8(prefix, *mod.check_part(prefix, parts, *whole, file), tp.plans,
-                                             tp.comm.rank, tp.arch, mod.cfg.block)
-            mod.store_part(codes, scale, off, cols)
-        else:
-            value = shard_weight(f"{prefix}.weight", mod.check_part(prefix, parts, *whole, file), tp.plan, tp.arch)
-            assert not isinstance(value, LazyTensor)
-            mod.store_part(prefix, value, off, cols, file)
+        inputs = self.tp.load_part(mod, prefix, parts, off, cols, file)
         if prefix.endswith("o_proj"):
             self.layers[int(prefix.split(".")[2])].self_attn.o_cols = inputs
         elif prefix.endswith("down_proj"):

@@ -13,13 +13,14 @@ With fewer KV heads than ranks each KV head is replicated on N / kv_heads ranks,
 its group of query heads (as vLLM does). When the KV heads do not divide by N (SmolLM2-135M:
 3 over 2 ranks) the ranks get unequal whole groups; the KV cache is sized for the largest.
 
-Quantized weights are validated (and converted) at the whole model's shape, then sliced, so
-their scales go with their weights. Row-parallel layers whose scales cover groups of input
-columns (GPTQ/AWQ/compressed-tensors groups, FP8 128x128 blocks) split by whole groups, in the
-order of ``g_idx`` (the checkpoint's act-order): each rank's part is an ordinary in-order
-weight that the kernels run. When those columns are not the rank's own input columns
-(act-order, or a group that straddles a head boundary) the layer all-gathers its input and
-picks them. Block formats (GGUF, bitsandbytes) split on their 32- or 256-weight blocks.
+Quantized weights are validated (and converted) by their layer at the whole model's shape,
+then sliced (``Rank.load_part``), so their scales go with their weights. Row-parallel layers
+whose scales cover groups of input columns (GPTQ/AWQ/compressed-tensors groups, FP8 128x128
+blocks) split by whole groups, in the order of ``g_idx`` (the checkpoint's act-order): each
+rank's part is an ordinary in-order weight that the kernels run. When those columns are not
+the rank's own input columns (act-order, or a group that straddles a head boundary) the layer
+all-gathers its input and picks them. Block formats (GGUF, bitsandbytes) split on their 32- or
+256-weight blocks.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import dataclasses
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -38,12 +40,17 @@ from qpage.formats.detect import LinearConfig, linear_config
 from qpage.formats.fp8 import Fp8Config
 from qpage.formats.gguf_model import GgufConfig, GgufTensor
 from qpage.formats.gptq import GptqConfig
-from qpage.formats.safetensors_io import LazyTensor
+from qpage.formats.safetensors_io import LazyTensor, read_parts
 from qpage.kernels.packing import pack_rows, unpack_rows
+from qpage.layers.block_linear import BlockLinear, GgufEmbedding
+from qpage.layers.fp8_linear import Fp8Linear
+from qpage.layers.quant_linear import IntLinear
 from qpage.models.arch import ArchConfig
 from qpage.parallel.comm import Collectives
 
 _LAYER = re.compile(r"^model\.layers\.\d+\.(self_attn|mlp)\.(\w+_proj)\.(weight|bias)$")
+Module = IntLinear | Fp8Linear | BlockLinear | GgufEmbedding
+"""The layers a quantized checkpoint's projections (and a GGUF embedding) load into."""
 IntConfig = GptqConfig | AwqConfig | CtIntConfig
 """Integer formats, all held in the GPTQ layout once loaded (``IntLinear.check_part``)."""
 SPLITS = (GptqConfig, AwqConfig, CtIntConfig, Fp8Config, BnbConfig)
@@ -242,7 +249,7 @@ def shard_fp8(prefix: str, codes: torch.Tensor, scale: torch.Tensor, plans: list
     return codes[:, c0:c1], scale, gather
 
 
-def unread_parts(quant: LinearConfig | None) -> tuple[str, ...]:
+def _unread_parts(quant: LinearConfig | None) -> tuple[str, ...]:
     """The tensors of a quantized projection a rank slices before it reads them (``LazyTensor``):
     GPTQ's qweight, the bulk of it, whose validation needs only its shape. The others are read
     whole (validated or converted at the whole shape), one projection at a time."""
@@ -315,6 +322,33 @@ class Rank:
     def logits(self, local: torch.Tensor) -> torch.Tensor | None:
         """This rank's vocabulary columns -> the whole row on rank 0 (None on the others)."""
         return self.comm.gather_cols(local, [p.vocab[1] - p.vocab[0] for p in self.plans])
+
+    def load_part(self, mod: Module, prefix: str, parts: dict[str, Any], offset: int, cols: int,
+                  file: str) -> torch.Tensor | None:
+        """Store this rank's part of one quantized projection (or GGUF embedding) into ``mod``:
+        validated (and converted) by the layer at the whole model's shape, then sliced. Returns
+        the global input columns a row-parallel part gathers (see ``_row_part``), else None."""
+        plan, rank, arch = self.plan, self.comm.rank, self.arch
+        parts = read_parts(parts, _unread_parts(mod.cfg) if isinstance(mod, IntLinear) else ())
+        if isinstance(mod, GgufEmbedding):
+            mod.load_part(prefix, {"weight": shard_weight(f"{prefix}.weight", parts["weight"], plan, arch)}, offset,
+                          cols, file)
+            return None
+        whole = global_shape(prefix.rpartition(".")[2], arch)
+        if isinstance(mod, IntLinear):
+            part, inputs = shard_gptq(prefix, mod.check_part(prefix, parts, *whole, file), self.plans, rank, arch,
+                                      mod.cfg)
+            mod.store_part(prefix, part, offset, cols, file)
+            return inputs
+        if isinstance(mod, Fp8Linear):
+            codes, scale, inputs = shard_fp8(prefix, *mod.check_part(prefix, parts, *whole, file), self.plans, rank,
+                                             arch, mod.cfg.block)
+            mod.store_part(codes, scale, offset, cols)
+            return inputs
+        value = shard_weight(f"{prefix}.weight", mod.check_part(prefix, parts, *whole, file), plan, arch)
+        assert not isinstance(value, LazyTensor), "block formats are read by their layer's check_part"
+        mod.store_part(prefix, value, offset, cols, file)
+        return None
 
     def row_parallel(self, forward: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, proj: str,
                      cols: torch.Tensor | None) -> torch.Tensor:

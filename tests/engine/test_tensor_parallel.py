@@ -1,7 +1,9 @@
 """Tensor parallelism on CPU over gloo, 2 ranks: the same greedy outputs and prompt logprobs
-as one rank for a dense checkpoint, a GPTQ act-order checkpoint and the FP8 KV cache; the
-per-rank share of weights and KV cache; preemption and prefix caching; a lost rank becomes
-an error naming it, within the timeout; ranks started the way torchrun starts them.
+as one rank for a dense checkpoint, a GPTQ act-order checkpoint, compressed-tensors INT4, FP8
+weights, bitsandbytes NF4, the default model's GGUF and the FP8 KV cache; the per-rank share
+of weights and KV cache; preemption and prefix caching; a lost rank, or one that fails to
+start, becomes an error naming it, within the timeout; ranks started the way torchrun starts
+them.
 
 Tolerances. Dense fp32: prompt logprobs within 1e-3 nats of one rank's (the ranks sum the
 row-parallel products in another order: measured 1e-5) and the same greedy tokens except at a
