@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from qpage.formats.safetensors_io import LazyTensor
+
 SCALE_NAMES = ("weight_scale", "weight_scale_inv")
 
 
@@ -82,7 +84,8 @@ def pack_linear(prefix: str, codes: torch.Tensor, scale: torch.Tensor) -> dict[s
 def check_linear(prefix: str, parts: dict[str, torch.Tensor], cfg: Fp8Config, in_f: int, out_f: int,
                  file: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Validate one linear; return (codes as uint8 [out, in], scale fp32 expanded to [out, ceil(in/b)]
-    for blocks, [out] per channel)."""
+    for blocks, [out] per channel). Of the weight only the shape and dtype are read: it may be a
+    ``LazyTensor``, returned unread, so that a tensor-parallel rank reads only its part of it."""
     w, s = parts.get("weight"), parts.get(cfg.scale_name)
     if w is None or s is None:
         raise ValueError(f"{file}: {prefix} needs {prefix}.weight and {prefix}.{cfg.scale_name}")
@@ -108,4 +111,4 @@ def check_linear(prefix: str, parts: dict[str, torch.Tensor], cfg: Fp8Config, in
             raise ValueError(f"{file}: {prefix}.{cfg.scale_name} has shape {tuple(s.shape)}, expected {want} "
                              f"for {b}x{b} blocks of a [{out_f} x {in_f}] weight")
         s = s.repeat_interleave(b, 0)[:out_f].contiguous()
-    return w.view(torch.uint8), s
+    return (w if isinstance(w, LazyTensor) else w.view(torch.uint8)), s

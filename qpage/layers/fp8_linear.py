@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from qpage.formats.fp8 import Fp8Config, check_linear
+from qpage.formats.safetensors_io import LazyTensor
 from qpage.layers.linear_kernels import LinearSpec
 from qpage.layers.quant_base import QuantLinearBase
 
@@ -34,9 +35,9 @@ class Fp8Linear(QuantLinearBase):
         self.store_part(*self.check_part(prefix, parts, self.in_features, cols, file), offset, cols)
 
     def check_part(self, prefix: str, parts: dict[str, torch.Tensor], in_features: int, cols: int,
-                   file: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """One projection's (codes uint8 [cols, in_features], scale), validated
-        (``formats.fp8.check_linear``'s layout)."""
+                   file: str) -> tuple[torch.Tensor | LazyTensor, torch.Tensor]:
+        """One projection's (codes [cols, in_features], scale), validated
+        (``formats.fp8.check_linear``'s layout: the codes unread when given unread)."""
         return check_linear(prefix, parts, self.cfg, in_features, cols, file)
 
     def store_part(self, codes: torch.Tensor, scale: torch.Tensor, offset: int, cols: int) -> None:

@@ -231,29 +231,33 @@ def _row_part(proj: str, plans: list[ShardPlan], rank: int, arch: ArchConfig, gr
     return cols, None if all(reads_own(p) for p in plans) else cols
 
 
-def shard_fp8(prefix: str, codes: torch.Tensor, scale: torch.Tensor, plans: list[ShardPlan], rank: int,
+def shard_fp8(prefix: str, codes: torch.Tensor | LazyTensor, scale: torch.Tensor, plans: list[ShardPlan], rank: int,
               arch: ArchConfig, block: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Rank ``rank``'s part of one FP8 projection: codes [out, in] and scale [out] per channel
-    or [out, in / block] (``formats.fp8.check_linear``'s layout), and the global input columns
+    """Rank ``rank``'s part of one FP8 projection: codes [out, in] (uint8 or float8, possibly
+    unread) and scale [out] per channel or [out, in / block] (``formats.fp8.check_linear``'s
+    layout), as uint8 codes and scale, and the global input columns
     a row-parallel part gathers (``_row_part``). Block scales split by whole blocks."""
     proj = prefix.rpartition(".")[2]
     if proj in (*COLUMN_PARALLEL, "lm_head"):
         a, b = _rows(plans[rank], arch, proj)
-        return codes[a:b], scale[a:b], None
+        return codes[a:b].view(torch.uint8), scale[a:b], None
     if proj not in ROW_PARALLEL:
         raise ValueError(f"{prefix}: not a projection tensor parallelism splits")
     _, gather = _row_part(proj, plans, rank, arch, block, torch.arange(codes.shape[1]))
     c0, c1 = plans[rank].row_inputs(proj, arch, block)
     if block is not None:
         scale = scale[:, c0 // block : -(-c1 // block)]
-    return codes[:, c0:c1], scale, gather
+    return codes[:, c0:c1].view(torch.uint8), scale, gather
 
 
-def _unread_parts(quant: LinearConfig | None) -> tuple[str, ...]:
+def _unread_parts(mod: Module) -> tuple[str, ...]:
     """The tensors of a quantized projection a rank slices before it reads them (``LazyTensor``):
-    GPTQ's qweight, the bulk of it, whose validation needs only its shape. The others are read
-    whole (validated or converted at the whole shape), one projection at a time."""
-    return ("qweight",) if isinstance(quant, GptqConfig) else ()
+    the bulk of GPTQ (qweight) and FP8 (weight), whose validation needs only their shape and
+    dtype. The others are read whole (validated or converted at the whole shape), one
+    projection at a time."""
+    if isinstance(mod, IntLinear) and isinstance(mod.cfg, GptqConfig):
+        return ("qweight",)
+    return ("weight",) if isinstance(mod, Fp8Linear) else ()
 
 
 def shard_gptq(prefix: str, parts: dict[str, torch.Tensor | None], plans: list[ShardPlan], rank: int,
@@ -329,7 +333,7 @@ class Rank:
         validated (and converted) by the layer at the whole model's shape, then sliced. Returns
         the global input columns a row-parallel part gathers (see ``_row_part``), else None."""
         plan, rank, arch = self.plan, self.comm.rank, self.arch
-        parts = read_parts(parts, _unread_parts(mod.cfg) if isinstance(mod, IntLinear) else ())
+        parts = read_parts(parts, _unread_parts(mod))
         if isinstance(mod, GgufEmbedding):
             mod.load_part(prefix, {"weight": shard_weight(f"{prefix}.weight", parts["weight"], plan, arch)}, offset,
                           cols, file)

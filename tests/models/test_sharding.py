@@ -141,7 +141,7 @@ def test_ranks_agree_on_gathering() -> None:
 
 
 @pytest.mark.parametrize("block", [None, 128])
-def test_fp8_parts_sum_to_the_whole(block: int | None) -> None:
+def test_fp8_parts_sum_to_the_whole(block: int | None, tmp_path: Path) -> None:
     """FP8 per channel and in 128x128 blocks (``formats.fp8.check_linear``'s layout): the
     column-parallel parts are the whole's rows, and the row-parallel parts, fed the input
     columns they name (whole scale blocks, gathered where they straddle a head boundary), sum
@@ -157,8 +157,10 @@ def test_fp8_parts_sum_to_the_whole(block: int | None) -> None:
     x = torch.randn(3, k)
     total = torch.zeros(3, n)
     plans = plan_shards(arch, 2)
+    write_file(tmp_path / "w.safetensors", {"w": codes.view(torch.float8_e4m3fn)})
+    lazy = dict(lazy_tensors(tmp_path / "w.safetensors"))["w"]  # read as a rank reads it: only its part
     for plan in plans:
-        c, s, cols = shard_fp8("model.layers.0.self_attn.o_proj", codes, scale, plans, plan.rank, arch, block)
+        c, s, cols = shard_fp8("model.layers.0.self_attn.o_proj", lazy, scale, plans, plan.rank, arch, block)
         if block is None:
             assert cols is None, "per-channel scales split anywhere: each rank reads its own columns"
             cols = torch.arange(*plan.own_inputs("o_proj", arch))
@@ -167,7 +169,7 @@ def test_fp8_parts_sum_to_the_whole(block: int | None) -> None:
         part = Fp8Linear(len(cols), n, False, Fp8Config(block, "fp8"))
         part.store_part(c, s, 0, n)
         total += x[:, cols] @ part.dequantized().t()
-        q, qs, none = shard_fp8("model.layers.0.mlp.up_proj", codes, scale, plans, plan.rank, arch, block)
+        q, qs, none = shard_fp8("model.layers.0.mlp.up_proj", lazy, scale, plans, plan.rank, arch, block)
         a, b = plan.intermediate
         assert none is None and torch.equal(q, codes[a:b]) and torch.equal(qs, scale[a:b])
     torch.testing.assert_close(total, x @ whole.t(), rtol=1e-5, atol=1e-3)
