@@ -232,10 +232,12 @@ class Workers:
         try:
             self._await_workers(store)
             self.comm = Collectives.join(0, world, store, timeout_s, _backend(device))
+        except TensorParallelError:
+            self.close()
+            raise
         except Exception as e:
             self.close()
-            why = e if isinstance(e, TensorParallelError) else f"the tensor-parallel workers did not join: {e}"
-            raise TensorParallelError(str(why)) from e
+            raise TensorParallelError(f"the tensor-parallel workers did not join: {e}") from e
 
     def _await_workers(self, store: dist.Store) -> None:
         """Wait for every spawned worker to check in, failing as soon as one exits first (an
