@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -68,27 +69,33 @@ def test_generate_chat_runs_to_eos_by_default() -> None:
 @pytest.mark.slow
 def test_chat_answers_whole_and_ctrl_c_stops_only_the_answer(tokenizer: Any) -> None:
     import signal
-    import time
 
+    # Bytes read straight from the pipe: communicate() reads the fd, so nothing may sit in a
+    # Python-side buffer in between.
     proc = subprocess.Popen([sys.executable, "-m", "qpage.cli", "chat", "--temperature", "0", "--kv-cache-memory",
-                             "64MiB"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, bufsize=1)
+                             "64MiB"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         assert proc.stdin is not None and proc.stdout is not None
-        proc.stdin.write("Tell me a story about a dragon.\n")
+        proc.stdin.write(b"Tell me a story about a dragon.\n")
         proc.stdin.flush()
-        first = proc.stdout.read(40)  # the answer is streaming
-        time.sleep(0.5)
+        first = b""  # the start line, then the first answer streaming
+        while b"\n> " not in first or len(first.split(b"\n> ", 1)[1]) < 20:
+            chunk = os.read(proc.stdout.fileno(), 4096)
+            if not chunk:
+                break
+            first += chunk
         proc.send_signal(signal.SIGINT)
-        proc.stdin.write("Name the three primary colors and say why they are called primary.\n/exit\n")
+        proc.stdin.write(b"Name the three primary colors and say why they are called primary.\n/exit\n")
         proc.stdin.flush()
-        out, err = proc.communicate(timeout=300)
+        out, err_bytes = proc.communicate(timeout=300)
     finally:
         proc.kill()
+    err = err_bytes.decode()
     assert proc.returncode == 0, err
     assert "(stopped)" in err and "(cut:" not in err, err  # one answer stopped, the next one whole
-    answers = (first + out).split("\n> ")  # "> story...\n> colors...\n> " (the prompt for /exit)
-    assert len(answers) == 3 and answers[-1] == "", answers
+    start, *answers = (first + out).decode().split("\n> ")  # "qpage: ...\n> story\n> colors\n> " (/exit's prompt)
+    assert start.startswith("qpage: ") and len(answers) == 3 and answers[-1] == "", answers
+    assert len(answers[0]) >= 20, "the first answer was streaming when Ctrl-C stopped it"
     # The second answer is about colors, whole (past 16 tokens). Its wording depends on where the
     # first answer was stopped, which the machine's speed decides: "primary" is not always in it.
     assert "colo" in answers[1].lower() and len(tokenizer.encode(answers[1])) > 16, answers[1]
