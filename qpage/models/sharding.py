@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -310,6 +310,15 @@ class Rank:
     arch: ArchConfig
     """The whole model's shape (``plan.local_arch(arch)`` is this rank's)."""
     comm: Collectives
+    input_widths: dict[str, list[int]] = field(init=False)
+    """Each row-parallel projection's own input columns per rank (its all-gather's widths)."""
+    vocab_widths: list[int] = field(init=False)
+    """Each rank's vocabulary columns (the logits' gather)."""
+
+    def __post_init__(self) -> None:
+        self.input_widths = {proj: [b - a for a, b in (p.own_inputs(proj, self.arch) for p in self.plans)]
+                             for proj in ROW_PARALLEL}
+        self.vocab_widths = [p.vocab[1] - p.vocab[0] for p in self.plans]
 
     @property
     def plan(self) -> ShardPlan:
@@ -325,7 +334,7 @@ class Rank:
 
     def logits(self, local: torch.Tensor) -> torch.Tensor | None:
         """This rank's vocabulary columns -> the whole row on rank 0 (None on the others)."""
-        return self.comm.gather_cols(local, [p.vocab[1] - p.vocab[0] for p in self.plans])
+        return self.comm.gather_cols(local, self.vocab_widths)
 
     def load_part(self, mod: Module, prefix: str, parts: dict[str, Any], offset: int, cols: int,
                   file: str) -> torch.Tensor | None:
@@ -359,6 +368,5 @@ class Rank:
         """A row-parallel projection: partial sums over this rank's input columns, all-reduced.
         ``cols`` (global input columns, see ``shard_gptq``) first all-gathers the input."""
         if cols is not None:
-            widths = [b - a for a, b in (p.own_inputs(proj, self.arch) for p in self.plans)]
-            x = self.comm.all_gather_cols(x, widths)[:, cols]
+            x = self.comm.all_gather_cols(x, self.input_widths[proj])[:, cols]
         return self.comm.all_reduce(forward(x))
