@@ -21,7 +21,7 @@ ENGINE_FIELDS: dict[type, tuple[str, ...]] = {
     CacheConfig: ("kv_cache_memory", "enable_prefix_caching", "kv_cache_dtype", "kv_cache_scales", "kv_cache_rotation"),
     SchedulerConfig: ("max_num_seqs", "max_num_batched_tokens"),
     ParallelConfig: ("tensor_parallel_size", "distributed_timeout"),
-    EngineConfig: ("seed",),
+    EngineConfig: ("seed", "logprobs_mode"),
 }
 SAMPLING_FIELDS = (
     "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
@@ -93,7 +93,8 @@ def build_engine_config(args: argparse.Namespace) -> EngineConfig:
         return cls(**{n: getattr(args, n) for n in ENGINE_FIELDS[cls]})
 
     return EngineConfig(model=part(ModelConfig), cache=part(CacheConfig), scheduler=part(SchedulerConfig),
-                        parallel=part(ParallelConfig), seed=args.seed)
+                        parallel=part(ParallelConfig), seed=args.seed,
+                        logprobs_mode=args.logprobs_mode)
 
 
 def build_llm(args: argparse.Namespace) -> Any:

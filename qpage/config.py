@@ -59,6 +59,9 @@ KV_CACHE_DTYPES = tuple(KV_CACHE_FORMATS)
 INT_BITS = {"int8": (8, 8), "int4": (4, 4), "k8v4": (8, 4)}
 """Integer cache formats -> (K bits, V bits)."""
 KV_CACHE_SCALES = ("per_token", "per_tensor")
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
+"""What ``logprobs`` report (vLLM's names): the model's own distribution, or the one greedy
+decoding picks from (after penalties, min_tokens and structured-output masking)."""
 ATTENTION_BACKENDS = ("auto", "triton", "cpu-native", "cpu-blas", "torch")
 
 
@@ -180,8 +183,15 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     seed: int = 0
     """Seed of the sampler for requests that give none."""
+    logprobs_mode: str = "raw_logprobs"
+    """raw_logprobs (the model's distribution, vLLM's default) or processed_logprobs (after penalties and masks)."""
     log_stats: bool = True
     """Print the KV capacity at start."""
+
+    def __post_init__(self) -> None:
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode={self.logprobs_mode!r} is not supported; choose one of "
+                             f"{', '.join(LOGPROBS_MODES)}")
 
 
 def field_default(cls: type, name: str) -> Any:

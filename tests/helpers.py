@@ -1,8 +1,11 @@
-"""Shared test helpers: drive the model runner directly, without a tokenizer or scheduler."""
+"""Shared test helpers: drive the model runner directly, without a tokenizer or scheduler;
+compare greedy outputs of two different numerics by one rule."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -53,3 +56,55 @@ def effective_weight(linear: torch.nn.Module) -> torch.Tensor:
     eye = torch.eye(linear.in_features, dtype=torch.float32)
     with torch.inference_mode():
         return linear(eye).float().t()
+
+
+NEAR_TIE = 0.2
+"""Nats. Where two greedy runs with different numerics (a quantized KV cache or weight format
+against fp32, one kernel path against another, N ranks against one) pick different tokens, the
+scores that decided must hold the two picks within this of each other. The rounding noise
+between such paths moves a token's logprob by up to about 0.1 (FP8 and int8 caches, another
+CPU's BLAS or SIMD code), so the gap between two tokens by up to about twice that: such runs
+flip only near-ties, while a fault moves tokens by far more."""
+
+
+def first_parting(a: Sequence[int], b: Sequence[int]) -> int | None:
+    """The first index where two token sequences differ, None where they are equal. A sequence
+    that is a strict prefix of the other parts at its end."""
+    i = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+    return None if i == len(a) == len(b) else i
+
+
+def parting_margins(want: Any, got: Any) -> tuple[int, float] | None:
+    """Where two greedy completions of one prompt part (``CompletionOutput``s asked for
+    ``logprobs`` of at least 2) and the larger of the two runs' margins there: each run's score
+    for its own pick minus its score for the other run's pick. inf where a run's top logprobs
+    do not hold the other's pick or a run ended there. None where the tokens are equal."""
+    i = first_parting(want.token_ids, got.token_ids)
+    if i is None:
+        return None
+    margin = 0.0
+    for run, other in ((want, got), (got, want)):
+        if i >= len(run.token_ids) or i >= len(other.token_ids):
+            return i, float("inf")
+        top = run.logprobs[i]
+        pick, alt = run.token_ids[i], other.token_ids[i]
+        margin = max(margin, top[pick].logprob - top[alt].logprob if alt in top else float("inf"))
+    return i, margin
+
+
+def assert_greedy_agrees(want: Any, got: Any, tie: float = NEAR_TIE) -> int | None:
+    """The one rule for greedy outputs of two different numerics: equal up to where they part,
+    and the parting at a near-tie (both runs' margins there under ``tie``, NEAR_TIE unless a
+    test has measured its noise to be smaller). The margins must be read on the scores that
+    decide: ask for ``logprobs=2`` or more, and run with ``logprobs_mode="processed_logprobs"``
+    where penalties, ``min_tokens`` or a grammar apply (without them raw and processed agree).
+    Returns where they part, None where they are equal."""
+    parted = parting_margins(want, got)
+    if parted is None:
+        return None
+    i, margin = parted
+    assert margin < tie, (f"greedy outputs part at token {i} with a margin of {margin:.4f} nats (not a near-tie "
+                          f"under {tie}): want {want.token_ids[i:i + 3]}, got {got.token_ids[i:i + 3]}, "
+                          f"scores there {want.logprobs[i] if i < len(want.logprobs) else None} / "
+                          f"{got.logprobs[i] if i < len(got.logprobs) else None}")
+    return i

@@ -133,7 +133,7 @@ class LLMEngine:
 
             ids = self.tokenizer.encode(CALIBRATION_TEXT, add_special_tokens=False)
             self._run_ranks(lambda: self.runner.calibrate_kv_shifts(ids[: min(512, self.max_model_len)]))
-        self.sampler = Sampler(config.seed)
+        self.sampler = Sampler(config.seed, processed_logprobs=config.logprobs_mode == "processed_logprobs")
         self.metrics = EngineMetrics()
         self.outputs = OutputProcessor(self.tokenizer, self.metrics)
         self._ids = itertools.count()

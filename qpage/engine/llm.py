@@ -27,6 +27,7 @@ class LLM:
         kv_cache_memory: int | str = field_default(CacheConfig, "kv_cache_memory"),
         enable_prefix_caching: bool = field_default(CacheConfig, "enable_prefix_caching"),
         seed: int = field_default(EngineConfig, "seed"),
+        logprobs_mode: str = field_default(EngineConfig, "logprobs_mode"),
         device: str = field_default(ModelConfig, "device"),
         allow_pickle: bool = field_default(ModelConfig, "allow_pickle"),
         trust_remote_code: bool = field_default(ModelConfig, "trust_remote_code"),
@@ -51,6 +52,7 @@ class LLM:
             parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size,
                                     distributed_timeout=distributed_timeout),
             seed=seed,
+            logprobs_mode=logprobs_mode,
             log_stats=log_stats,
         )
         self.llm_engine = LLMEngine(config)

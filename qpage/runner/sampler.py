@@ -1,11 +1,13 @@
 """Token sampling for a batch of requests, each with its own SamplingParams.
 
 Order per row: raw log-probabilities (returned as ``logprobs``, as vLLM does by default)
--> penalties -> min_tokens masking -> the structured-output mask -> greedy argmax, or temperature, top-k, top-p, min-p
-and a draw. A draw inverts the row's CDF at one uniform number taken from the request's
-own random stream when it has a seed, so a seed reproduces its output whatever else shares
-the batch. ``sample`` keeps one row's failure its own: the uniforms are drawn once, before
-anything can fail, and a batch that raises is sampled again row by row with the same ones.
+-> penalties -> min_tokens masking -> the structured-output mask (log-probabilities here are
+returned instead under ``processed_logprobs``: the scores greedy decoding picks from) -> greedy
+argmax, or temperature, top-k, top-p, min-p and a draw. A draw inverts the row's CDF at one
+uniform number taken from the request's own random stream when it has a seed, so a seed
+reproduces its output whatever else shares the batch. ``sample`` keeps one row's failure its
+own: the uniforms are drawn once, before anything can fail, and a batch that raises is sampled
+again row by row with the same ones.
 """
 
 from __future__ import annotations
@@ -22,11 +24,14 @@ from qpage.engine.structured import mask_logits
 
 log = logging.getLogger("qpage.engine")
 
+MASKED_LOGPROB = -9999.0
+"""The processed log-probability reported for a token that penalties or masks forbid (vLLM's floor)."""
+
 @dataclass(slots=True)
 class SampleResult:
     token_ids: list[int]
     logprobs: list[float | None]
-    """Log-probability of each sampled token (raw distribution); None when not asked."""
+    """Log-probability of each sampled token (raw or processed, as the sampler was built); None when not asked."""
     top_logprobs: list[dict[int, Logprob] | None]
     """Per row, the sampled token and the top ``logprobs`` tokens; None when not asked."""
 
@@ -37,8 +42,10 @@ class SampleResult:
 
 
 class Sampler:
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, processed_logprobs: bool = False) -> None:
         self.rng = random.Random(seed)
+        self.processed_logprobs = processed_logprobs
+        """Report log-probabilities after penalties and masks (vLLM's ``processed_logprobs``)."""
 
     def uniforms(self, reqs: list[Request]) -> list[float | None]:
         """Each random row's uniform (None for greedy rows), from its own stream when seeded."""
@@ -67,11 +74,14 @@ class Sampler:
         """One batch; ``uniforms`` as from ``uniforms(reqs)`` (drawn here when None)."""
         uniforms = self.uniforms(reqs) if uniforms is None else uniforms
         want_lp = [r.params.logprobs is not None for r in reqs]
-        raw_lp = torch.log_softmax(logits, dim=-1) if any(want_lp) else None
+        report_raw = any(want_lp) and not self.processed_logprobs
+        lp = torch.log_softmax(logits, dim=-1) if report_raw else None
         logits = self._penalize(logits, reqs)
         if any(r.guide is not None for r in reqs):
             logits = logits.clone()  # masked in place; the caller's logits stay as they were
             mask_logits(logits, [r.guide for r in reqs])
+        if any(want_lp) and self.processed_logprobs:  # a masked token reports a finite floor (JSON has no -inf)
+            lp = torch.log_softmax(logits, dim=-1).clamp_min(MASKED_LOGPROB)
         tokens = logits.argmax(dim=-1)
         rand_rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
         if rand_rows:
@@ -80,10 +90,10 @@ class Sampler:
         token_list = tokens.tolist()
         lps: list[float | None] = [None] * len(reqs)
         tops: list[dict[int, Logprob] | None] = [None] * len(reqs)
-        if raw_lp is not None:
+        if lp is not None:
             for i, r in enumerate(reqs):
                 if want_lp[i]:
-                    tops[i] = top_logprobs(raw_lp[i], token_list[i], r.params.logprobs or 0)
+                    tops[i] = top_logprobs(lp[i], token_list[i], r.params.logprobs or 0)
                     lps[i] = tops[i][token_list[i]].logprob  # type: ignore[index]
         return SampleResult(token_list, lps, tops)
 

@@ -107,5 +107,8 @@ def test_engine_config_errors() -> None:
         LLM(max_model_len=4096, kv_cache_memory="16MiB")
     with pytest.raises(ValueError, match="trust_remote_code=True is not supported"):
         LLM(trust_remote_code=True)
+    with pytest.raises(ValueError, match="logprobs_mode='processed' is not supported; choose one of raw_logprobs, "
+                                         "processed_logprobs"):
+        LLM(logprobs_mode="processed")
     with pytest.raises(TypeError):
         LLM(not_an_option=1)  # type: ignore[call-arg]

@@ -18,6 +18,7 @@ from qpage.kernels.kv_int import hadamard
 from qpage.layers import backends
 from qpage.layers.backends import select_attention_backend
 from qpage.layers.kv_format import KVCacheSpec
+from tests.helpers import assert_greedy_agrees
 
 pytestmark = pytest.mark.slow  # see pyproject.toml's markers
 
@@ -88,29 +89,21 @@ def test_quality_against_auto_and_what_rotation_buys(llm_factory: Any, tokenizer
 
 @pytest.mark.parametrize("backend", ["torch", "cpu-blas", "cpu-native"])
 def test_int8_greedy_follows_auto_on_the_readme_prompt(llm_factory: Any, backend: str) -> None:
-    """The README's command (chat template, greedy, the CLI's repetition penalty of 1.1).
-
-    Equal to the fp32 cache's answer on the torch and cpu-blas paths. On cpu-native (the C
-    kernels) fp32 rounding differences upstream move some int8 codes, and at token 44 of 59,
-    where the fp32 cache's top two tokens are 0.054 nats apart, the int8 cache there picks the
-    runner-up (measured: 0.011 nats the other way). So each answer must equal the fp32 one up
-    to where they part, which must be past 40 tokens and at a near-tie (< 0.1 nats)."""
+    """The README's command (chat template, greedy, the CLI's repetition penalty of 1.1): the
+    int8 cache's answer follows the fp32 cache's by the shared rule (equal up to where they
+    part, and there a near-tie on the penalised scores). Rounding upstream of the cache (the C
+    kernels, or another CPU's BLAS code) moves some int8 codes, so such a parting is expected
+    somewhere in a 59-token answer, where the penalty has left two tokens ~0.05 nats apart."""
     if backend == "cpu-native" and cpu_native.load() is None:
         pytest.skip("native CPU kernels unavailable")
     conv = [{"role": "user", "content": README_PROMPT}]
     p = SamplingParams(temperature=0, repetition_penalty=1.1, max_tokens=200, logprobs=2)
-    want = llm_factory(kv_cache_memory=MEM, attention_backend=backend).chat(conv, p, use_tqdm=False)[0].outputs[0]
-    got = llm_factory(kv_cache_dtype="int8", kv_cache_memory=MEM, attention_backend=backend).chat(
-        conv, p, use_tqdm=False)[0].outputs[0]
+    kw: dict[str, Any] = dict(kv_cache_memory=MEM, attention_backend=backend, logprobs_mode="processed_logprobs")
+    want = llm_factory(**kw).chat(conv, p, use_tqdm=False)[0].outputs[0]
+    got = llm_factory(kv_cache_dtype="int8", **kw).chat(conv, p, use_tqdm=False)[0].outputs[0]
     assert want.finish_reason == "stop" and len(want.token_ids) > 40
-    if backend != "cpu-native":
-        assert got.token_ids == want.token_ids
-        return
-    part = next((i for i, (a, b) in enumerate(zip(got.token_ids, want.token_ids, strict=False)) if a != b), None)
-    if part is not None:
-        top = want.logprobs[part]
-        assert part > 40 and got.token_ids[part] in top
-        assert top[want.token_ids[part]].logprob - top[got.token_ids[part]].logprob < 0.1
+    part = assert_greedy_agrees(want, got)
+    print(f"[{backend}] int8 parts from fp32 at token {part} of {len(want.token_ids)}")
 
 
 def _count(first: int, n: int) -> str:

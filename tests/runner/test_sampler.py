@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from qpage.engine.request import Request
-from qpage.runner.sampler import Sampler
+from qpage.runner.sampler import MASKED_LOGPROB, Sampler
 from qpage.sampling_params import SamplingParams
 
 
@@ -81,3 +81,23 @@ def test_draw_frequencies_follow_the_distribution() -> None:
     # 4000 draws: each frequency within 0.03 of its probability (> 4 standard deviations).
     torch.testing.assert_close(counts / 4000, want, atol=0.03, rtol=0)
     assert counts[3] == 0
+
+
+def test_processed_logprobs_are_the_scores_greedy_picks_from() -> None:
+    """Raw logprobs describe the model (a penalised token still leads there); processed ones
+    the row after penalties and min_tokens masking, where the greedy pick is rank 1 and a
+    forbidden token reports the finite floor."""
+    p = SamplingParams(temperature=0, repetition_penalty=2.0, min_tokens=3, logprobs=3)
+    r = make(p, prompt=[0])  # token 0 (the raw top) is penalised; 9 (eos) is banned by min_tokens
+    raw = Sampler(0)(LOGITS.clone(), [r])
+    done = Sampler(0, processed_logprobs=True)(LOGITS.clone(), [r])
+    assert raw.token_ids == done.token_ids == [1]
+    assert raw.top_logprobs[0][1].rank == 2 and done.top_logprobs[0][1].rank == 1  # type: ignore[index]
+    torch.testing.assert_close(torch.tensor(raw.logprobs[0]), torch.log_softmax(LOGITS[0], -1)[1])
+    want = LOGITS[0].clone()
+    want[0], want[9] = want[0] / 2, float("-inf")
+    torch.testing.assert_close(torch.tensor(done.logprobs[0]), torch.log_softmax(want, -1)[1])
+    assert set(done.top_logprobs[0]) == {1, 0, 2}  # type: ignore[arg-type]
+    full = Sampler(0, processed_logprobs=True)(LOGITS.clone(), [make(SamplingParams(
+        temperature=0, min_tokens=3, logprobs=10))])
+    assert full.top_logprobs[0][9].logprob == MASKED_LOGPROB  # type: ignore[index]
