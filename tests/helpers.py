@@ -75,8 +75,8 @@ def first_parting(a: Sequence[int], b: Sequence[int]) -> int | None:
 
 
 def parting_margins(want: Any, got: Any) -> tuple[int, float] | None:
-    """Where two greedy completions of one prompt part (``CompletionOutput``s asked for
-    ``logprobs`` of at least 2) and the larger of the two runs' margins there: each run's score
+    """Where two greedy completions of one prompt part (``CompletionOutput``s with top
+    ``logprobs``) and the larger of the two runs' margins there: each run's score
     for its own pick minus its score for the other run's pick. inf where a run's top logprobs
     do not hold the other's pick or a run ended there. None where the tokens are equal."""
     i = first_parting(want.token_ids, got.token_ids)
@@ -96,7 +96,8 @@ def assert_greedy_agrees(want: Any, got: Any, tie: float = NEAR_TIE) -> int | No
     """The one rule for greedy outputs of two different numerics: equal up to where they part,
     and the parting at a near-tie (both runs' margins there under ``tie``, NEAR_TIE unless a
     test has measured its noise to be smaller). The margins must be read on the scores that
-    decide: ask for ``logprobs=2`` or more, and run with ``logprobs_mode="processed_logprobs"``
+    decide: ask for ``logprobs=5`` (a near-tie may hold three tokens, and each run's top list
+    must hold the other's pick), and run with ``logprobs_mode="processed_logprobs"``
     where penalties, ``min_tokens`` or a grammar apply (without them raw and processed agree).
     Returns where they part, None where they are equal."""
     parted = parting_margins(want, got)

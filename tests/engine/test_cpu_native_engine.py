@@ -32,7 +32,7 @@ def test_native_path_matches_torch_path(llm_factory: Any, monkeypatch: pytest.Mo
     # Small chunks so later prefill chunks read the paged cache; three prompts decode as a batch.
     kw: dict[str, Any] = dict(max_num_batched_tokens=8, enable_prefix_caching=False, kv_cache_memory="32MiB",
                               kv_cache_dtype=kv_cache_dtype)
-    p = SamplingParams(temperature=0, max_tokens=24, logprobs=2, prompt_logprobs=0)  # top 2: a tie's runner-up
+    p = SamplingParams(temperature=0, max_tokens=24, logprobs=5, prompt_logprobs=0)  # a near-tie's other picks
     native = llm_factory(**kw)
     assert native.llm_engine.runner.backend.name == "cpu-native"
     assert native.llm_engine.model.layers[0].mlp.ops.name == "cpu-native"

@@ -80,7 +80,7 @@ def test_greedy_matches_transformers(setup: str, llm_factory: Any, hf_model: Any
                                      hf_greedy: list) -> None:
     llm = llm_factory(**SETUPS[setup])
     before = llm.get_metrics()
-    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, logprobs=2)
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, logprobs=5)
     outs = llm.generate([{"prompt_token_ids": ids} for ids, _ in hf_greedy], params, use_tqdm=False)
     after = llm.get_metrics()
     excused = []

@@ -97,7 +97,7 @@ def test_int8_greedy_follows_auto_on_the_readme_prompt(llm_factory: Any, backend
     if backend == "cpu-native" and cpu_native.load() is None:
         pytest.skip("native CPU kernels unavailable")
     conv = [{"role": "user", "content": README_PROMPT}]
-    p = SamplingParams(temperature=0, repetition_penalty=1.1, max_tokens=200, logprobs=2)
+    p = SamplingParams(temperature=0, repetition_penalty=1.1, max_tokens=200, logprobs=5)
     kw: dict[str, Any] = dict(kv_cache_memory=MEM, attention_backend=backend, logprobs_mode="processed_logprobs")
     want = llm_factory(**kw).chat(conv, p, use_tqdm=False)[0].outputs[0]
     got = llm_factory(kv_cache_dtype="int8", **kw).chat(conv, p, use_tqdm=False)[0].outputs[0]

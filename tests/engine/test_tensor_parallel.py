@@ -54,11 +54,11 @@ TIE = 1e-2
 
 class Run:
     """Greedy outputs (the README's chat prompt, then 8 prompts of mixed lengths in one batch)
-    with their top-2 logprobs, and the prompt logprobs of a ~400-token text."""
+    with their top-5 logprobs, and the prompt logprobs of a ~400-token text."""
 
     def __init__(self, llm: LLM) -> None:
-        outs = llm.chat([README_PROMPT], SamplingParams(temperature=0, max_tokens=32, logprobs=2), use_tqdm=False)
-        outs += llm.generate(PROMPTS, [SamplingParams(temperature=0, max_tokens=8 + 3 * i, logprobs=2)
+        outs = llm.chat([README_PROMPT], SamplingParams(temperature=0, max_tokens=32, logprobs=5), use_tqdm=False)
+        outs += llm.generate(PROMPTS, [SamplingParams(temperature=0, max_tokens=8 + 3 * i, logprobs=5)
                                        for i in range(len(PROMPTS))], use_tqdm=False)
         self.outputs = [o.outputs[0] for o in outs]
         o = llm.generate([TEXT], SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)[0]
@@ -188,7 +188,7 @@ def test_even_heads_halve_weights_and_kv(default_model_dir: Path, tmp_path: Path
     transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path, safe_serialization=True)
     for f in default_model_dir.glob("*token*"):
         shutil.copy(f, tmp_path / f.name)
-    sp = SamplingParams(temperature=0, max_tokens=16, logprobs=2)
+    sp = SamplingParams(temperature=0, max_tokens=16, logprobs=5)
     one = LLM(model=str(tmp_path), kv_cache_memory="8MiB", log_stats=False)
     want = [o.outputs[0] for o in one.generate(PROMPTS[:3], sp, use_tqdm=False)]
     whole, blocks = weight_bytes(one.llm_engine.model), one.llm_engine.kv.num_blocks
@@ -244,7 +244,7 @@ def test_fp8_kv_two_ranks_match_one(default_model_dir: Path) -> None:
 def test_preemption_and_prefix_caching_at_two_ranks(default_model_dir: Path) -> None:
     intro = "The lighthouse keeper kept a log of every ship that passed the rocks at the mouth of the harbour. "
     prompts = [f"{intro}Story {i}: one night" for i in range(6)]  # a shared prefix of two whole blocks
-    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2)
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=5)
     one = LLM(model=str(default_model_dir), kv_cache_memory="32MiB", log_stats=False)
     want = [o.outputs[0] for o in one.generate(prompts, sp, use_tqdm=False)]
     del one
