@@ -157,8 +157,8 @@ def e2e_child(model: str, dtype: str, tokens: int, dequantize: bool) -> dict[str
 
 def e2e_rows(tokens: int) -> list[dict[str, Any]]:
     from qpage.formats.gguf import default_model_dir
+    from qpage.formats.scheme import QuantScheme
     from qpage.quantizers.pipeline import quantize_checkpoint
-    from qpage.quantizers.scheme import QuantScheme
 
     work = Path(tempfile.mkdtemp(prefix="qpage-cpu-paths-"))
     models = {"dense": str(default_model_dir()), "gguf Q4_1": ""}

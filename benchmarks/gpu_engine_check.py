@@ -70,8 +70,8 @@ def check_quantized(model_dir: Path, device: str, tokens: int) -> dict[str, Any]
     """The GPTQ-format INT4 checkpoint on ``device`` (Triton kernels on CUDA) against the CPU
     path (weights dequantized once), teacher-forced on the same ids."""
     from qpage import LLM, SamplingParams
+    from qpage.formats.scheme import QuantScheme
     from qpage.quantizers.pipeline import quantize_checkpoint
-    from qpage.quantizers.scheme import QuantScheme
 
     qdir = model_dir.parent / (model_dir.name + "-int4")
     quantize_checkpoint(model_dir, qdir, QuantScheme(4, 128, True), progress=False)

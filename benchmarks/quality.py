@@ -143,8 +143,8 @@ def main() -> None:
     from qpage import LLM
     from qpage.eval.perplexity import nll_sum, score_window, token_windows
     from qpage.formats.gguf import default_model_dir
+    from qpage.formats.scheme import QuantScheme
     from qpage.quantizers.pipeline import quantize_checkpoint
-    from qpage.quantizers.scheme import QuantScheme
 
     src = default_model_dir()
     tok = AutoTokenizer.from_pretrained(str(src))

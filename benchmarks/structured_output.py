@@ -93,8 +93,9 @@ def mask_cost(batch: int) -> dict[str, Any]:
 
     from qpage import StructuredOutputsParams
     from qpage.engine.engine import eos_token_ids, load_tokenizer
-    from qpage.engine.structured import GrammarCompiler, apply_bitmask, mask_logits
+    from qpage.engine.structured import GrammarCompiler, token_masks
     from qpage.models.loader import resolve_model_dir
+    from qpage.runner.sampler import apply_bitmask
 
     model_dir = resolve_model_dir(None)
     tok = load_tokenizer(model_dir)
@@ -104,8 +105,9 @@ def mask_cost(batch: int) -> dict[str, Any]:
     walk = tok.encode(WALK, add_special_tokens=False)
     logits = torch.zeros(batch, len(tok))
     t0 = time.perf_counter()
+    rows = list(range(batch))
     for t in walk:
-        mask_logits(logits, guides)  # type: ignore[arg-type]
+        apply_bitmask(logits, token_masks(guides, len(tok)), rows)
         for g in guides:
             assert g.accept(t)
     step = (time.perf_counter() - t0) / len(walk)
@@ -117,7 +119,7 @@ def mask_cost(batch: int) -> dict[str, Any]:
             g.fill(bm, i)
             assert g.accept(t)
         masks.append(bm)
-    rows, cost = list(range(batch)), {}
+    cost = {}
     for name, fn in (("ours", lambda lg, bm: apply_bitmask(lg, bm, rows)),
                      ("xgrammar", lambda lg, bm: xgr.apply_token_bitmask_inplace(lg, bm))):
         t0 = time.perf_counter()

@@ -10,8 +10,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from qpage.formats.scheme import SCHEMES
 from qpage.inspect_model import describe, table
-from qpage.quantizers.scheme import SCHEMES
 
 
 def add_parsers(sub: Any) -> None:
@@ -83,9 +83,9 @@ def _perplexity(engines: list[Any], text: Path, seq_len: int, windows: int, chun
 
 
 def cmd_quantize(args: argparse.Namespace) -> int:
+    from qpage.formats.scheme import QuantScheme
     from qpage.models.loader import resolve_hf_folder
     from qpage.quantizers.pipeline import quantize_checkpoint
-    from qpage.quantizers.scheme import QuantScheme
 
     scheme = QuantScheme.parse(args.scheme, group_size=args.group_size or None, sym=args.sym,
                                act_order=args.act_order, static_groups=args.static_groups)

@@ -6,7 +6,10 @@
   (``from m import _x``) or reached as an attribute of an imported module (``m._x``);
 - no import cycle among qpage's modules, counting imports inside functions too. Importing
   ``a.b.c`` also runs the ``__init__`` of ``a.b`` unless the importer lives in that package
-  (which is then already initialising), so those edges count as well.
+  (which is then already initialising), so those edges count as well;
+- floors: each part of the package (a subpackage, or a module at the top) stands on a floor
+  of ``FLOORS``, and an import from one part into another goes strictly down. A part not
+  listed there is a finding too, so a new folder is given its place.
 
     python scripts/check_imports.py        # prints what it finds; exit 1 if anything
 
@@ -22,6 +25,21 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = "qpage"
+FLOORS: tuple[tuple[str, ...], ...] = (
+    ("config", "version", "sampling_params"),  # plain settings, shared by everything above
+    ("kernels", "parallel"),  # CPU/GPU kernels; torch.distributed groups
+    ("formats",),  # checkpoint formats and the quantization scheme
+    ("layers",),  # linears, attention, KV formats
+    ("models",),  # model files, loading, sharding
+    ("runner", "quantizers"),  # one step on the model; offline quantization
+    ("engine",),  # scheduling, requests, outputs, the offline API
+    ("eval", "server"),  # what drives an engine
+    ("plan", "sysinfo", "inspect_model", ""),  # reports, and the package's API ("": its __init__)
+    ("cli_quant", "cli_serve"),  # the command line, then its entry points
+    ("cli",),
+    ("__main__",),
+)
+"""From the ground up."""
 
 
 def module_name(path: Path) -> str:
@@ -65,6 +83,15 @@ def imports(mod: str, tree: ast.AST, known: dict[str, Path]) -> Iterator[tuple[a
                 yield node, target, names
 
 
+def part(mod: str) -> str:
+    """The part of the package ``mod`` belongs to: its subpackage or top module ('' for the package)."""
+    return mod.split(".")[1] if "." in mod else ""
+
+
+def floor_of(name: str) -> int | None:
+    return next((i for i, names in enumerate(FLOORS) if name in names), None)
+
+
 def function_imports(tree: ast.AST) -> Iterator[ast.stmt]:
     for fn in ast.walk(tree):
         if isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef):
@@ -84,6 +111,8 @@ def check() -> list[str]:
     for mod, path in known.items():
         tree = ast.parse(path.read_text(), str(path))
         rel = path.relative_to(ROOT)
+        if floor_of(part(mod)) is None:
+            found.append(f"{rel}: {part(mod)} has no floor in FLOORS (scripts/check_imports.py): give it one")
         if mod.startswith(f"{PACKAGE}.kernels"):
             found += [f"{rel}:{n.lineno}: import inside a function" for n in function_imports(tree)]
         aliases: dict[str, str] = {}
@@ -91,6 +120,11 @@ def check() -> list[str]:
             if target not in known:
                 found.append(f"{rel}:{node.lineno}: imports {target}, which is not a module of the package")
                 continue
+            here, there = part(mod), part(target)
+            if here != there and floor_of(there) is not None and floor_of(here) is not None \
+                    and floor_of(there) >= floor_of(here):  # type: ignore[operator]
+                found.append(f"{rel}:{node.lineno}: {here or PACKAGE} (floor {floor_of(here)}) imports "
+                             f"{target} from {there} (floor {floor_of(there)}): imports go down")
             if target != mod:
                 graph[mod].add(target)
                 parts = target.split(".")

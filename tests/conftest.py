@@ -81,8 +81,8 @@ def gptq_act_order(default_model_dir: Path, tokenizer: Any, tmp_path_factory: py
     """The default model as an INT4 GPTQ act-order checkpoint (groups of 128, calibrated on
     two 64-token windows of the README): what the packed CPU and tensor-parallel tests run."""
     from qpage.eval.perplexity import token_windows
+    from qpage.formats.scheme import QuantScheme
     from qpage.quantizers.pipeline import quantize_checkpoint
-    from qpage.quantizers.scheme import QuantScheme
 
     calib = token_windows(tokenizer, Path(__file__).resolve().parents[1] / "README.md", 64, 2)
     out = tmp_path_factory.mktemp("gptq") / "gptq-act-order"

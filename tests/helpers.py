@@ -11,8 +11,8 @@ import torch
 
 from qpage.engine.kv_cache import KVCacheManager
 from qpage.engine.request import Request
-from qpage.engine.scheduler import ScheduledRequest, SchedulerOutput
 from qpage.models.loader import load_model, read_arch_config
+from qpage.runner.batch import ScheduledRequest, SchedulerOutput
 from qpage.runner.model_runner import ModelRunner
 from qpage.sampling_params import SamplingParams
 
@@ -26,7 +26,7 @@ class RunnerHarness:
         self.model = load_model(model_dir, self.arch, dtype, torch.device("cpu"), max_len,
                                 dequantize_weights=dequantize_weights)
         self.kv = KVCacheManager(num_blocks, enable_caching=False)
-        self.runner = ModelRunner(self.model, self.arch, self.kv, dtype, torch.device("cpu"))
+        self.runner = ModelRunner(self.model, self.arch, num_blocks, dtype, torch.device("cpu"))
 
     def request(self, rid: str, ids: list[int]) -> Request:
         return Request(rid, ids, SamplingParams(prompt_logprobs=0), 1000, set())
@@ -38,13 +38,13 @@ class RunnerHarness:
         for req, n in work:
             assert self.kv.allocate_slots(req, n) is not None
             done = req.num_computed_tokens + n >= req.num_tokens
-            sched.scheduled.append(ScheduledRequest(req, n, done))
-        out = self.runner.execute(sched)
+            sched.scheduled.append(ScheduledRequest(req, n, done, list(self.kv.block_ids(req.request_id))))
+        out = self.runner.logits(sched)
         logits: dict[str, list[torch.Tensor]] = {}
         for rid, (_, lg) in out.prompt_logits.items():
             logits.setdefault(rid, []).append(lg)
-        for i, req in enumerate(out.sample_requests):
-            logits.setdefault(req.request_id, []).append(out.logits[i : i + 1])  # type: ignore[index]
+        for i, s in enumerate(out.sample_requests):
+            logits.setdefault(s.request.request_id, []).append(out.logits[i : i + 1])  # type: ignore[index]
         for req, n in work:
             req.num_computed_tokens += n
         return {k: torch.cat(v) for k, v in logits.items()}

@@ -48,9 +48,9 @@ def emulate_linears(mode: dict[str, str]) -> None:
     """Makes every ``IntLinear`` keep its packed tensors and run the arithmetic ``mode["name"]``
     names (read at each call, so one loaded model serves both)."""
     import torch
-
     from qpage.kernels.quant_gemv_h2 import h2_gemv_ref
     from qpage.kernels.quant_matmul import int_matmul_ref
+
     from qpage.layers.quant_linear import IntLinear
 
     def prepare(self: IntLinear, dtype: torch.dtype) -> None:
@@ -80,8 +80,8 @@ def main() -> None:
     from qpage import LLM
     from qpage.eval.perplexity import kl_rows, nll_sum, score_window, token_windows
     from qpage.formats.gguf import default_model_dir
+    from qpage.formats.scheme import QuantScheme
     from qpage.quantizers.pipeline import quantize_checkpoint
-    from qpage.quantizers.scheme import QuantScheme
 
     mode = {"name": "fp32"}
     emulate_linears(mode)

@@ -219,7 +219,6 @@ def _decode_t_row(arch: int, per_token: bool, qk_fp8: bool, block_n: int, q_pad:
     (0: none); ``mma`` counts its tensor-core instructions by kind (QGMMA: FP8 wgmma; HGMMA:
     fp16 wgmma; HMMA: mma.sync), which shows whether q K^T really runs in FP8."""
     import triton.language as tl
-
     from qpage.kernels.paged_decode_t import P_SHIFT, _decode_t_kernel, default_maxnreg
 
     types = dict(q_ptr="*fp16", kc_ptr="*u8", vc_ptr="*u8", ks_ptr="*fp16", vs_ptr="*fp16", bt_ptr="*i32",
@@ -253,7 +252,6 @@ def _decode_t_row(arch: int, per_token: bool, qk_fp8: bool, block_n: int, q_pad:
 def _decode_row(arch: int, label: str, fp8: bool, per_token: bool, v_f16: bool, warps: int, fmt: str,
                 cvt: int | None, maxnreg: int | None = None, bf16: bool = False) -> dict[str, Any]:
     import triton.language as tl
-
     from qpage.kernels.paged_attention import _decode_kernel
 
     cvt = cvt if cvt is not None else (2 if fmt == "e4m3" and arch >= 89 else 1) if fp8 else 0
@@ -287,7 +285,6 @@ def prefill_rows(archs: list[int]) -> list[dict[str, Any]]:
     """The prefill kernel (64 query rows x 64-token tiles, 4 warps, 2 stages as launched) per cache mode;
     "rows": per-token scales applied to the K/V rows (``scale_rows``)."""
     import triton.language as tl
-
     from qpage.kernels.paged_prefill import _prefill_kernel
 
     rows = []

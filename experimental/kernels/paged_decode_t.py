@@ -58,7 +58,6 @@ import logging
 import os
 
 import torch
-
 from qpage.kernels.fp8_codec import (
     E4M3_PTX,
     E5M2_PTX,
@@ -69,6 +68,7 @@ from qpage.kernels.fp8_codec import (
     fp8_to_f16,
     fp8_unit,
 )
+
 from qpage.kernels.triton_utils import INTERPRET, tl, triton
 
 logger = logging.getLogger("qpage")

@@ -46,9 +46,9 @@ same arithmetic; ``ptxas`` checks it when ``benchmarks/kernel_sass.py`` compiles
 """
 
 import torch
-
 from qpage.kernels.quant_gemv import _split4, _split8
 from qpage.kernels.quant_matmul import col_zero_scale
+
 from qpage.kernels.split_k import finish_split_k, split_k_range
 from qpage.kernels.triton_utils import tl, triton
 

@@ -51,9 +51,9 @@ counts, not times: no GPU was lent when this was written.
 """
 
 import torch
-
 from qpage.kernels.quant_gemv import _split4, _split8
 from qpage.kernels.quant_matmul import PAIRS_MIN_WORDS, MatmulConfig, col_zero_scale
+
 from qpage.kernels.split_k import finish_tile, split_k_output, split_k_range
 from qpage.kernels.triton_utils import INTERPRET, tl, triton
 

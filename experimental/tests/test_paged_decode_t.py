@@ -8,14 +8,14 @@ import logging
 import numpy as np
 import pytest
 import torch
-
-from qpage.kernels import paged_attention as pa
-from qpage.kernels import paged_decode_t as pdt
 from qpage.kernels.fp8_codec import decode_fp8_ref
 from qpage.kernels.paged_attention import LOG2E, paged_attention_decode, paged_attention_decode_ref
 from qpage.kernels.paged_decode_t import decode_t_unfit, quantize_queries_ref
-from tests.kernels.conftest import rel_err, spy
 from tests.kernels.ptx_model import run_ptx
+
+from qpage.kernels import paged_attention as pa
+from qpage.kernels import paged_decode_t as pdt
+from tests.kernels.conftest import rel_err, spy
 from tests.kernels.test_paged_attention import D, H, filled_cache
 
 SCALE = 0.125

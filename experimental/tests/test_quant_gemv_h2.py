@@ -16,12 +16,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
-from qpage.kernels import quant_gemv_h2
 from qpage.kernels.quant_gemv_h2 import PAIR_PTX, WORD_SUMS8_PTX, WORD_SUMS_PTX, h2_gemv_ref
 from qpage.kernels.quant_matmul import MatmulConfig
-from tests.kernels.conftest import rel_err, spy
 from tests.kernels.ptx_model import run_ptx
+
+from qpage.kernels import quant_gemv_h2
+from tests.kernels.conftest import rel_err, spy
 from tests.kernels.test_quant_matmul import TOL, make_weight, run
 
 

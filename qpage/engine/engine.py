@@ -10,7 +10,7 @@ import time
 import weakref
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 
@@ -22,7 +22,7 @@ from qpage.engine.output_processor import OutputProcessor, ParentState
 from qpage.engine.outputs import CompletionOutput, RequestOutput
 from qpage.engine.request import Request, RequestStatus
 from qpage.engine.scheduler import Scheduler
-from qpage.engine.structured import GrammarCompiler, Guide
+from qpage.engine.structured import GrammarCompiler, Guide, token_masks
 from qpage.formats import gguf_model
 from qpage.formats.gguf_model import is_gguf
 from qpage.formats.gguf_reader import GgufFile
@@ -124,8 +124,9 @@ class LLMEngine:
                 torch.set_num_threads(self.model.ops.torch_threads)
             if self.device.type == "cpu":  # one BLAS thread beside the block-format kernels' own (kernels.cpu.blas)
                 blas.set_threads(1 if self.model.runs_own_threads() else None)
-            self.runner = ModelRunner(self.model, self.arch, self.kv, self.dtype, self.device,
-                                      kv_spec=self.kv_spec, attention_backend=mc.attention_backend)
+            self.runner = ModelRunner(self.model, self.arch, num_blocks, self.dtype, self.device,
+                                      kv_spec=self.kv_spec, attention_backend=mc.attention_backend,
+                                      sampler=self._sampler())
         else:
             self._start_ranks(num_blocks)
         if self.kv_spec.centered:
@@ -133,7 +134,6 @@ class LLMEngine:
 
             ids = self.tokenizer.encode(CALIBRATION_TEXT, add_special_tokens=False)
             self._run_ranks(lambda: self.runner.calibrate_kv_shifts(ids[: min(512, self.max_model_len)]))
-        self.sampler = Sampler(config.seed, processed_logprobs=config.logprobs_mode == "processed_logprobs")
         self.metrics = EngineMetrics()
         self.outputs = OutputProcessor(self.tokenizer, self.metrics)
         self._ids = itertools.count()
@@ -159,7 +159,7 @@ class LLMEngine:
         comm = self.workers.comm
         try:
             comm.broadcast(setup, pc.distributed_timeout)
-            runner, own = build_rank(setup, comm, self.kv, self.workers.send)
+            runner, own = build_rank(setup, comm, self._sampler(), self.workers.send)
         except BaseException:
             self.workers.close(force=True)  # the workers may be building still, or waiting to report
             raise
@@ -169,6 +169,9 @@ class LLMEngine:
             self.workers.close()
             raise ValueError("; ".join(errors))
         self.runner, self.model = runner, runner.model
+
+    def _sampler(self) -> Sampler:
+        return Sampler(self.config.seed, processed_logprobs=self.config.logprobs_mode == "processed_logprobs")
 
     def _run_ranks(self, fn: Callable[[], T]) -> T:
         """``fn()``; with tensor parallelism any error inside it ends the group (the ranks may be
@@ -321,46 +324,49 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ step
     def step(self) -> list[RequestOutput]:
-        """Run one scheduler step; return the (cumulative) outputs of the requests it touched."""
+        """Run one scheduler step; return the (cumulative) outputs of the requests it touched.
+        schedule -> the constrained rows' token masks -> run and sample (the runner) -> for each
+        new token: the grammar, the text, the one stop decision (``Request.stop_status``)."""
         sched = self.scheduler.schedule()
         self.metrics.inc("num_preemptions_total", len(sched.preempted))
         if sched.is_empty:
             self.update_gauges()
             return []
+        guided = [s for s in sched.scheduled if s.samples and cast(Request, s.request).guide is not None]
+        if guided:
+            masks = token_masks([cast(Request, s.request).guide for s in guided], self.arch.vocab_size)  # type: ignore[misc]
+            for j, s in enumerate(guided):
+                s.token_mask = masks[j]
         step = self._run_ranks(lambda: self.runner.execute(sched))
         failed: dict[str, str] = {}  # parent request id -> why it failed (it alone ends)
-        for rid, (first, logits) in step.prompt_logits.items():
-            req = next(s.request for s in sched.scheduled if s.request.request_id == rid)
-            try:
-                self.outputs.add_prompt_logprobs(req, first, logits)
-            except Exception as e:
-                failed[req.parent_id] = f"computing its prompt logprobs failed: {type(e).__name__}: {e}"
-        if step.logits is None:
-            self.scheduler.update(sched, {})
-            return self._finish_step([], failed)
-        res, bad_rows = self.sampler.sample(step.logits, step.sample_requests)
-        failed.update({step.sample_requests[i].parent_id: why for i, why in bad_rows.items()})
-        for req, t in zip(step.sample_requests, res.token_ids, strict=True):
+        for s in sched.scheduled:
+            req = cast(Request, s.request)
+            if req.request_id in step.prompt_logprobs:
+                first, entries = step.prompt_logprobs[req.request_id]
+                try:
+                    self.outputs.add_prompt_logprobs(req, first, entries)
+                except Exception as e:
+                    failed[req.parent_id] = f"computing its prompt logprobs failed: {type(e).__name__}: {e}"
+        reqs = cast(list[Request], step.sample_requests)
+        res = step.sampled
+        failed.update({reqs[i].parent_id: why for i, why in step.failed_rows.items()})
+        for req, t in zip(reqs, res.token_ids, strict=True):
             if req.guide is not None and req.parent_id not in failed and not req.guide.accept(t):
                 failed[req.parent_id] = f"the structured-output grammar refused the sampled token {t}"
-        sampled = {r.request_id: t for r, t in zip(step.sample_requests, res.token_ids, strict=True)}
-        self.scheduler.update(sched, sampled)
+        self.scheduler.update(sched, {r.request_id: t for r, t in zip(reqs, res.token_ids, strict=True)})
         now = time.monotonic()
-        for i, req in enumerate(step.sample_requests):
+        for i, req in enumerate(reqs):
             if req.parent_id in failed:
                 continue
             try:
-                stopped = self.outputs.add_token(req, res, i, now)
+                stop_string = self.outputs.add_token(req, res, i, now)
             except Exception as e:
                 failed[req.parent_id] = f"processing its output failed: {type(e).__name__}: {e}"
                 continue
-            if not stopped:
-                continue
-            if req.status.finished:  # ended by EOS/length on the same token: the stop string wins
-                req.status = RequestStatus.FINISHED_STOPPED
-            else:
-                self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
-        touched = {r.parent_id for r in step.sample_requests} - failed.keys()
+            ended = req.stop_status(self.max_model_len, stop_string)
+            if ended is not None:
+                self.scheduler.finish(req, ended)
+        touched = {r.parent_id for r in reqs} - failed.keys()
         return self._finish_step(self.outputs.snapshot(touched, failed), failed)
 
     def _finish_step(self, outs: list[RequestOutput], failed: dict[str, str]) -> list[RequestOutput]:

@@ -10,13 +10,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from qpage.engine.detokenizer import IncrementalDetokenizer
 from qpage.engine.metrics import EngineMetrics
 from qpage.engine.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 from qpage.engine.request import Request
-from qpage.runner.sampler import SampleResult, top_logprobs
+from qpage.runner.batch import SampleResult
 from qpage.sampling_params import SamplingParams
 
 
@@ -54,19 +52,17 @@ class OutputProcessor:
             v.decoded_token = self.tokenizer.decode([t])
         return lp
 
-    def add_prompt_logprobs(self, req: Request, first: int, logits: torch.Tensor) -> None:
+    def add_prompt_logprobs(self, req: Request, first: int, entries: list[dict[int, Logprob]]) -> None:
+        """Entry r is the prompt token at ``first + r + 1`` (the first sequence of a prompt records them)."""
         parent = self.parents[req.parent_id]
         if req.index != 0 or parent.prompt_logprobs is None:
             return
-        k = parent.params.prompt_logprobs or 0
-        lp = torch.log_softmax(logits, dim=-1)
-        for r in range(lp.shape[0]):
-            pos = first + r + 1  # row r predicts prompt token at pos
-            entry = top_logprobs(lp[r], parent.prompt_token_ids[pos], k)
-            parent.prompt_logprobs[pos] = self._token_text(entry)
+        for r, entry in enumerate(entries):
+            parent.prompt_logprobs[first + r + 1] = self._token_text(entry)
 
-    def add_token(self, req: Request, res: SampleResult, i: int, now: float) -> bool:
-        """Record row ``i`` of ``res`` as ``req``'s new token; True when a stop string ends it."""
+    def add_token(self, req: Request, res: SampleResult, i: int, now: float) -> str | None:
+        """Record row ``i`` of ``res`` as ``req``'s new token (already appended to it); the
+        stop string its text now ends with, if any (``Request.stop_status`` decides)."""
         parent = self.parents[req.parent_id]
         comp = parent.completions[req.index]
         tok = res.token_ids[i]
@@ -84,13 +80,10 @@ class OutputProcessor:
             comp.logprobs.append(self._token_text(res.top_logprobs[i]))  # type: ignore[arg-type]
         detok = parent.detoks[req.index]
         if detok is None:
-            return False
+            return None
         stop = detok.add_token(tok, req.num_output_tokens >= req.params.min_tokens)
         comp.text = detok.text
-        if stop is None:
-            return False
-        req.stop_reason = stop
-        return True
+        return stop
 
     def failed(self, request_id: str, error: str) -> RequestOutput | None:
         """The final output of a request that failed (``finish_reason`` 'error'); drops its state."""

@@ -4,15 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-
-@dataclass(slots=True)
-class Logprob:
-    """Log-probability of one token, its rank in the distribution and its text."""
-
-    logprob: float
-    rank: int | None = None
-    decoded_token: str | None = None
-
+from qpage.runner.batch import Logprob
 
 SampleLogprobs = list[dict[int, Logprob]]
 PromptLogprobs = list[dict[int, Logprob] | None]

@@ -112,23 +112,25 @@ class Request:
             self.block_hashes.append(hash_block(parent, toks, self._salt))
 
     # ------------------------------------------------------------------ stops
-    def check_stop(self, max_model_len: int) -> bool:
-        """Mark the request finished if its last token ends it (token-level stops only)."""
+    def stop_status(self, max_model_len: int, stop_string: str | None = None) -> RequestStatus | None:
+        """Whether the last token ends the request, and how: the one place that decides. In
+        order: a stop string the detokenizer found (it waits for ``min_tokens``), the grammar's
+        end, EOS and stop tokens (once ``min_tokens`` are out), then the length limits. Sets
+        ``stop_reason`` to the stop string or token that ended it."""
         n_out = self.num_output_tokens
         last = self.output_token_ids[-1]
         p = self.params
+        if stop_string is not None:
+            self.stop_reason = stop_string
+            return RequestStatus.FINISHED_STOPPED
         if self.guide is not None and self.guide.terminated:
-            self.status = RequestStatus.FINISHED_STOPPED
-            return True
+            return RequestStatus.FINISHED_STOPPED
         if n_out >= p.min_tokens:
             if not p.ignore_eos and last in self.eos_token_ids:
-                self.status = RequestStatus.FINISHED_STOPPED
-                return True
+                return RequestStatus.FINISHED_STOPPED
             if p.stop_token_ids and last in p.stop_token_ids:
-                self.status = RequestStatus.FINISHED_STOPPED
                 self.stop_reason = last
-                return True
+                return RequestStatus.FINISHED_STOPPED
         if n_out >= self.max_tokens or self.num_tokens >= max_model_len:
-            self.status = RequestStatus.FINISHED_LENGTH
-            return True
-        return False
+            return RequestStatus.FINISHED_LENGTH
+        return None

@@ -12,34 +12,11 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
 
 from qpage.config import SchedulerConfig
 from qpage.engine.kv_cache import KVCacheManager
 from qpage.engine.request import Request, RequestStatus
-
-
-@dataclass(slots=True)
-class ScheduledRequest:
-    request: Request
-    num_tokens: int
-    """Tokens computed for it this step, starting at ``request.num_computed_tokens``."""
-    samples: bool
-    """True when the step reaches the end of its known tokens, so a new token is sampled."""
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    """Requests run this step, running ones first, in batch order."""
-    num_batched_tokens: int = 0
-    """Sum of ``num_tokens`` over ``scheduled``: at most ``max_num_batched_tokens``."""
-    preempted: list[str] = field(default_factory=list)
-    """Ids of requests preempted (blocks freed, sent back to waiting) during this step."""
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
+from qpage.runner.batch import ScheduledRequest, SchedulerOutput
 
 
 class Scheduler:
@@ -79,13 +56,19 @@ class Scheduler:
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if not self._allocate_or_preempt(req, n, out):
                 break  # req itself was preempted: everything after it is gone too
-            out.scheduled.append(ScheduledRequest(req, n, req.num_computed_tokens + n >= req.num_tokens))
+            out.scheduled.append(self._entry(req, n))
             budget -= n
             i += 1
         if not out.preempted:
             budget = self._admit_waiting(budget, out)
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget
         return out
+
+    def _entry(self, req: Request, n: int) -> ScheduledRequest:
+        """``req`` runs ``n`` tokens on the blocks just allocated to it (a later preemption in
+        the same step takes only requests scheduled after it, so its table holds)."""
+        return ScheduledRequest(req, n, req.num_computed_tokens + n >= req.num_tokens,
+                                list(self.kv.block_ids(req.request_id)))
 
     def _allocate_or_preempt(self, req: Request, n: int, out: SchedulerOutput) -> bool:
         while self.kv.allocate_slots(req, n) is None:
@@ -120,22 +103,20 @@ class Scheduler:
                 req.scheduled_time = now
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            out.scheduled.append(ScheduledRequest(req, n, req.num_computed_tokens + n >= req.num_tokens))
+            out.scheduled.append(self._entry(req, n))
             budget -= n
         return budget
 
     # ------------------------------------------------------------------ update
     def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Advance progress after a model step; append sampled tokens; return newly finished."""
-        finished = []
+        """Advance every scheduled request's progress after a model step and append its
+        sampled token; return the requests that got one (``Request.stop_status`` then says
+        whether each ends, and ``finish`` ends it)."""
+        grew = []
         for s in out.scheduled:
-            req = s.request
+            req: Request = s.request  # type: ignore[assignment]  # the scheduler's own requests
             req.num_computed_tokens += s.num_tokens
-            if not s.samples:
-                continue
-            req.append_token(sampled[req.request_id])
-            if req.check_stop(self.max_model_len):
-                self.running.remove(req)
-                self.kv.free(req)
-                finished.append(req)
-        return finished
+            if s.samples:
+                req.append_token(sampled[req.request_id])
+                grew.append(req)
+        return grew

@@ -12,9 +12,10 @@ text. The server compiles a request's grammar on a worker thread and hands the r
 request is added. Constraints past ``MAX_CONSTRAINT_CHARS``, ``MAX_SCHEMA_DEPTH`` or
 ``MAX_REPEAT`` are refused, since their compile time grows without bound.
 
-Matching: each sequence gets a ``Guide`` (its matcher). The sampler asks every guided row
-for its mask, then masks the batch in one operation (``mask_logits``); the engine feeds
-each sampled token back (``Guide.accept``). A preempted request keeps its tokens (preemption
+Matching: each sequence gets a ``Guide`` (its matcher). Before a step the engine writes every
+constrained sampling row's allowed tokens (``token_masks``) into the scheduler's output; the
+runner's sampler masks the batch with them in one operation; the engine feeds each sampled
+token back (``Guide.accept``). A preempted request keeps its tokens (preemption
 recomputes the cache), so its matcher stays where it is: nothing to roll back.
 """
 
@@ -168,38 +169,10 @@ class Guide:
         return bool(self.matcher.is_terminated())
 
 
-def _byte_mask() -> torch.Tensor:
-    """[256, 8] float32: row b holds 0 where bit j of byte b is set (token allowed), else -inf."""
-    bits = (torch.arange(256)[:, None] >> torch.arange(8)) & 1
-    return torch.where(bits.bool(), 0.0, float("-inf"))
-
-
-_BYTE_MASK = _byte_mask()
-
-
-def mask_logits(logits: torch.Tensor, guides: list[Guide | None]) -> None:
-    """Set to -inf, in place, every logit a row's guide forbids (rows without one are
-    untouched): one mask row filled per guided row, then ``apply_bitmask`` on the batch."""
-    rows = [i for i, g in enumerate(guides) if g is not None]
-    if not rows:
-        return
-    bitmask = torch.full((len(rows), -(-logits.shape[-1] // 32)), -1, dtype=torch.int32)
-    for j, i in enumerate(rows):
-        guides[i].fill(bitmask, j)  # type: ignore[union-attr]
-    apply_bitmask(logits, bitmask, rows)
-
-
-def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
-    """Mask ``logits[rows[j]]`` by ``bitmask[j]`` (int32 words, bit k of word w = token
-    32w + k allowed) in one op: the bitmask's bytes index a 256-entry table of 8 additive
-    masks (0 or -inf), and the result is added to the logits. Plain torch, so it runs on any
-    device (docs/structured-outputs.md compares it with XGrammar's CPU kernel). Reading the
-    words as bytes in token order assumes a little-endian host (x86-64, ARM64)."""
-    vocab = logits.shape[-1]
-    codes = bitmask.view(torch.uint8).flatten().to(device=logits.device, dtype=torch.long)
-    add = _BYTE_MASK.to(device=logits.device, dtype=logits.dtype).index_select(0, codes).view(len(rows), -1)
-    if len(rows) == logits.shape[0]:
-        logits.add_(add[:, :vocab])
-    else:
-        idx = torch.tensor(rows, device=logits.device)
-        logits[idx] += add[:, :vocab]
+def token_masks(guides: list[Guide], vocab_size: int) -> torch.Tensor:
+    """[len(guides), ceil(vocab_size / 32)] int32: row j holds the tokens ``guides[j]`` allows
+    next (bit k of word w = token 32w + k), for the sampler (``runner.sampler.apply_bitmask``)."""
+    bitmask = torch.full((len(guides), -(-vocab_size // 32)), -1, dtype=torch.int32)
+    for j, g in enumerate(guides):
+        g.fill(bitmask, j)
+    return bitmask

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from qpage.engine.request import Request
-from qpage.engine.scheduler import ScheduledRequest, SchedulerOutput
+from qpage.runner.batch import ScheduledRequest, SchedulerOutput
 from qpage.sampling_params import SamplingParams
 
 _ids = itertools.count()
@@ -51,8 +51,9 @@ def score_window(engine: Any, ids: list[int], chunk: int) -> torch.Tensor:
             if kv.allocate_slots(req, n) is None:
                 raise ValueError("the KV cache cannot hold the window; raise kv_cache_memory")
             sched = SchedulerOutput()
-            sched.scheduled.append(ScheduledRequest(req, n, req.num_computed_tokens + n >= len(ids)))
-            out = runner.execute(sched)
+            sched.scheduled.append(ScheduledRequest(req, n, req.num_computed_tokens + n >= len(ids),
+                                                    list(kv.block_ids(req.request_id))))
+            out = runner.logits(sched)
             if req.request_id in out.prompt_logits:
                 parts.append(out.prompt_logits[req.request_id][1])
             req.num_computed_tokens += n

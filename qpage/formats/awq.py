@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
+from qpage.formats.scheme import QuantScheme
 from qpage.kernels.packing import pack_cols, pack_rows, unpack_cols
-from qpage.quantizers.scheme import QuantScheme
 
 
 @dataclass(frozen=True)

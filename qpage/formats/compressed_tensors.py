@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
+from qpage.formats.scheme import QuantScheme
 from qpage.kernels.packing import pack_cols, pack_rows
-from qpage.quantizers.scheme import QuantScheme
 
 SUFFIXES = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "weight_g_idx")
 

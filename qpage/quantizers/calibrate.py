@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from qpage.formats.scheme import QuantScheme
 from qpage.layers.attention import TorchPagedAttention
 from qpage.layers.attention_metadata import AttentionBatch, SeqSpan
 from qpage.layers.kv_format import KVCacheSpec, make_layer_kv
@@ -26,7 +27,6 @@ from qpage.models.llama import projections
 from qpage.quantizers.gptq import gptq_quantize
 from qpage.quantizers.layer_source import LayerSource, Result, ResultStore
 from qpage.quantizers.rtn import dequantize_rtn, quantize_rtn
-from qpage.quantizers.scheme import QuantScheme
 
 
 class _Hessian:

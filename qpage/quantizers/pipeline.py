@@ -34,11 +34,11 @@ from qpage.formats import compressed_tensors as ct_format
 from qpage.formats import fp8 as fp8_format
 from qpage.formats.gptq import pack_linear, quantization_config
 from qpage.formats.safetensors_io import iter_tensors, read_header, write_file
+from qpage.formats.scheme import QuantScheme
 from qpage.models.loader import weight_files
 from qpage.quantizers.fp8 import quantize_fp8
 from qpage.quantizers.nf4 import quantize_nf4
 from qpage.quantizers.rtn import quantize_rtn
-from qpage.quantizers.scheme import QuantScheme
 
 LINEAR = re.compile(r"^(model\.layers\.\d+\.(?:self_attn\.[qkvo]_proj|mlp\.(?:gate|up|down)_proj))\.weight$")
 

@@ -1,4 +1,5 @@
-"""Turns a SchedulerOutput into tensors, runs the model, and returns the logits to sample.
+"""Turns a SchedulerOutput into tensors, runs the model, samples, and returns token ids and
+logprobs (``batch.StepResult``; full logits stay here, or go to a caller that scores text).
 
 The batch is flattened: single-token requests (decodes) first, then prefill chunks, each
 a contiguous row range. Per step this builds ``input_ids``, ``positions``, ``slot_mapping``
@@ -17,25 +18,15 @@ from typing import Any
 import torch
 
 from qpage.config import BLOCK_SIZE
-from qpage.engine.kv_cache import KVCacheManager
-from qpage.engine.request import Request
-from qpage.engine.scheduler import ScheduledRequest, SchedulerOutput
 from qpage.kernels.kv_int import hadamard
 from qpage.layers.attention_metadata import AttentionBatch, SeqSpan
 from qpage.layers.backends import select_attention_backend
 from qpage.layers.kv_format import KVCacheSpec, make_layer_kv
 from qpage.models.arch import ArchConfig
+from qpage.runner.batch import Logprob, ScheduledRequest, SchedulerOutput, StepLogits, StepResult
+from qpage.runner.sampler import Sampler, top_logprobs
 
 logger = logging.getLogger("qpage")
-
-@dataclass
-class StepOutput:
-    sample_requests: list[Request] = field(default_factory=list)
-    """Requests that sample a token this step, in the row order of ``logits``."""
-    logits: torch.Tensor | None = None
-    """fp32 [len(sample_requests), vocab]."""
-    prompt_logits: dict[str, tuple[int, torch.Tensor]] = field(default_factory=dict)
-    """request id -> (first prompt position, fp32 logits [rows, vocab]) for prompt_logprobs."""
 
 
 @dataclass
@@ -53,22 +44,19 @@ class StepInputs:
 
 class ModelRunner:
     def __init__(
-        self, model: torch.nn.Module, arch: ArchConfig, kv: KVCacheManager | None,
+        self, model: torch.nn.Module, arch: ArchConfig, num_blocks: int,
         dtype: torch.dtype, device: torch.device,
         kv_spec: KVCacheSpec | None = None, attention_backend: str = "auto",
-        num_blocks: int | None = None, broadcast: Callable[[Any], None] | None = None,
+        sampler: Sampler | None = None, broadcast: Callable[[Any], None] | None = None,
     ) -> None:
-        """``arch`` is the shape the model holds (a tensor-parallel rank's part). ``kv`` is the
-        block manager; a tensor-parallel worker has none and gives ``num_blocks``. ``broadcast``
-        (the driver of a tensor-parallel group) sends each command to the workers first."""
+        """``arch`` is the shape the model holds (a tensor-parallel rank's part); ``num_blocks``
+        the KV blocks of every layer. The driver (rank 0, or the only rank) has a ``sampler``;
+        ``broadcast`` (the driver of a tensor-parallel group) sends each command to the workers first."""
         self.model = model
         self.arch = arch
-        self.kv = kv
         self.device = device
+        self.sampler = sampler
         self.broadcast = broadcast
-        num_blocks = kv.num_blocks if kv is not None else num_blocks
-        if num_blocks is None:
-            raise ValueError("ModelRunner needs a KV manager or num_blocks")
         spec = kv_spec or KVCacheSpec(dtype)
         self.backend = select_attention_backend(device, spec, arch.head_dim, attention_backend)
         scales: dict[int, tuple[float, float]] = getattr(model, "kv_scales", {})
@@ -120,11 +108,27 @@ class ModelRunner:
             cache.set_shifts(k_mean, v_mean)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> StepOutput:
+    def execute(self, out: SchedulerOutput) -> StepResult:
+        """Run one step and sample: token ids and logprobs of the sampling rows, and the
+        prompt logprobs asked for."""
+        assert self.sampler is not None, "only the driver samples"
+        step = self.logits(out)
+        result = StepResult(sample_requests=[s.request for s in step.sample_requests])
+        for s in out.scheduled:
+            if s.request.request_id in step.prompt_logits:
+                first, lg = step.prompt_logits[s.request.request_id]
+                result.prompt_logprobs[s.request.request_id] = (first, prompt_logprobs(s, first, lg))
+        if step.logits is not None:
+            result.sampled, result.failed_rows = self.sampler.sample(
+                step.logits, result.sample_requests, [s.token_mask for s in step.sample_requests])
+        return result
+
+    @torch.inference_mode()
+    def logits(self, out: SchedulerOutput) -> StepLogits:
+        """Run one step; its logits (the sampling rows' and those asked for prompt logprobs)."""
         decodes = sorted((s for s in out.scheduled if s.num_tokens == 1),
                          key=lambda s: -s.request.num_computed_tokens)
         prefills = [s for s in out.scheduled if s.num_tokens > 1]
-        assert self.kv is not None, "a tensor-parallel worker runs StepInputs (run), not scheduler outputs"
         batch = StepInputs()
         self._prepare_decodes(decodes, batch)
         self._prepare_prefills(prefills, batch)
@@ -164,7 +168,7 @@ class ModelRunner:
         slots = torch.empty(n, dtype=torch.long)
         for i, s in enumerate(decodes):
             p = s.request.num_computed_tokens
-            table = self.kv.block_ids(s.request.request_id)
+            table = s.block_ids
             batch.input_ids.append(s.request.all_token_ids[p])
             slots[i] = table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
             batch.decodes.append(SeqSpan(i, i + 1, p + 1, list(table)))
@@ -179,7 +183,7 @@ class ModelRunner:
             ctx = start + n
             batch.input_ids.extend(req.all_token_ids[start:ctx])
             pos = torch.arange(start, ctx, dtype=torch.long)
-            table = self.kv.block_ids(req.request_id)
+            table = s.block_ids
             blocks = torch.tensor(table, dtype=torch.long)
             batch.positions.append(pos)
             batch.slots.append(blocks[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE)
@@ -187,15 +191,15 @@ class ModelRunner:
             row += n
 
     @staticmethod
-    def _plan_logits(ordered: list[ScheduledRequest], batch: StepInputs) -> StepOutput:
+    def _plan_logits(ordered: list[ScheduledRequest], batch: StepInputs) -> StepLogits:
         """Which rows' logits the step needs: each prompt-logprobs chunk, then the sampled rows
         (``batch.logit_rows`` in that order); the returned step's logits are filled by ``execute``."""
-        step = StepOutput()
+        step = StepLogits()
         rows: list[int] = []
         row = 0
         for s in ordered:
             req = s.request
-            if req.needs_prompt_logprobs and req.num_computed_tokens < req.num_prompt_tokens - 1:
+            if req.params.prompt_logprobs is not None and req.num_computed_tokens < req.num_prompt_tokens - 1:
                 # Positions p in this chunk with p + 1 a prompt token predict that token.
                 first = req.num_computed_tokens
                 last = min(first + s.num_tokens, req.num_prompt_tokens - 1)
@@ -203,8 +207,16 @@ class ModelRunner:
                 step.prompt_logits[req.request_id] = (first, torch.empty(0))
             if s.samples:
                 rows.append(row + s.num_tokens - 1)
-                step.sample_requests.append(req)
+                step.sample_requests.append(s)
             row += s.num_tokens
         if rows:
             batch.logit_rows.append(torch.tensor(rows, dtype=torch.long))
         return step
+
+
+def prompt_logprobs(s: ScheduledRequest, first: int, logits: torch.Tensor) -> list[dict[int, Logprob]]:
+    """Row r of ``logits`` predicts the prompt token at ``first + r + 1``: its logprob and rank
+    with the top ``prompt_logprobs`` tokens."""
+    lp = torch.log_softmax(logits, dim=-1)
+    ids, k = s.request.all_token_ids, s.request.params.prompt_logprobs or 0
+    return [top_logprobs(lp[r], ids[first + r + 1], k) for r in range(lp.shape[0])]

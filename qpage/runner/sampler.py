@@ -1,7 +1,8 @@
 """Token sampling for a batch of requests, each with its own SamplingParams.
 
 Order per row: raw log-probabilities (returned as ``logprobs``, as vLLM does by default)
--> penalties -> min_tokens masking -> the structured-output mask (log-probabilities here are
+-> penalties -> min_tokens masking -> the structured-output mask (each constrained row's
+allowed tokens come as a bitmask row, applied to the batch in one op; log-probabilities here are
 returned instead under ``processed_logprobs``: the scores greedy decoding picks from) -> greedy
 argmax, or temperature, top-k, top-p, min-p and a draw. A draw inverts the row's CDF at one
 uniform number taken from the request's own random stream when it has a seed, so a seed
@@ -14,31 +15,18 @@ from __future__ import annotations
 
 import logging
 import random
-from dataclasses import dataclass
 
 import torch
 
-from qpage.engine.outputs import Logprob
-from qpage.engine.request import Request
-from qpage.engine.structured import mask_logits
+from qpage.runner.batch import Logprob, SampleResult, Sequence
 
 log = logging.getLogger("qpage.engine")
 
 MASKED_LOGPROB = -9999.0
 """The processed log-probability reported for a token that penalties or masks forbid (vLLM's floor)."""
 
-@dataclass(slots=True)
-class SampleResult:
-    token_ids: list[int]
-    logprobs: list[float | None]
-    """Log-probability of each sampled token (raw or processed, as the sampler was built); None when not asked."""
-    top_logprobs: list[dict[int, Logprob] | None]
-    """Per row, the sampled token and the top ``logprobs`` tokens; None when not asked."""
-
-    @staticmethod
-    def concat(parts: list[SampleResult]) -> SampleResult:
-        return SampleResult([t for p in parts for t in p.token_ids], [x for p in parts for x in p.logprobs],
-                            [x for p in parts for x in p.top_logprobs])
+Masks = list[torch.Tensor | None]
+"""Per row, the allowed tokens as int32 words (``batch.ScheduledRequest.token_mask``) or None."""
 
 
 class Sampler:
@@ -47,39 +35,43 @@ class Sampler:
         self.processed_logprobs = processed_logprobs
         """Report log-probabilities after penalties and masks (vLLM's ``processed_logprobs``)."""
 
-    def uniforms(self, reqs: list[Request]) -> list[float | None]:
+    def uniforms(self, reqs: list[Sequence]) -> list[float | None]:
         """Each random row's uniform (None for greedy rows), from its own stream when seeded."""
         return [None if r.params.greedy else (r.rng or self.rng).random() for r in reqs]
 
-    def sample(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[SampleResult, dict[int, str]]:
+    def sample(self, logits: torch.Tensor, reqs: list[Sequence],
+               masks: Masks | None = None) -> tuple[SampleResult, dict[int, str]]:
         """Sample every row: (result, {row: error}). If the batch raises, each row is sampled
         alone with the uniform it had, so a row that still fails fails alone (its token is a
         placeholder) and the others get what the batch would have given them."""
         u = self.uniforms(reqs)
+        masks = masks or [None] * len(reqs)
         try:
-            return self(logits, reqs, u), {}
+            return self(logits, reqs, u, masks), {}
         except Exception:
             log.warning("qpage: sampling a batch of %d failed; sampling it row by row", len(reqs), exc_info=True)
         parts, failed = [], {}
         for i, r in enumerate(reqs):
             try:
-                parts.append(self(logits[i : i + 1], [r], u[i : i + 1]))
+                parts.append(self(logits[i : i + 1], [r], u[i : i + 1], masks[i : i + 1]))
             except Exception as e:
                 failed[i] = f"sampling failed: {type(e).__name__}: {e}"
                 parts.append(SampleResult([0], [None], [None]))
         return SampleResult.concat(parts), failed
 
-    def __call__(self, logits: torch.Tensor, reqs: list[Request],
-                 uniforms: list[float | None] | None = None) -> SampleResult:
+    def __call__(self, logits: torch.Tensor, reqs: list[Sequence],
+                 uniforms: list[float | None] | None = None, masks: Masks | None = None) -> SampleResult:
         """One batch; ``uniforms`` as from ``uniforms(reqs)`` (drawn here when None)."""
         uniforms = self.uniforms(reqs) if uniforms is None else uniforms
+        masks = masks or [None] * len(reqs)
         want_lp = [r.params.logprobs is not None for r in reqs]
         report_raw = any(want_lp) and not self.processed_logprobs
         lp = torch.log_softmax(logits, dim=-1) if report_raw else None
-        logits = self._penalize(logits, reqs)
-        if any(r.guide is not None for r in reqs):
+        logits = self._penalize(logits, reqs, masks)
+        rows = [i for i, m in enumerate(masks) if m is not None]
+        if rows:
             logits = logits.clone()  # masked in place; the caller's logits stay as they were
-            mask_logits(logits, [r.guide for r in reqs])
+            apply_bitmask(logits, torch.stack([masks[i] for i in rows]), rows)  # type: ignore[misc]
         if any(want_lp) and self.processed_logprobs:  # a masked token reports a finite floor (JSON has no -inf)
             lp = torch.log_softmax(logits, dim=-1).clamp_min(MASKED_LOGPROB)
         tokens = logits.argmax(dim=-1)
@@ -98,8 +90,9 @@ class Sampler:
         return SampleResult(token_list, lps, tops)
 
     @staticmethod
-    def _penalize(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
-        rows = [i for i, r in enumerate(reqs) if r.params.needs_penalties or _blocks_stop(r)]
+    def _penalize(logits: torch.Tensor, reqs: list[Sequence], masks: Masks) -> torch.Tensor:
+        blocks = [_blocks_stop(r, m is not None) for r, m in zip(reqs, masks, strict=True)]
+        rows = [i for i, r in enumerate(reqs) if r.params.needs_penalties or blocks[i]]
         if not rows:
             return logits
         logits = logits.clone()
@@ -115,7 +108,7 @@ class Sampler:
                 out = torch.tensor(r.output_token_ids, dtype=torch.long)
                 counts = torch.bincount(out[out < vocab], minlength=vocab).to(row.dtype)
                 row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
-            if _blocks_stop(r):
+            if blocks[i]:
                 eos = () if p.ignore_eos else tuple(r.eos_token_ids)
                 banned = [t for t in (*eos, *(p.stop_token_ids or ())) if t < vocab]
                 if banned:
@@ -123,7 +116,7 @@ class Sampler:
         return logits
 
     @staticmethod
-    def _draw(logits: torch.Tensor, reqs: list[Request], uniforms: list[float | None]) -> torch.Tensor:
+    def _draw(logits: torch.Tensor, reqs: list[Sequence], uniforms: list[float | None]) -> torch.Tensor:
         temps = torch.tensor([r.params.temperature for r in reqs], dtype=logits.dtype)
         logits = logits / temps[:, None]
         logits = _top_k_top_p(logits, reqs)
@@ -143,13 +136,13 @@ class Sampler:
         return torch.minimum(idx, last)
 
 
-def _blocks_stop(r: Request) -> bool:
+def _blocks_stop(r: Sequence, constrained: bool) -> bool:
     """min_tokens not reached yet: EOS and stop tokens must not be sampled (a grammar's own
     end is not blocked: the grammar decides when a structured output is complete)."""
-    return r.guide is None and r.num_output_tokens < r.params.min_tokens
+    return not constrained and len(r.output_token_ids) < r.params.min_tokens
 
 
-def _top_k_top_p(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+def _top_k_top_p(logits: torch.Tensor, reqs: list[Sequence]) -> torch.Tensor:
     vocab = logits.shape[-1]
     ks = [min(r.params.top_k, vocab) if r.params.top_k > 0 else vocab for r in reqs]
     ps = [r.params.top_p for r in reqs]
@@ -178,3 +171,28 @@ def top_logprobs(row: torch.Tensor, token: int, k: int) -> dict[int, Logprob]:
             if t not in out:
                 out[t] = Logprob(v, rank)
     return out
+
+
+def _byte_mask() -> torch.Tensor:
+    """[256, 8] float32: row b holds 0 where bit j of byte b is set (token allowed), else -inf."""
+    bits = (torch.arange(256)[:, None] >> torch.arange(8)) & 1
+    return torch.where(bits.bool(), 0.0, float("-inf"))
+
+
+_BYTE_MASK = _byte_mask()
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """Mask ``logits[rows[j]]`` by ``bitmask[j]`` (int32 words, bit k of word w = token
+    32w + k allowed) in one op: the bitmask's bytes index a 256-entry table of 8 additive
+    masks (0 or -inf), and the result is added to the logits. Plain torch, so it runs on any
+    device (docs/structured-outputs.md compares it with XGrammar's CPU kernel). Reading the
+    words as bytes in token order assumes a little-endian host (x86-64, ARM64)."""
+    vocab = logits.shape[-1]
+    codes = bitmask.view(torch.uint8).flatten().to(device=logits.device, dtype=torch.long)
+    add = _BYTE_MASK.to(device=logits.device, dtype=logits.dtype).index_select(0, codes).view(len(rows), -1)
+    if len(rows) == logits.shape[0]:
+        logits.add_(add[:, :vocab])
+    else:
+        idx = torch.tensor(rows, device=logits.device)
+        logits[idx] += add[:, :vocab]

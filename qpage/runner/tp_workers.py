@@ -29,7 +29,6 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from qpage.config import BLOCK_SIZE
-from qpage.engine.kv_cache import KVCacheManager
 from qpage.kernels.cpu import blas
 from qpage.layers.kv_format import KVCacheSpec
 from qpage.models.arch import ArchConfig
@@ -37,6 +36,7 @@ from qpage.models.loader import load_model
 from qpage.models.sharding import Rank, plan_shards
 from qpage.parallel.comm import Collectives, TensorParallelError
 from qpage.runner.model_runner import ModelRunner
+from qpage.runner.sampler import Sampler
 
 log = logging.getLogger("qpage")
 
@@ -103,10 +103,10 @@ def _pin(rank: int, world: int, device: str) -> Callable[[], None]:
     return undo
 
 
-def build_rank(setup: RankSetup, comm: Collectives, kv: KVCacheManager | None = None,
+def build_rank(setup: RankSetup, comm: Collectives, sampler: Sampler | None = None,
                broadcast: Callable[[Any], None] | None = None) -> tuple[ModelRunner, RankReport]:
-    """This rank's part of the model and of the KV cache (the driver passes its block manager
-    and how it sends commands to the workers)."""
+    """This rank's part of the model and of the KV cache (the driver passes its sampler and
+    how it sends commands to the workers)."""
     tp = Rank(plan_shards(setup.arch, comm.world), setup.arch, comm)
     device = torch.device(rank_device(setup.device, comm.world, comm.rank))
     model = load_model(setup.model_dir, setup.arch, setup.dtype, device, setup.max_model_len,
@@ -116,9 +116,8 @@ def build_rank(setup: RankSetup, comm: Collectives, kv: KVCacheManager | None = 
     if device.type == "cpu" and model.runs_own_threads():
         blas.set_threads(1)
     local = tp.plan.local_arch(setup.arch)
-    runner = ModelRunner(model, local, kv, setup.dtype, device, kv_spec=setup.kv_spec,
-                         attention_backend=setup.attention_backend, num_blocks=setup.num_blocks,
-                         broadcast=broadcast)
+    runner = ModelRunner(model, local, setup.num_blocks, setup.dtype, device, kv_spec=setup.kv_spec,
+                         attention_backend=setup.attention_backend, sampler=sampler, broadcast=broadcast)
     kv = setup.kv_spec.bytes_per_token(local.num_layers, local.num_kv_heads, local.head_dim)
     return runner, RankReport(comm.rank, weight_bytes(model), kv * setup.num_blocks * BLOCK_SIZE, local.num_kv_heads)
 

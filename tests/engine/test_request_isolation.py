@@ -19,10 +19,10 @@ POISON_K = 4242  # the top_k that marks the request the faulty sampler fails on
 class FaultySampler(Sampler):
     """Fails any batch that holds a request with top_k == POISON_K."""
 
-    def __call__(self, logits: Any, reqs: list[Request], uniforms: Any = None) -> Any:
+    def __call__(self, logits: Any, reqs: list[Request], uniforms: Any = None, masks: Any = None) -> Any:
         if any(r.params.top_k == POISON_K for r in reqs):
             raise RuntimeError("injected sampling fault")
-        return super().__call__(logits, reqs, uniforms)
+        return super().__call__(logits, reqs, uniforms, masks)
 
 
 def run_all(engine: Any) -> dict[str, Any]:
@@ -39,7 +39,7 @@ def test_sampling_fault_fails_only_its_request(llm: Any, monkeypatch: pytest.Mon
     engine = llm.llm_engine
     innocent = SamplingParams(temperature=0.8, seed=7, max_tokens=12, ignore_eos=True) if seeded else GREEDY
     alone = llm.generate("The capital of France is", innocent, use_tqdm=False)[0].outputs[0].token_ids
-    monkeypatch.setattr(engine, "sampler", FaultySampler(engine.config.seed))
+    monkeypatch.setattr(engine.runner, "sampler", FaultySampler(engine.config.seed))
     good = engine.add_request("The capital of France is", innocent)
     bad = engine.add_request("Tell me a story", SamplingParams(temperature=1.0, top_k=POISON_K, n=2, max_tokens=12))
     done = run_all(engine)

@@ -6,6 +6,7 @@ from qpage.config import SchedulerConfig
 from qpage.engine.kv_cache import KVCacheManager
 from qpage.engine.request import Request, RequestStatus
 from qpage.engine.scheduler import Scheduler
+from qpage.runner.batch import SchedulerOutput
 from qpage.sampling_params import SamplingParams
 
 
@@ -14,9 +15,21 @@ def req(rid: str, n: int, max_tokens: int = 50) -> Request:
                    SamplingParams(max_tokens=max_tokens), max_tokens, {999999})
 
 
+def advance(s: Scheduler, out: SchedulerOutput) -> list[Request]:
+    """What the engine does after a step: append each sampled token (7 here), end the
+    requests whose stop decision says so; return those."""
+    ended = []
+    for r in s.update(out, {x.request.request_id: 7 for x in out.scheduled if x.samples}):
+        status = r.stop_status(s.max_model_len)
+        if status is not None:
+            s.finish(r, status)
+            ended.append(r)
+    return ended
+
+
 def run_step(s: Scheduler) -> dict[str, int]:
     out = s.schedule()
-    s.update(out, {x.request.request_id: 7 for x in out.scheduled if x.samples})
+    advance(s, out)
     return {x.request.request_id: x.num_tokens for x in out.scheduled}
 
 
@@ -53,7 +66,7 @@ def test_preemption_by_recompute_newest_first_and_everyone_finishes() -> None:
             # The newest running request is the victim, sent to the front of the queue.
             assert s.waiting[0].request_id == out.preempted[-1]
             assert s.waiting[0].num_computed_tokens == 0
-        finished += s.update(out, {x.request.request_id: 7 for x in out.scheduled if x.samples})
+        finished += advance(s, out)
         kv.pool.check_invariants()
         steps += 1
     assert s.num_preemptions > 0

@@ -15,7 +15,8 @@ import torch
 import xgrammar as xgr
 
 from qpage import GuidedDecodingParams, SamplingParams, StructuredOutputsParams
-from qpage.engine.structured import choice_grammar, mask_logits
+from qpage.engine.structured import choice_grammar, token_masks
+from qpage.runner.sampler import apply_bitmask
 
 CHAT = [{"role": "user", "content": "Describe a person as JSON."}]
 PERSON = {"type": "object", "required": ["name", "age"], "properties": {
@@ -140,15 +141,16 @@ class _FixedGuide:
 
 
 @pytest.mark.parametrize("vocab", [49152, 1000])  # a vocabulary that is not a multiple of 32 too
-def test_mask_logits_matches_xgrammar(vocab: int) -> None:
+def test_token_masks_applied_as_xgrammar_applies_them(vocab: int) -> None:
     g = torch.Generator().manual_seed(0)
     words = -(-vocab // 32)
     masks = torch.randint(-(2**31), 2**31 - 1, (3, words), generator=g, dtype=torch.int32)
     masks[1] &= torch.randint(0, 2, (words,), generator=g, dtype=torch.int32) * -1  # sparse rows as in JSON
     logits = torch.randn(5, vocab, generator=g)
     ours = logits.clone()
-    guides = [_FixedGuide(masks[0]), None, _FixedGuide(masks[1]), _FixedGuide(masks[2]), None]
-    mask_logits(ours, guides)  # type: ignore[arg-type]
+    rows = token_masks([_FixedGuide(m) for m in masks], vocab)  # type: ignore[misc]
+    assert torch.equal(rows, masks)
+    apply_bitmask(ours, rows, [0, 2, 3])
     ref = logits.clone()
     full = torch.full((5, words), -1, dtype=torch.int32)
     full[[0, 2, 3]] = masks

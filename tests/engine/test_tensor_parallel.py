@@ -35,9 +35,9 @@ import torch
 
 from qpage import LLM, SamplingParams
 from qpage.formats.gguf import default_gguf_path
+from qpage.formats.scheme import QuantScheme
 from qpage.parallel.comm import TensorParallelError
 from qpage.quantizers.pipeline import quantize_checkpoint
-from qpage.quantizers.scheme import QuantScheme
 from qpage.runner.tp_workers import weight_bytes
 from tests.helpers import assert_greedy_agrees, parting_margins
 

@@ -145,8 +145,8 @@ def test_qpage_nf4_checkpoint_reads_in_transformers(default_model_dir: Path, tmp
     the codes and absmax bitsandbytes' own quantizer gives the original weights."""
     from transformers import AutoModelForCausalLM
 
+    from qpage.formats.scheme import QuantScheme
     from qpage.quantizers.pipeline import quantize_checkpoint
-    from qpage.quantizers.scheme import QuantScheme
 
     out = tmp_path / "nf4"
     quantize_checkpoint(default_model_dir, out, QuantScheme.parse("nf4"), progress=False)

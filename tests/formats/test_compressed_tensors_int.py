@@ -141,8 +141,8 @@ def test_qpage_writes_pack_quantized(tmp_path: Path, name: str, sym: bool, act_o
     from compressed_tensors.quantization import QuantizationConfig
     from safetensors.torch import load_file
 
+    from qpage.formats.scheme import QuantScheme
     from qpage.quantizers.pipeline import quantize_checkpoint
-    from qpage.quantizers.scheme import QuantScheme
 
     src = _dense_folder(tmp_path)
     scheme = QuantScheme.parse(name, group_size=64 if name.startswith("int4") else None, sym=sym,

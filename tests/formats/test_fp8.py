@@ -17,9 +17,9 @@ from safetensors.torch import load_file, save_file
 from qpage import LLM
 from qpage.eval.perplexity import score_window
 from qpage.formats.fp8 import Fp8Config
+from qpage.formats.scheme import QuantScheme
 from qpage.quantizers.fp8 import E4M3_MAX, dequantize_fp8, quantize_fp8
 from qpage.quantizers.pipeline import quantize_checkpoint
-from qpage.quantizers.scheme import QuantScheme
 
 IDS = [1, 504, 3458, 282, 4649, 314, 253, 1345, 30, 378, 2575, 314]
 

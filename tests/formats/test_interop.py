@@ -23,8 +23,8 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
+from qpage.formats.scheme import QuantScheme
 from qpage.quantizers.pipeline import quantize_checkpoint
-from qpage.quantizers.scheme import QuantScheme
 from tests.helpers import RunnerHarness, effective_weight
 
 ROOT = Path(__file__).resolve().parents[2]

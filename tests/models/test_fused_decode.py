@@ -16,9 +16,9 @@ import torch
 
 import qpage.models.llama as llama_module
 from qpage import SamplingParams
+from qpage.formats.scheme import QuantScheme
 from qpage.kernels.cpu import native as cpu_native
 from qpage.quantizers.pipeline import quantize_checkpoint
-from qpage.quantizers.scheme import QuantScheme
 
 if cpu_native.no_compiler_or_disabled():  # pragma: no cover
     pytest.skip(f"native CPU kernels unavailable: {cpu_native.unavailable_reason()}", allow_module_level=True)

@@ -17,11 +17,11 @@ from qpage.formats.awq import AwqConfig, check_linear
 from qpage.formats.gptq import GptqConfig
 from qpage.formats.gptq import check_linear as gptq_check
 from qpage.formats.gptq import pack_linear as gptq_pack
+from qpage.formats.scheme import QuantScheme
 from qpage.kernels.packing import dequantize_ref, pack_cols, unpack_cols
 from qpage.quantizers.awq import fake_quant, output_error, search_scale
 from qpage.quantizers.pipeline import choose_format, quantize_checkpoint
 from qpage.quantizers.rtn import quantize_rtn
-from qpage.quantizers.scheme import QuantScheme
 from tests.helpers import RunnerHarness
 
 TINY = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,

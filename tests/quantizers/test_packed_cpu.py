@@ -21,8 +21,8 @@ from safetensors.torch import load_file
 
 from qpage import LLM, SamplingParams
 from qpage.eval.perplexity import kl_rows, score_window, token_windows
+from qpage.formats.scheme import QuantScheme
 from qpage.quantizers.pipeline import quantize_checkpoint
-from qpage.quantizers.scheme import QuantScheme
 
 pytestmark = pytest.mark.slow
 

@@ -15,10 +15,10 @@ from safetensors.torch import load_file, save_file
 from qpage import LLM
 from qpage.eval.perplexity import kl_rows, score_window
 from qpage.formats.gptq import unpack_cols
+from qpage.formats.scheme import QuantScheme
 from qpage.quantizers import pipeline
 from qpage.quantizers.pipeline import quantize_checkpoint
 from qpage.quantizers.rtn import dequantize_rtn, quantize_rtn
-from qpage.quantizers.scheme import QuantScheme
 from tests.helpers import effective_weight
 
 

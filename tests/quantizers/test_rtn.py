@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from qpage.formats.scheme import QuantScheme
 from qpage.quantizers.rtn import dequantize_rtn, quantize_rtn
-from qpage.quantizers.scheme import QuantScheme
 
 
 @pytest.mark.parametrize("bits", [4, 8])

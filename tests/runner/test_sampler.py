@@ -42,7 +42,7 @@ def test_penalties_follow_their_formulas() -> None:
     s = Sampler(0)
     p = SamplingParams(temperature=0, repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25)
     r = make(p, prompt=[1], out=[0, 0, 4])
-    got = s._penalize(LOGITS.clone(), [r])[0]
+    got = s._penalize(LOGITS.clone(), [r], [None])[0]
     want = LOGITS[0].clone()
     for t in (0, 1, 4):  # prompt and output tokens: repetition penalty
         want[t] = want[t] / 2 if want[t] > 0 else want[t] * 2
