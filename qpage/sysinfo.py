@@ -5,13 +5,14 @@ builds the C kernels once if they are not cached yet, as the engine's first star
 
 from __future__ import annotations
 
+import importlib.metadata
 import platform
 from pathlib import Path
 
 import torch
 
 from qpage.kernels.cpu import native, native_gguf
-from qpage.kernels.triton_utils import HAS_TRITON, triton, triton_unavailable_reason
+from qpage.kernels.triton_utils import HAS_TRITON, INSTALLED, triton, triton_unavailable_reason
 from qpage.layers.backends import select_attention_backend
 from qpage.layers.kv_format import KVCacheSpec
 from qpage.layers.linear_kernels import LinearSpec, select_linear_kernel
@@ -50,8 +51,11 @@ def cuda_line() -> str:
 
 
 def triton_line(device: str) -> str:
-    if not HAS_TRITON:
+    if not INSTALLED:
         return "not installed (GPU kernels need it: pip install triton)"
+    if not HAS_TRITON:
+        return (f"{importlib.metadata.version('triton')}, not loaded: its kernels need a CUDA device "
+                "(or TRITON_INTERPRET=1)")
     why = triton_unavailable_reason(device)
     return f"{triton.__version__}" + ("" if why is None else f"; {why}")
 

@@ -6,15 +6,27 @@ fall back to the torch paths with that reason. ``TRITON_INTERPRET=1`` (read once
 Triton is imported) runs the kernels on CPU tensors; tests set it in ``conftest.py``.
 """
 
+import importlib.util
 import os
 from typing import Any
 
-try:
+import torch
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+"""Kernels run in Triton's CPU interpreter: bf16/fp8 arithmetic there is wrong, so kernels
+upcast to fp32 before any arithmetic or ``tl.dot``."""
+
+INSTALLED = importlib.util.find_spec("triton") is not None
+WANTED = INSTALLED and (INTERPRET or torch.cuda.is_available())
+"""Triton is imported only where a kernel of it can run (a CUDA device, or the interpreter):
+on a CPU-only machine importing it would cost memory for nothing."""
+
+if WANTED:
     import triton
     import triton.language as tl
 
     HAS_TRITON = True
-except ImportError:  # pragma: no cover - exercised only where Triton is absent
+else:
     HAS_TRITON = False
 
     class _Stub:
@@ -43,16 +55,12 @@ except ImportError:  # pragma: no cover - exercised only where Triton is absent
     triton = _Stub()  # type: ignore[assignment]
     tl = _Stub()  # type: ignore[assignment]
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-"""Kernels run in Triton's CPU interpreter: bf16/fp8 arithmetic there is wrong, so kernels
-upcast to fp32 before any arithmetic or ``tl.dot``."""
-
 
 def triton_unavailable_reason(device_type: str) -> str | None:
     """Why Triton kernels cannot run on this device, or None when they can."""
-    if not HAS_TRITON:
+    if not INSTALLED:
         return "Triton is not installed"
-    if device_type == "cuda" or INTERPRET:
+    if HAS_TRITON and (device_type == "cuda" or INTERPRET):
         return None
     return f"Triton kernels need a CUDA device (or TRITON_INTERPRET=1); got {device_type}"
 

@@ -15,7 +15,7 @@ import torch
 
 from qpage.config import ATTENTION_BACKENDS, INT_BITS
 from qpage.kernels.cpu import native
-from qpage.kernels.triton_utils import HAS_TRITON, INTERPRET
+from qpage.kernels.triton_utils import INSTALLED, INTERPRET
 from qpage.layers.attention import CpuBlasPagedAttention, CpuNativePagedAttention, TorchPagedAttention
 from qpage.layers.attention_triton import TritonPagedAttention
 from qpage.layers.kv_format import KVCacheSpec
@@ -41,7 +41,7 @@ class AttentionCapabilities:
 
     def reject(self, device: torch.device, spec: KVCacheSpec, head_dim: int, by_name: bool) -> str | None:
         """Why this backend does not fit, or None."""
-        if self.needs_triton and not HAS_TRITON:
+        if self.needs_triton and not INSTALLED:
             return "Triton is not installed (pip install triton)"
         dev_ok = device.type in self.devices or (self.needs_triton and INTERPRET and by_name)
         if not dev_ok:
