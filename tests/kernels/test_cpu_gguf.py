@@ -195,3 +195,14 @@ def test_unsupported_inputs_are_named() -> None:
     with pytest.raises(ValueError, match="need fp32 out"):
         ng.matmul_into(torch.empty(1, 15), ng.quantize_activations(activations(1, 64, 0)), w)
     assert ng.best_isa() in ISAS and ng.isa_supported(ng.best_isa())
+
+
+def test_block_table_read_from_c_states_the_file_formats() -> None:
+    """The kernels' own table (C, read through ``block_types``) gives each ggml format's block
+    as gguf's table does; NF4 and FP4 sit on IQ4_NL's block; a packed block is never smaller."""
+    types = ng.block_types()
+    assert set(types) == set(TYPES.values()), types  # every format the tests run
+    for t, bt in types.items():
+        file_type = gguf.GGMLQuantizationType(ng.IQ4_NL if t in ng.NAMES else t)
+        assert (bt.weights, bt.file_bytes) == gguf.GGML_QUANT_SIZES[file_type], t
+        assert bt.packed_bytes >= bt.file_bytes, t

@@ -153,6 +153,8 @@ def load() -> ctypes.CDLL | None:
             lib.qp_gguf_matmul.restype = _int
             lib.qp_gguf_dequant_rows.argtypes = [_int, _ptr, _i64, _int, _ptr, _i64, _ptr]
             lib.qp_gguf_dequant_rows.restype = _int
+            lib.qp_gguf_block_type.argtypes = [_int, _ptr]
+            lib.qp_gguf_block_type.restype = _int
             lib.qp_gguf_isa_supported.argtypes = [_int]
             lib.qp_gguf_isa_supported.restype = _int
             lib.qp_gguf_best_isa.argtypes = []

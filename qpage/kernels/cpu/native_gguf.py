@@ -14,6 +14,8 @@ has); the paths agree up to the order of float additions. The reference is
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import os
 import threading
 from dataclasses import dataclass
@@ -21,6 +23,7 @@ from itertools import pairwise
 
 import numpy as np
 import torch
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from qpage.kernels.cpu import block_rewrite
 from qpage.kernels.cpu.native import as_i64, load
@@ -35,18 +38,39 @@ NF4, FP4 = 200, 201
 an fp16 d = absmax / c, then the codes of weights j and j + 16 in byte j's low and high
 nibble; a weight is d times its codebook value times c, rounded (c in ``formats.bnb``)."""
 NAMES = {NF4: "NF4", FP4: "FP4"}
-BLOCK_BYTES = {Q4_0: (32, 18), Q4_1: (32, 20), Q5_0: (32, 22), Q5_1: (32, 24), Q8_0: (32, 34), Q2_K: (256, 84),
-               Q3_K: (256, 110), Q4_K: (256, 144),
-               Q5_K: (256, 176), Q6_K: (256, 210), IQ4_NL: (32, 18), IQ4_XS: (256, 136), NF4: (32, 18),
-               FP4: (32, 18)}
-"""Each format the kernels run: (weights, bytes) of one block in the file."""
-PACKED_BYTES = {Q2_K: 272, Q3_K: 210, Q4_K: 148, Q5_K: 180, IQ4_XS: 138}
-"""Bytes of one block in the kernels' layout, where it differs from the file (the 6-bit
-scales of Q4_K, Q5_K and IQ4_XS unpacked to a byte each; Q2_K and Q3_K rewritten)."""
 REWRITTEN = {Q2_K: Q8_0, Q3_K: Q6_K}
 """Formats the kernels run as another one, rewritten at load (``block_rewrite``)."""
 ISAS = {"auto": 0, "scalar": 1, "avx2": 2, "vnni": 3}
 ISA_NAMES = {v: k for k, v in ISAS.items()}
+
+
+@dataclass(frozen=True)
+class BlockType:
+    """One format as the kernels hold it: weights per block, bytes of a block in the file and
+    in the kernels' layout (K-quants' 6-bit scales unpacked to a byte each)."""
+
+    weights: int
+    file_bytes: int
+    packed_bytes: int
+
+
+@functools.cache
+def block_types() -> dict[int, BlockType]:
+    """The formats the kernels run, read from the C table (``qp_gguf_block_type``), plus those
+    rewritten at load into one of them (their file blocks as gguf states them); empty without
+    the native kernels."""
+    lib = load()
+    if lib is None:
+        return {}
+    out, info, i = {}, (ctypes.c_int32 * 4)(), 0
+    while lib.qp_gguf_block_type(i, ctypes.addressof(info)) == 0:
+        out[info[0]] = BlockType(info[1], info[2], info[3])
+        i += 1
+    for t, runs_as in REWRITTEN.items():
+        weights, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType(t)]
+        target = out[runs_as]
+        out[t] = BlockType(weights, nbytes, target.packed_bytes * weights // target.weights)
+    return out
 
 
 def num_threads() -> int:
@@ -72,10 +96,13 @@ def best_isa() -> str:
 
 def unsupported_reason(ggml_type: int, k: int) -> str | None:
     """Why the kernels cannot run a weight of this format and row length (None: they can)."""
-    if ggml_type not in BLOCK_BYTES:
+    types = block_types()
+    if not types:
+        return "the native CPU kernels are not loaded"
+    if ggml_type not in types:
         return (f"ggml type {ggml_type} has no native kernel (those run: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, "
                 "Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, and bitsandbytes NF4/FP4)")
-    size = BLOCK_BYTES[ggml_type][0]
+    size = types[ggml_type].weights
     if k % size:
         return f"rows of {k} weights are not whole {size}-weight blocks"
     return None
@@ -84,8 +111,8 @@ def unsupported_reason(ggml_type: int, k: int) -> str | None:
 def row_bytes(ggml_type: int, k: int, packed: bool = False) -> int:
     """Bytes of one row of k weights in a format the kernels run: in the file, or ``packed``
     in the kernels' layout."""
-    size, nbytes = BLOCK_BYTES[ggml_type]
-    return k // size * (PACKED_BYTES.get(ggml_type, nbytes) if packed else nbytes)
+    t = block_types()[ggml_type]
+    return k // t.weights * (t.packed_bytes if packed else t.file_bytes)
 
 
 @dataclass

@@ -207,10 +207,57 @@ int qp_gguf_isa_supported(int isa) {
     }
 }
 
-/* The path ISA_AUTO resolves to. */
-int qp_gguf_best_isa(void) {
-    return qp_gguf_isa_supported(ISA_VNNI) ? ISA_VNNI : qp_gguf_isa_supported(ISA_AVX2) ? ISA_AVX2 : ISA_SCALAR;
+/* The formats the kernels run, one row each: sizes, and the group function of every path (the
+ * columns follow ISA_SCALAR, ISA_AVX2, ISA_VNNI). Python reads the sizes from here
+ * (qp_gguf_block_type), so nothing mirrors them. The path ISA_AUTO takes is resolved once, when
+ * the library loads. */
+enum { NUM_ISAS = 4 };
+typedef struct {
+    int type;
+    int weights;            /* per block: BLOCK or QK */
+    int file_bytes;         /* one row's block in the file */
+    int packed_bytes;       /* the same in the kernels' layout */
+    group_fn group[NUM_ISAS]; /* [ISA_SCALAR], [ISA_AVX2], [ISA_VNNI] */
+} block_type;
+
+#define LEGACY(T) {T, BLOCK, 0, 0, {NULL, group_scalar, group_avx2, group_vnni}}
+#define IQ4(T) {T, BLOCK, 0, 0, {NULL, qp_iq4_group_scalar, qp_iq4_group_avx2, qp_iq4_group_vnni}}
+#define KQUANT(T, F) {T, QK, 0, 0, {NULL, F##_scalar, F##_avx2, F##_vnni}}
+static block_type TYPES[] = {
+    LEGACY(QT_Q4_0), LEGACY(QT_Q4_1), LEGACY(QT_Q5_0), LEGACY(QT_Q5_1), LEGACY(QT_Q8_0),
+    IQ4(QT_IQ4_NL), IQ4(QT_NF4), IQ4(QT_FP4),
+    KQUANT(QT_Q4_K, qp_q4k_group), KQUANT(QT_Q5_K, qp_q4k_group), KQUANT(QT_Q6_K, qp_q6k_group),
+    KQUANT(QT_IQ4_XS, qp_iq4_group),
+};
+enum { NUM_TYPES = sizeof TYPES / sizeof TYPES[0] };
+static int best_isa = ISA_SCALAR;
+
+/* At load: each row's sizes (from the layout helpers of qp_gguf.h) and the best path here. */
+__attribute__((constructor)) static void resolve_types(void) {
+    for (int i = 0; i < NUM_TYPES; i++) {
+        block_type *t = &TYPES[i];
+        t->file_bytes = t->weights == QK ? k_file_bytes(t->type) : block_bytes(t->type);
+        t->packed_bytes = t->weights == QK ? k_packed_bytes(t->type) : block_bytes(t->type);
+    }
+    best_isa = qp_gguf_isa_supported(ISA_VNNI) ? ISA_VNNI : qp_gguf_isa_supported(ISA_AVX2) ? ISA_AVX2 : ISA_SCALAR;
 }
+
+static const block_type *find_type(int type) {
+    for (int i = 0; i < NUM_TYPES; i++)
+        if (TYPES[i].type == type) return &TYPES[i];
+    return NULL;
+}
+
+/* Row i of the table into info[4] (type id, weights per block, file bytes, packed bytes);
+ * returns 0, or -1 past the last row. */
+int qp_gguf_block_type(int i, int32_t *info) {
+    if (i < 0 || i >= NUM_TYPES) return -1;
+    info[0] = TYPES[i].type, info[1] = TYPES[i].weights, info[2] = TYPES[i].file_bytes, info[3] = TYPES[i].packed_bytes;
+    return 0;
+}
+
+/* The path ISA_AUTO resolves to. */
+int qp_gguf_best_isa(void) { return best_isa; }
 
 /* Groups [g0, g1) against all m activation rows, mt_max rows per call. Rows go in tiles of
  * ROW_TILE, so that a tile's activations stay in cache while every group passes over them. */
@@ -236,19 +283,15 @@ static void run_groups(group_fn f, int mt_max, int type, const uint8_t *w, int64
  * of memory. */
 int qp_gguf_matmul(int type, const uint8_t *w, int64_t n, int k, const int8_t *xq, const float *xd, const float *xs,
                    int m, float *out, int64_t ldo, int threads, int isa) {
-    if (!runs(type, k)) return -1;
-    if (isa == ISA_AUTO) isa = qp_gguf_best_isa();
-    if (!qp_gguf_isa_supported(isa)) return -1;
-    group_fn f = isa == ISA_VNNI ? group_vnni : isa == ISA_AVX2 ? group_avx2 : group_scalar;
+    const block_type *t = find_type(type);
+    if (t == NULL || k % t->weights) return -1;
+    if (isa == ISA_AUTO) isa = best_isa;
+    else if (!qp_gguf_isa_supported(isa)) return -1;
+    const group_fn f = t->group[isa];
     const int mt_max = isa == ISA_VNNI ? MT_MAX : MT_AVX2;
     const int nb = k / BLOCK;
     int32_t *x16 = NULL; /* Q6_K: the activations' code sums per 16 weights */
-    if (is_codebook32(type) || type == QT_IQ4_XS)
-        f = isa == ISA_VNNI ? qp_iq4_group_vnni : isa == ISA_AVX2 ? qp_iq4_group_avx2 : qp_iq4_group_scalar;
-    if (type == QT_Q4_K || type == QT_Q5_K)
-        f = isa == ISA_VNNI ? qp_q4k_group_vnni : isa == ISA_AVX2 ? qp_q4k_group_avx2 : qp_q4k_group_scalar;
     if (type == QT_Q6_K) {
-        f = isa == ISA_VNNI ? qp_q6k_group_vnni : isa == ISA_AVX2 ? qp_q6k_group_avx2 : qp_q6k_group_scalar;
         x16 = malloc(sizeof(int32_t) * (size_t)m * 2 * nb);
         if (x16 == NULL) return -2;
         for (int64_t i = 0; i < (int64_t)m * 2 * nb; i++) {
