@@ -26,7 +26,6 @@ from qpage.engine.structured import GrammarCompiler, Guide, token_masks
 from qpage.formats import gguf_model
 from qpage.formats.gguf_model import is_gguf
 from qpage.formats.gguf_reader import GgufFile
-from qpage.kernels.cpu import blas
 from qpage.layers.block_linear import BlockLinear
 from qpage.layers.kv_format import KVCacheSpec
 from qpage.models.arch import ArchConfig
@@ -120,10 +119,6 @@ class LLMEngine:
                 self.model_dir, self.arch, self.dtype, self.device, self.max_model_len, mc.allow_pickle,
                 mc.dequantize_weights,
             )
-            if self.model.ops.torch_threads is not None:  # the chosen ops' thread count (layers.ops)
-                torch.set_num_threads(self.model.ops.torch_threads)
-            if self.device.type == "cpu":  # one BLAS thread beside the block-format kernels' own (kernels.cpu.blas)
-                blas.set_threads(1 if self.model.runs_own_threads() else None)
             self.runner = ModelRunner(self.model, self.arch, num_blocks, self.dtype, self.device,
                                       kv_spec=self.kv_spec, attention_backend=mc.attention_backend,
                                       sampler=self._sampler())

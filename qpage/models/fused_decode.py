@@ -2,10 +2,11 @@
 and the glue that calls it: the decoder layers' weights gathered once, the step's caches
 and block tables passed each time.
 
-It fits a model whose every projection is a block-format weight on ``cpu-blocks`` with the C
-ops (fp32 on CPU), without q/k norms and with a bias on qkv at most; a step fits when all
-its rows are decodes on the ``cpu-native`` backend with plain fp32 caches. Anything else
-runs the Python path, which stays the reference.
+It fits a model whose every projection runs on the block-format kernels (``PiecewiseMatmul``)
+with the C ops (fp32 on CPU), without q/k norms and with a bias on qkv at most, and an engine
+whose attention is the C backend over plain fp32 caches: both decided once, at start
+(``build_decode_stack``, ``unfit_reason_for``). Then every step whose rows are all decodes
+runs fused. Anything else runs the Python path, which stays the reference.
 """
 
 from __future__ import annotations
@@ -17,16 +18,18 @@ import torch
 
 from qpage.kernels.cpu.native_decode import DecodeStack, LayerWeights, unfit_reason
 from qpage.kernels.cpu.native_gguf import PiecewiseMatmul
+from qpage.layers.attention import CpuNativePagedAttention
 from qpage.layers.attention_metadata import AttentionMetadata
-from qpage.layers.kv_format import LayerKV
+from qpage.layers.kv_format import KVCacheSpec, LayerKV
+from qpage.layers.ops import CpuNativeOps
 
 logger = logging.getLogger("qpage")
 
 
 def _matmul(linear: Any, what: str) -> PiecewiseMatmul:
     mm = getattr(linear, "kernel_mm", None)
-    if getattr(linear, "kernel_path", None) != "cpu-blocks" or not isinstance(mm, PiecewiseMatmul):
-        raise ValueError(f"{what} runs on {getattr(linear, 'kernel_path', 'a dense linear')}, not cpu-blocks")
+    if not isinstance(mm, PiecewiseMatmul):
+        raise ValueError(f"{what} runs on {getattr(linear, 'kernel_path', 'a dense linear')}, not the block kernels")
     why = unfit_reason(mm)
     if why is not None:
         raise ValueError(f"{what}: {why}")
@@ -38,7 +41,7 @@ def build_decode_stack(model: Any) -> DecodeStack | None:
     reason logged."""
     c = model.config
     try:
-        if model.ops.name != "cpu-native":
+        if not isinstance(model.ops, CpuNativeOps):
             raise ValueError(f"the model's ops are {model.ops.name}, not the C kernels")
         if c.qk_norm or c.o_bias or c.mlp_bias:
             raise ValueError("q/k norms or biases beyond qkv")
@@ -59,15 +62,19 @@ def build_decode_stack(model: Any) -> DecodeStack | None:
     return DecodeStack(layers, c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps, c.head_dim**-0.5)
 
 
-def step_fits(backend: Any, caches: list[LayerKV], meta: Any) -> bool:
-    """Whether this step is decode rows only, on the C backend, over plain fp32 caches."""
-    if getattr(backend, "name", None) != "cpu-native" or not isinstance(meta, AttentionMetadata):
-        return False
-    if meta.prefills or not meta.decode_groups:
-        return False
-    c = caches[0]
-    return (c.kv_bits is None and c.fp8_format is None and c.rotation is None and c.k_shift is None
-            and c.k.dtype == torch.float32 and c.k.is_contiguous() and c.v.is_contiguous())
+def unfit_reason_for(backend: object, spec: KVCacheSpec) -> str | None:
+    """Why an engine's attention backend and KV cache cannot run the fused step (None: they
+    can): it reads and writes plain fp32 cache blocks with the C attention."""
+    if not isinstance(backend, CpuNativePagedAttention):
+        return f"attention runs on {getattr(backend, 'name', type(backend).__name__)}, not the C kernels"
+    if spec.format is not None or spec.dtype != torch.float32:
+        return f"the KV cache is {spec.describe()}, not plain fp32"
+    return None
+
+
+def decode_only(meta: Any) -> bool:
+    """Whether a step's rows are all decodes (the fused step's case)."""
+    return isinstance(meta, AttentionMetadata) and not meta.prefills and bool(meta.decode_groups)
 
 
 def run_decode_stack(stack: DecodeStack, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

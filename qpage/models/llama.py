@@ -19,6 +19,7 @@ from qpage.formats.detect import LinearConfig, linear_config
 from qpage.formats.gguf_model import GgufConfig, GgufTensor
 from qpage.formats.safetensors_io import LazyTensor
 from qpage.kernels.cpu.native_decode import DecodeStack
+from qpage.kernels.cpu.native_gguf import PiecewiseMatmul
 from qpage.layers.attention import AttentionBackend
 from qpage.layers.attention_metadata import StepMetadata
 from qpage.layers.block_linear import BlockLinear, GgufEmbedding
@@ -31,7 +32,7 @@ from qpage.layers.ops import TORCH_OPS, TorchOps, select_ops
 from qpage.layers.quant_linear import IntLinear
 from qpage.layers.rotary import RotaryEmbedding, apply_rotary
 from qpage.models.arch import ArchConfig
-from qpage.models.fused_decode import build_decode_stack, run_decode_stack, step_fits
+from qpage.models.fused_decode import build_decode_stack, decode_only, run_decode_stack
 from qpage.models.sharding import Rank, row_group, shard_weight
 
 KVCache = LayerKV
@@ -185,7 +186,8 @@ class LlamaForCausalLM(nn.Module):
         """The small ops every layer uses (``layers.ops``), chosen at ``prepare``."""
         self._tied_head: Matmul | None = None
         self.decode_stack: DecodeStack | None = None
-        """Decode steps in one C call (``models.fused_decode``), when the model fits; else None."""
+        """Decode steps in one C call (``models.fused_decode``), when the model fits; else None.
+        The runner drops it at start when its attention backend or KV cache do not fit."""
         self.kv_scales: dict[int, tuple[float, float]] = {}
         """Static FP8 KV scales per layer from the checkpoint (vLLM's ``self_attn.k_scale``)."""
 
@@ -218,7 +220,7 @@ class LlamaForCausalLM(nn.Module):
         """Whether matmuls run on the block-format kernels, which split rows across the cores
         themselves: NumPy's BLAS should then not keep a second pool of spinning threads (both
         pools on the same cores slowed decode ~1.8x, even with a large matrix left on BLAS)."""
-        return any(m.kernel_path == "cpu-blocks" for m in self.quant_linears())
+        return any(isinstance(m.kernel_mm, PiecewiseMatmul) for m in self.quant_linears())
 
     def quant_linears(self) -> list[QuantLinear]:
         """The model's quantized linear layers."""
@@ -233,7 +235,7 @@ class LlamaForCausalLM(nn.Module):
         h = (self.embed_tokens.forward(input_ids) if self.tp is None
              else self.tp.embed(input_ids, self.embed_tokens.forward))
         cos, sin = self.rotary.lookup(positions)
-        if self.decode_stack is not None and step_fits(backend, caches, meta):
+        if self.decode_stack is not None and decode_only(meta):
             h, res = run_decode_stack(self.decode_stack, h, cos, sin, caches, meta)  # type: ignore[arg-type]
             return self.norm.forward(h, res)[0]
         residual = None

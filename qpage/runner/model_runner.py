@@ -18,11 +18,13 @@ from typing import Any
 import torch
 
 from qpage.config import BLOCK_SIZE
+from qpage.kernels.cpu import blas
 from qpage.kernels.kv_int import hadamard
 from qpage.layers.attention_metadata import AttentionBatch, SeqSpan
 from qpage.layers.backends import select_attention_backend
 from qpage.layers.kv_format import KVCacheSpec, make_layer_kv
 from qpage.models.arch import ArchConfig
+from qpage.models.fused_decode import unfit_reason_for
 from qpage.runner.batch import Logprob, ScheduledRequest, SchedulerOutput, StepLogits, StepResult
 from qpage.runner.sampler import Sampler, top_logprobs
 
@@ -57,6 +59,7 @@ class ModelRunner:
         self.device = device
         self.sampler = sampler
         self.broadcast = broadcast
+        set_threads(model, device)
         spec = kv_spec or KVCacheSpec(dtype)
         self.backend = select_attention_backend(device, spec, arch.head_dim, attention_backend)
         scales: dict[int, tuple[float, float]] = getattr(model, "kv_scales", {})
@@ -72,6 +75,9 @@ class ModelRunner:
             make_layer_kv(spec, num_blocks, arch.num_kv_heads, arch.head_dim, device, scales.get(i))
             for i in range(arch.num_layers)
         ]
+        if getattr(model, "decode_stack", None) is not None and (why := unfit_reason_for(self.backend, spec)):
+            logger.debug("decode steps run layer by layer in Python: %s", why)
+            model.decode_stack = None
 
     @torch.inference_mode()
     def calibrate_kv_shifts(self, token_ids: list[int]) -> None:
@@ -220,3 +226,14 @@ def prompt_logprobs(s: ScheduledRequest, first: int, logits: torch.Tensor) -> li
     lp = torch.log_softmax(logits, dim=-1)
     ids, k = s.request.all_token_ids, s.request.params.prompt_logprobs or 0
     return [top_logprobs(lp[r], ids[first + r + 1], k) for r in range(lp.shape[0])]
+
+
+def set_threads(model: Any, device: torch.device) -> None:
+    """The one thread policy of a process that runs a model (the engine's, or a rank's on its
+    own cores): torch takes the chosen ops' thread count (``layers.ops``); on CPU NumPy's BLAS
+    keeps one thread where the block-format kernels run their own (two spinning pools on the
+    same cores slow each other, ``kernels.cpu.blas``), else its starting size."""
+    if model.ops.torch_threads is not None:
+        torch.set_num_threads(model.ops.torch_threads)
+    if device.type == "cpu":
+        blas.set_threads(1 if model.runs_own_threads() else None)

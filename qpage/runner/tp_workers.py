@@ -111,10 +111,6 @@ def build_rank(setup: RankSetup, comm: Collectives, sampler: Sampler | None = No
     device = torch.device(rank_device(setup.device, comm.world, comm.rank))
     model = load_model(setup.model_dir, setup.arch, setup.dtype, device, setup.max_model_len,
                        setup.allow_pickle, setup.dequantize_weights, tp)
-    if model.ops.torch_threads is not None:
-        torch.set_num_threads(model.ops.torch_threads)
-    if device.type == "cpu" and model.runs_own_threads():
-        blas.set_threads(1)
     local = tp.plan.local_arch(setup.arch)
     runner = ModelRunner(model, local, setup.num_blocks, setup.dtype, device, kv_spec=setup.kv_spec,
                          attention_backend=setup.attention_backend, sampler=sampler, broadcast=broadcast)

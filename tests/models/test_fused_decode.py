@@ -89,3 +89,14 @@ def test_bad_step_inputs_are_refused(gguf_llm: Any) -> None:
         stack(h, cs, cs, torch.zeros(2, dtype=torch.long), [(0, 1, table[:1], lens[:1])])  # a row without a group
     with pytest.raises(ValueError, match="outside the cache"):
         stack(h, cs, cs, torch.full((2,), 10**9, dtype=torch.long), [(0, 2, table, lens)])
+
+
+def test_fused_step_is_chosen_once_for_the_engines_attention_and_cache(gguf_llm: Any, llm_factory: Any) -> None:
+    """The fused step reads plain fp32 cache blocks with the C attention: an engine with another
+    backend or cache runs the Python layers, decided at start (the same model file)."""
+    assert gguf_llm.llm_engine.model.decode_stack is not None
+    for kw in ({"attention_backend": "cpu-blas"}, {"kv_cache_dtype": "fp8"}):
+        llm = llm_factory(model=None, kv_cache_memory="16MiB", **kw)
+        assert llm.llm_engine.model.decode_stack is None, kw
+        out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=3, temperature=0), use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 3

@@ -8,6 +8,8 @@ kept transposed, ``[in, out]`` contiguous, OpenBLAS's fastest layout at every ba
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -24,10 +26,12 @@ _START_THREADS = max((d["num_threads"] for d in threadpool_info() if d["user_api
 
 def set_threads(n: int | None) -> None:
     """Limit NumPy's BLAS to ``n`` threads for the whole process (None: back to the size it
-    started with). Idle OpenBLAS threads spin for a while after each call, so beside the
-    block-format kernels' own OpenMP threads a second busy pool slows both (prefill of the
-    default model's GGUF ran about 1.4x faster with one BLAS thread)."""
-    limit = n if n is not None else _START_THREADS
+    started with, at most the cores this process may run on). Idle OpenBLAS threads spin for
+    a while after each call, so beside the block-format kernels' own OpenMP threads a second
+    busy pool slows both (prefill of the default model's GGUF ran about 1.4x faster with one
+    BLAS thread)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+    limit = n if n is not None else min(_START_THREADS, cores) if _START_THREADS and cores else _START_THREADS
     if limit is not None:
         threadpool_limits(limits=limit, user_api="blas")
 
