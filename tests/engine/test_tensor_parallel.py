@@ -91,8 +91,9 @@ def run(model: str, tp: int = 1, **kw: Any) -> tuple[Run, LLM | None]:
 
 
 def assert_exact(one: Run, two: Run) -> None:
-    assert max(one.gaps(two)) < EXACT
-    print("greedy partings (near-ties):", one.agree(two, TIE))
+    gap = max(one.gaps(two))
+    assert gap < EXACT
+    print(f"largest |d prompt logprob| {gap:.2e}; greedy partings (near-ties):", one.agree(two, TIE))
 
 
 def assert_same_noise(ref: Run, one: Run, two: Run) -> None:
