@@ -110,7 +110,7 @@ class LLMEngine:
         num_blocks, block_bytes = plan_capacity(kv_arch, self.kv_spec, int(cc.kv_cache_memory))
         self.max_model_len = self._decide_max_model_len(num_blocks * BLOCK_SIZE, block_bytes)
         self.kv = KVCacheManager(num_blocks, config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
+        self.scheduler = Scheduler(config.scheduler, self.kv)
         self.workers: Workers | None = None
         self.rank_reports: list[RankReport] = []
         """With tensor parallelism: what each rank holds (weights, KV bytes and heads)."""

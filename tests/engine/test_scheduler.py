@@ -15,12 +15,15 @@ def req(rid: str, n: int, max_tokens: int = 50) -> Request:
                    SamplingParams(max_tokens=max_tokens), max_tokens, {999999})
 
 
+MAX_MODEL_LEN = 4096
+
+
 def advance(s: Scheduler, out: SchedulerOutput) -> list[Request]:
     """What the engine does after a step: append each sampled token (7 here), end the
     requests whose stop decision says so; return those."""
     ended = []
     for r in s.update(out, {x.request.request_id: 7 for x in out.scheduled if x.samples}):
-        status = r.stop_status(s.max_model_len)
+        status = r.stop_status(MAX_MODEL_LEN)
         if status is not None:
             s.finish(r, status)
             ended.append(r)
@@ -34,7 +37,7 @@ def run_step(s: Scheduler) -> dict[str, int]:
 
 
 def test_chunked_prefill_within_budget_and_decodes_first() -> None:
-    s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32), KVCacheManager(64), 4096)
+    s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32), KVCacheManager(64))
     s.add_request(req("r1", 50))
     assert run_step(s) == {"r1": 32}  # first chunk
     s.add_request(req("r2", 40))
@@ -45,7 +48,7 @@ def test_chunked_prefill_within_budget_and_decodes_first() -> None:
 
 
 def test_max_num_seqs_caps_running() -> None:
-    s = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=512), KVCacheManager(64), 4096)
+    s = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=512), KVCacheManager(64))
     for i in range(1, 4):
         s.add_request(req(f"r{i}", 10))
     assert set(run_step(s)) == {"r1", "r2"}
@@ -55,7 +58,7 @@ def test_max_num_seqs_caps_running() -> None:
 def test_preemption_by_recompute_newest_first_and_everyone_finishes() -> None:
     # 6 blocks = 96 tokens; three requests of 30-token prompts growing to 60 cannot all fit.
     kv = KVCacheManager(6, enable_caching=False)
-    s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256), kv, 4096)
+    s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256), kv)
     reqs = [req(f"r{i}", 30, max_tokens=30) for i in range(1, 4)]
     for r in reqs:
         s.add_request(r)
@@ -77,7 +80,7 @@ def test_preemption_by_recompute_newest_first_and_everyone_finishes() -> None:
 
 def test_finish_frees_blocks_of_waiting_and_running() -> None:
     kv = KVCacheManager(8)
-    s = Scheduler(SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=64), kv, 4096)
+    s = Scheduler(SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=64), kv)
     a, b = req("r1", 20), req("r2", 20)
     s.add_request(a)
     s.add_request(b)
