@@ -155,7 +155,8 @@ def test_quantize_and_inspect_commands(tmp_path: Path) -> None:
     assert info["bits"] == 4 and info["group_size"] == 64 and info["bits_per_weight"] == 4.25
     assert info["scheme"] == "int4 g64 sym" and info["format"].startswith("gptq")
     paths = info["loaded"]["linear_paths"]
-    assert sum(v["layers"] for v in paths.values()) == 4 * info["layers"] and info["loaded"]["dtype"] == "bfloat16"
+    # 4 linears per decoder layer, and the embedding table (its tied head) on its own path
+    assert sum(v["layers"] for v in paths.values()) == 4 * info["layers"] + 1 and info["loaded"]["dtype"] == "bfloat16"
     table = qpage("inspect", str(out), "--dtype", "bfloat16").stdout
     assert "int4 g64 sym" in table and "4.25" in table and "linear layers" in table, table
     assert all(f"on {p} " in table for p in paths), table

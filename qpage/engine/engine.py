@@ -207,7 +207,7 @@ class LLMEngine:
         mib = sum(m.weight_bytes for m in mods) / 2**20
         note = f"; quantized linears: {', '.join(f'{n} {p}' for p, n in sorted(paths.items()))} ({mib:.0f} MiB)"
         embed = self.model.embed_tokens
-        if hasattr(embed, "kernel_path"):  # a GGUF embedding, kept in its blocks where a kernel reads them
+        if embed.packed:  # a GGUF embedding, kept in its blocks where a kernel reads them
             note += f", embedding {embed.kernel_path} ({embed.weight_bytes / 2**20:.0f} MiB)"
         if self.model.decode_stack is not None:
             note += "; decode steps in one C call"

@@ -11,6 +11,7 @@ they dequantize what they gather. ``AttentionBackend`` is the seam: the Triton b
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Protocol
 
 import torch
@@ -25,11 +26,15 @@ from qpage.layers.attention_metadata import (
     build_torch_metadata,
     mask_bias,
 )
-from qpage.layers.kv_format import LayerKV, gather_kv
+from qpage.layers.kv_format import Fp8KV, IntKV, KVCacheSpec, LayerKV, gather_kv
 
 
 class AttentionBackend(Protocol):
     name: str
+
+    def __init__(self, spec: KVCacheSpec) -> None:
+        """Bind the write and read functions for the cache format ``spec`` (once)."""
+        ...
 
     def build_metadata(self, batch: AttentionBatch, device: torch.device) -> Any:
         """This backend's metadata for the step (once per step; every layer reuses it). It
@@ -45,9 +50,14 @@ class AttentionBackend(Protocol):
 
 
 class TorchPagedAttention:
-    """Paged attention in plain torch (SDPA over K/V gathered block by block)."""
+    """Paged attention in plain torch (SDPA over K/V gathered block by block); every cache
+    kind writes and reads itself (``LayerKV.write_ref``, ``read_blocks``)."""
 
     name = "torch"
+
+    def __init__(self, spec: KVCacheSpec) -> None:
+        self.read_back = spec.format is not None
+        """A quantized cache: attention reads this step's K/V back from it too (see ``attend``)."""
 
     def build_metadata(self, batch: AttentionBatch, device: torch.device) -> AttentionMetadata:
         return build_torch_metadata(batch, device)
@@ -66,7 +76,7 @@ class TorchPagedAttention:
         """
         outs = [self._decode(q[d.start : d.end], cache, d, scale) for d in meta.decode_groups]
         for p in meta.prefills:
-            if cache.quantized and p.mask is None:
+            if self.read_back and p.mask is None:
                 outs.append(self._prefill_from_cache(q, cache, p, scale))
             else:
                 outs.append(self._prefill(q, k, v, cache, p, scale))
@@ -161,45 +171,65 @@ class CpuNativePagedAttention(CpuBlasPagedAttention):
     """fp32 on CPU: decode attention and the cache write in C, reading and writing the cache
     blocks in place (``kernels.cpu.native`` for an fp32 cache, ``native_fp8`` for FP8 codes,
     ``native_int`` for int8/int4 codes); prefill as ``CpuBlasPagedAttention``, with an integer
-    cache's context dequantized by ``native_int``."""
+    cache's context dequantized by ``native_int``. The functions are bound to the cache format
+    once, here."""
 
     name = "cpu-native"
+
+    def __init__(self, spec: KVCacheSpec) -> None:
+        super().__init__(spec)
+        if (bits := spec.kv_bits) is not None:
+            self.write_cache = partial(_write_int, bits=bits)  # type: ignore[method-assign]
+            self._decode = partial(_decode_int, bits=bits)  # type: ignore[method-assign]
+            self._gather = partial(_gather_int, bits=bits)  # type: ignore[method-assign]
+        elif spec.fp8_format is not None:
+            self.write_cache = _write_fp8  # type: ignore[method-assign]
+            self._decode = _decode_fp8  # type: ignore[method-assign]
+        else:
+            self.write_cache = _write_plain  # type: ignore[method-assign]
+            self._decode = _decode_plain  # type: ignore[method-assign]
 
     def build_metadata(self, batch: AttentionBatch, device: torch.device) -> AttentionMetadata:
         return build_torch_metadata(batch, device)  # the C decode reads seq_lens, not a bias
 
-    def write_cache(self, k: torch.Tensor, v: torch.Tensor, cache: LayerKV, slot_mapping: torch.Tensor) -> None:
-        if (bits := cache.kv_bits) is not None:
-            assert cache.k_scale is not None and cache.v_scale is not None
-            native_int.write_int(k, cache.k, cache.k_scale, slot_mapping, bits[0])
-            native_int.write_int(v, cache.v, cache.v_scale, slot_mapping, bits[1])
-        elif cache.fp8_format is None:
-            native.write_kv(k, v, cache.k, cache.v, slot_mapping)
-        else:
-            assert cache.k_scale is not None and cache.v_scale is not None
-            native_fp8.write_kv_fp8(k, v, cache.k, cache.v, slot_mapping, cache.k_scale, cache.v_scale,
-                                        cache.fp8_format)
 
-    @staticmethod
-    def _decode(q: torch.Tensor, cache: LayerKV, d: DecodeGroup, scale: float) -> torch.Tensor:
-        seq_lens = d.seq_lens if d.seq_lens is not None else d.mask.view(d.mask.shape[0], -1).sum(-1)
-        if (bits := cache.kv_bits) is not None:
-            assert cache.k_scale is not None and cache.v_scale is not None
-            return native_int.paged_decode_int(q, cache.k, cache.v, cache.k_scale, cache.v_scale, *bits,
-                                               d.block_table, seq_lens, scale)
-        if cache.fp8_format is None:
-            return native.paged_decode(q, cache.k, cache.v, d.block_table, seq_lens, scale)
-        assert cache.k_scale is not None and cache.v_scale is not None
-        return native_fp8.paged_decode_fp8(q, cache.k, cache.v, cache.k_scale, cache.v_scale, cache.fp8_format,
-                                               d.block_table, seq_lens, scale)
+def _seq_lens(d: DecodeGroup) -> torch.Tensor:
+    return d.seq_lens if d.seq_lens is not None else d.mask.view(d.mask.shape[0], -1).sum(-1)
 
-    @staticmethod
-    def _gather(cache: LayerKV, block_table: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if (bits := cache.kv_bits) is None:
-            return gather_kv(cache, block_table, length)
-        assert cache.k_scale is not None and cache.v_scale is not None
-        rows, hd, ids = block_table.shape[0], cache.head_dim, block_table.flatten()
-        keys = native_int.read_blocks_int(cache.k, cache.k_scale, bits[0], ids, hd)
-        values = native_int.read_blocks_int(cache.v, cache.v_scale, bits[1], ids, hd)
-        kvh = keys.shape[2]
-        return keys.view(rows, -1, kvh, hd)[:, :length], values.view(rows, -1, kvh, hd)[:, :length]
+
+def _write_plain(k: torch.Tensor, v: torch.Tensor, cache: LayerKV, slot_mapping: torch.Tensor) -> None:
+    native.write_kv(k, v, cache.k, cache.v, slot_mapping)
+
+
+def _decode_plain(q: torch.Tensor, cache: LayerKV, d: DecodeGroup, scale: float) -> torch.Tensor:
+    return native.paged_decode(q, cache.k, cache.v, d.block_table, _seq_lens(d), scale)
+
+
+def _write_fp8(k: torch.Tensor, v: torch.Tensor, cache: Fp8KV, slot_mapping: torch.Tensor) -> None:
+    native_fp8.write_kv_fp8(k, v, cache.k, cache.v, slot_mapping, cache.k_scale, cache.v_scale, cache.fp8_format)
+
+
+def _decode_fp8(q: torch.Tensor, cache: Fp8KV, d: DecodeGroup, scale: float) -> torch.Tensor:
+    return native_fp8.paged_decode_fp8(q, cache.k, cache.v, cache.k_scale, cache.v_scale, cache.fp8_format,
+                                       d.block_table, _seq_lens(d), scale)
+
+
+def _write_int(k: torch.Tensor, v: torch.Tensor, cache: IntKV, slot_mapping: torch.Tensor,
+               bits: tuple[int, int]) -> None:
+    native_int.write_int(k, cache.k, cache.k_scale, slot_mapping, bits[0])
+    native_int.write_int(v, cache.v, cache.v_scale, slot_mapping, bits[1])
+
+
+def _decode_int(q: torch.Tensor, cache: IntKV, d: DecodeGroup, scale: float, bits: tuple[int, int]) -> torch.Tensor:
+    return native_int.paged_decode_int(q, cache.k, cache.v, cache.k_scale, cache.v_scale, *bits, d.block_table,
+                                       _seq_lens(d), scale)
+
+
+def _gather_int(cache: IntKV, block_table: torch.Tensor, length: int, bits: tuple[int, int]
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of a prefill's context, dequantized in C."""
+    rows, hd, ids = block_table.shape[0], cache.head_dim, block_table.flatten()
+    keys = native_int.read_blocks_int(cache.k, cache.k_scale, bits[0], ids, hd)
+    values = native_int.read_blocks_int(cache.v, cache.v_scale, bits[1], ids, hd)
+    kvh = keys.shape[2]
+    return keys.view(rows, -1, kvh, hd)[:, :length], values.view(rows, -1, kvh, hd)[:, :length]

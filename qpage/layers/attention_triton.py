@@ -17,7 +17,7 @@ from qpage.kernels.attention.decode import paged_attention_decode
 from qpage.kernels.attention.int_cache import dequantize_blocks, paged_decode_int, write_int_cache
 from qpage.kernels.attention.prefill import paged_attention_prefill
 from qpage.layers.attention_metadata import AttentionBatch, SeqSpan, decode_groups
-from qpage.layers.kv_format import LayerKV
+from qpage.layers.kv_format import Fp8KV, IntKV, KVCacheSpec, LayerKV
 
 
 @dataclass
@@ -62,7 +62,15 @@ def _tables(spans: list[SeqSpan], device: torch.device) -> torch.Tensor:
 
 
 class TritonPagedAttention:
+    """The write and attend kernels are bound to the cache format once, here."""
+
     name = "triton"
+
+    def __init__(self, spec: KVCacheSpec) -> None:
+        if spec.kv_bits is not None:
+            self.write_cache, self.attend = _write_int, _attend_int  # type: ignore[method-assign]
+        elif spec.fp8_format is not None:
+            self.write_cache, self.attend = _write_fp8, _attend_fp8  # type: ignore[method-assign]
 
     def build_metadata(self, batch: AttentionBatch, device: torch.device) -> TritonMetadata:
         decodes, prefill = [], None
@@ -83,44 +91,56 @@ class TritonPagedAttention:
         return TritonMetadata(batch.slot_mapping, decodes, prefill)
 
     def write_cache(self, k: torch.Tensor, v: torch.Tensor, cache: LayerKV, slot_mapping: torch.Tensor) -> None:
-        if (bits := cache.kv_bits) is not None:
-            assert cache.k_scale is not None and cache.v_scale is not None
-            write_int_cache(k, cache.k, cache.k_scale, slot_mapping, bits[0])
-            write_int_cache(v, cache.v, cache.v_scale, slot_mapping, bits[1])
-            return
-        write_kv_cache(k, v, cache.k, cache.v, slot_mapping, cache.k_scale, cache.v_scale, cache.fp8_format)
+        write_kv_cache(k, v, cache.k, cache.v, slot_mapping)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKV, meta: TritonMetadata,
                scale: float) -> torch.Tensor:
-        if cache.kv_bits is not None:
-            return self._attend_int(q, cache, meta, scale)
-        kw = dict(k_scale=cache.k_scale, v_scale=cache.v_scale, fp8_format=cache.fp8_format)
-        outs = []
-        for d in meta.decodes:
-            outs.append(paged_attention_decode(q[d.start : d.end], cache.k, cache.v, d.block_tables, d.seq_lens,
-                                               scale, max_seq_len=d.max_seq_len, **kw))
-        if (p := meta.prefill) is not None:
-            outs.append(paged_attention_prefill(q[p.start :], cache.k, cache.v, p.block_tables, p.cu_seqlens_q,
-                                                p.context_lens, p.max_q_len, scale, **kw))
-        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+        return _attend(q, cache, meta, scale)
 
-    @staticmethod
-    def _attend_int(q: torch.Tensor, cache: LayerKV, meta: TritonMetadata, scale: float) -> torch.Tensor:
-        """An integer cache: decode reads the codes in place; prefill dequantizes the blocks its
-        chunks use, each once, and runs the model-dtype prefill kernel on them."""
-        assert cache.kv_bits is not None and cache.k_scale is not None and cache.v_scale is not None
-        kb, vb = cache.kv_bits
-        outs = []
-        for d in meta.decodes:
-            outs.append(paged_decode_int(q[d.start : d.end], cache.k, cache.v, cache.k_scale, cache.v_scale, kb, vb,
-                                         d.block_tables, d.seq_lens, scale))
-        if (p := meta.prefill) is not None:
-            # Each block once (tables repeat shared prefixes and pad with block 0).
-            ids, tables = torch.unique(p.block_tables, return_inverse=True)
-            ids = ids.to(torch.int32)
-            keys = dequantize_blocks(cache.k, cache.k_scale, kb, ids, cache.head_dim, q.dtype)
-            values = dequantize_blocks(cache.v, cache.v_scale, vb, ids, cache.head_dim, q.dtype)
-            tables = tables.to(torch.int32)
-            outs.append(paged_attention_prefill(q[p.start :], keys, values, tables, p.cu_seqlens_q, p.context_lens,
-                                                p.max_q_len, scale))
-        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+
+def _attend(q: torch.Tensor, cache: LayerKV | Fp8KV, meta: TritonMetadata, scale: float,
+            **kw: torch.Tensor | str) -> torch.Tensor:
+    """A cache in the model dtype, or FP8 codes (``kw``: their scales and format)."""
+    outs = []
+    for d in meta.decodes:
+        outs.append(paged_attention_decode(q[d.start : d.end], cache.k, cache.v, d.block_tables, d.seq_lens,
+                                           scale, max_seq_len=d.max_seq_len, **kw))  # type: ignore[arg-type]
+    if (p := meta.prefill) is not None:
+        outs.append(paged_attention_prefill(q[p.start :], cache.k, cache.v, p.block_tables, p.cu_seqlens_q,
+                                            p.context_lens, p.max_q_len, scale, **kw))  # type: ignore[arg-type]
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+
+
+def _write_fp8(k: torch.Tensor, v: torch.Tensor, cache: Fp8KV, slot_mapping: torch.Tensor) -> None:
+    write_kv_cache(k, v, cache.k, cache.v, slot_mapping, cache.k_scale, cache.v_scale, cache.fp8_format)
+
+
+def _attend_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Fp8KV, meta: TritonMetadata,
+                scale: float) -> torch.Tensor:
+    return _attend(q, cache, meta, scale, k_scale=cache.k_scale, v_scale=cache.v_scale, fp8_format=cache.fp8_format)
+
+
+def _write_int(k: torch.Tensor, v: torch.Tensor, cache: IntKV, slot_mapping: torch.Tensor) -> None:
+    write_int_cache(k, cache.k, cache.k_scale, slot_mapping, cache.k_bits)
+    write_int_cache(v, cache.v, cache.v_scale, slot_mapping, cache.v_bits)
+
+
+def _attend_int(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: IntKV, meta: TritonMetadata,
+                scale: float) -> torch.Tensor:
+    """An integer cache: decode reads the codes in place; prefill dequantizes the blocks its
+    chunks use, each once, and runs the model-dtype prefill kernel on them."""
+    kb, vb = cache.k_bits, cache.v_bits
+    outs = []
+    for d in meta.decodes:
+        outs.append(paged_decode_int(q[d.start : d.end], cache.k, cache.v, cache.k_scale, cache.v_scale, kb, vb,
+                                     d.block_tables, d.seq_lens, scale))
+    if (p := meta.prefill) is not None:
+        # Each block once (tables repeat shared prefixes and pad with block 0).
+        ids, tables = torch.unique(p.block_tables, return_inverse=True)
+        ids = ids.to(torch.int32)
+        keys = dequantize_blocks(cache.k, cache.k_scale, kb, ids, cache.head_dim, q.dtype)
+        values = dequantize_blocks(cache.v, cache.v_scale, vb, ids, cache.head_dim, q.dtype)
+        tables = tables.to(torch.int32)
+        outs.append(paged_attention_prefill(q[p.start :], keys, values, tables, p.cu_seqlens_q, p.context_lens,
+                                            p.max_q_len, scale))
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)

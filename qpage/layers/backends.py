@@ -35,7 +35,8 @@ class AttentionCapabilities:
     needs_triton: bool
     auto: bool
     """Whether ``auto`` may pick it (the interpreter is for tests: only by name)."""
-    make: Callable[[], object]
+    make: Callable[[KVCacheSpec], object]
+    """The backend for a cache format (it binds its kernels to the format once)."""
     unavailable: Callable[[], str | None] | None = None
     """Why it cannot run in this process (e.g. its native code did not build), or None."""
 
@@ -83,7 +84,7 @@ def select_attention_backend(device: torch.device, spec: KVCacheSpec, head_dim: 
         if why is None:
             for r in reasons:
                 logger.info("attention: skipped %s", r)
-            return cap.make()
+            return cap.make(spec)
         reasons.append(f"{cap.name}: {why}")
     raise ValueError(
         f"no attention backend fits device={device.type}, dtype={spec.dtype}, kv cache {spec.describe()}, "

@@ -13,21 +13,21 @@ head_dim / 2 bytes, two codes a byte); token slot ``s`` is block ``s // BLOCK_SI
     (``kernels.attention.cache_write``). 2 bytes per head per token: 3% of the codes at head_dim 64,
     1.6% at 128. K and V are also centered first: per-channel means measured once at start
     (``kv_calibration``) are subtracted before quantization, which attention undoes exactly
-    (``LayerKV.k_shift``): the centered values quantize with less error.
+    (``KVTransform``): the centered values quantize with less error.
   - ``per_tensor`` (vLLM-compatible): one fp32 scale per layer for K and one for V, read
     from the checkpoint's ``self_attn.k_scale`` / ``v_scale`` tensors, else 1.0 (vLLM's
     default). Cheaper, but one outlier-heavy head sets the precision of all.
 - ``int8`` / ``int4`` (vLLM's ``int8_per_token_head`` / ``int4_per_token_head``), and
   ``k8v4`` (int8 keys, int4 values): integer codes with fp16 parameters per (token, kv head)
   in ``k_scale``/``v_scale`` (layout: ``kernels.kv_int``). K and V are centered as above and
-  rotated by an orthonormal Hadamard matrix over head_dim (``LayerKV.rotation``) before they
+  rotated by an orthonormal Hadamard matrix over head_dim (``KVTransform``) before they
   are quantized, so one outlier channel no longer sets a row's scale; the query is rotated
   the same way (scores are unchanged) and the attention output rotated back.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -52,7 +52,7 @@ class KVCacheSpec:
     v_bits: int | None = None
     """V's bits when they differ from K's (``k8v4``), else None."""
     rotate: bool = True
-    """Integer caches: Hadamard-rotate K and V before quantizing (``LayerKV.rotation``)."""
+    """Integer caches: Hadamard-rotate K and V before quantizing (``KVTransform``)."""
 
     @classmethod
     def from_config(cls, kv_cache_dtype: str, scales: str, dtype: torch.dtype, rotate: bool = True) -> KVCacheSpec:
@@ -103,91 +103,145 @@ class KVCacheSpec:
 
 
 @dataclass
-class LayerKV:
-    """One layer's cache tensors (see the module docstring)."""
+class KVTransform:
+    """What a quantized cache does to q, k and v before attention and to its output after,
+    so K and V quantize with less error; both steps are exact (scores and output unchanged).
 
-    k: torch.Tensor
-    v: torch.Tensor
-    k_scale: torch.Tensor | None = None
-    v_scale: torch.Tensor | None = None
-    fp8_format: str | None = None
-    dtype: torch.dtype = torch.float32
-    """What reads return (the model's dtype)."""
+    - Centering (FP8 per-token and integer caches): ``k_shift``/``v_shift`` [kv_heads, head_dim],
+      calibrated per-channel means, are subtracted from K and V before they are stored. A
+      query's scores all move by q . k_shift, which softmax ignores; the probabilities sum to
+      1, so ``v_shift`` is added back to the output. None until calibrated.
+    - Rotation (integer caches): ``rotation`` fp32 [head_dim, head_dim], orthonormal and
+      symmetric (``kernels.kv_int.hadamard``). K, V and the query are multiplied by it (q.k
+      unchanged), the output after (it is its own inverse): one outlier channel no longer sets
+      a row's scale.
+    """
+
     k_shift: torch.Tensor | None = None
-    """Per-channel offsets [kv_heads, head_dim] subtracted from K before it is stored (FP8
-    per-token and integer caches). Exact: a query's scores all move by q . k_shift, which softmax ignores."""
     v_shift: torch.Tensor | None = None
-    """Likewise for V; attention adds it back to the output (the probabilities sum to 1)."""
-    k_bits: int | None = None
-    """8 or 4 for an integer cache: codes in ``k``, parameters in ``k_scale``."""
-    v_bits: int | None = None
-    """Likewise for V (``v``, ``v_scale``); set exactly when ``k_bits`` is."""
     rotation: torch.Tensor | None = None
-    """fp32 [head_dim, head_dim], orthonormal and symmetric (``kernels.kv_int.hadamard``),
-    integer caches only: K and V are stored times it, the query is multiplied by it before
-    attention (q.k unchanged) and the output after (it is its own inverse); see ``rotate``."""
 
-    @property
-    def kv_bits(self) -> tuple[int, int] | None:
-        """(K bits, V bits) of an integer cache, else None."""
-        return (self.k_bits, self.v_bits) if self.k_bits is not None and self.v_bits is not None else None
+    def apply(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [T, H, D], k and v [T, KVH, D] as they are to be attended and stored."""
+        if self.k_shift is not None and self.v_shift is not None:
+            k, v = k - self.k_shift, v - self.v_shift
+        if self.rotation is not None:
+            q, k, v = self._rotate(q), self._rotate(k), self._rotate(v)
+        return q, k, v
 
-    @property
-    def head_dim(self) -> int:
-        return head_dim_of(self.k_bits, self.k.shape[3]) if self.k_bits is not None else self.k.shape[3]
+    def restore(self, out: torch.Tensor) -> torch.Tensor:
+        """Attention's output [T, H, D] as it would be over the untransformed K and V."""
+        if self.rotation is not None:
+            out = self._rotate(out)
+        if self.v_shift is not None:
+            t, h, d = out.shape
+            out = (out.view(t, self.v_shift.shape[0], -1, d) + self.v_shift[:, None]).view(t, h, d)
+        return out
 
-    @property
-    def quantized(self) -> bool:
-        return self.fp8_format is not None or self.k_bits is not None
-
-    def rotate(self, x: torch.Tensor) -> torch.Tensor:
+    def _rotate(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., head_dim] times ``rotation``, in fp32 (1/sqrt(block) is not exact in fp16 or
         bf16: there R.R would be off the identity by about 2e-4), rounded once to x's dtype."""
         assert self.rotation is not None
         return x @ self.rotation if x.dtype == torch.float32 else (x.float() @ self.rotation).to(x.dtype)
 
+
+@dataclass
+class LayerKV:
+    """One layer's cache in the model dtype (see the module docstring); ``Fp8KV`` and ``IntKV``
+    store codes. Each kind writes and reads its own layout (the torch reference); an attention
+    backend binds its kernels to the kind once, from the ``KVCacheSpec``."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    dtype: torch.dtype = torch.float32
+    """What reads return (the model's dtype)."""
+    transform: KVTransform = field(default_factory=KVTransform)
+
+    @property
+    def head_dim(self) -> int:
+        return self.k.shape[3]
+
     def set_shifts(self, k_shift: torch.Tensor, v_shift: torch.Tensor) -> None:
-        self.k_shift = k_shift.to(self.dtype)
-        self.v_shift = v_shift.to(self.dtype)
+        self.transform.k_shift = k_shift.to(self.dtype)
+        self.transform.v_shift = v_shift.to(self.dtype)
 
     def write_ref(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """Store this step's K and V (quantizing when FP8 or integer) in plain torch."""
-        if (bits := self.kv_bits) is not None:
-            assert self.k_scale is not None and self.v_scale is not None
-            write_int_cache_ref(k, self.k, self.k_scale, slot_mapping, bits[0])
-            write_int_cache_ref(v, self.v, self.v_scale, slot_mapping, bits[1])
-            return
-        write_kv_cache_ref(k, v, self.k, self.v, slot_mapping, self.k_scale, self.v_scale, self.fp8_format)
+        """Store this step's K and V (quantizing them, for the code kinds) in plain torch."""
+        write_kv_cache_ref(k, v, self.k, self.v, slot_mapping)
 
     def read_blocks(self, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of whole blocks, [len(block_ids), BLOCK, kvh, hd] in ``dtype``."""
-        keys, values = gather_blocks(self.k, block_ids), gather_blocks(self.v, block_ids)
-        if not self.quantized:
-            return keys, values
-        ks = vs = None
-        if self.k_scale is not None and self.k_scale.dim() >= 3:
-            ks, vs = gather_blocks(self.k_scale, block_ids), gather_blocks(self.v_scale, block_ids)  # type: ignore[arg-type]
-        return self._decode(keys, ks if ks is not None else self.k_scale, self.k_bits), self._decode(
-            values, vs if vs is not None else self.v_scale, self.v_bits)
+        return gather_blocks(self.k, block_ids), gather_blocks(self.v, block_ids)
 
     def read_span(self, first: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of ``count`` consecutive blocks from ``first`` (a view when not quantized)."""
-        span = slice(first, first + count)
-        if not self.quantized:
-            return self.k[span], self.v[span]
-        per_token = self.k_scale is not None and self.k_scale.dim() >= 3
-        ks = self.k_scale[span] if per_token else self.k_scale  # type: ignore[index]
-        vs = self.v_scale[span] if per_token else self.v_scale  # type: ignore[index]
-        return self._decode(self.k[span], ks, self.k_bits), self._decode(self.v[span], vs, self.v_bits)
+        return self.k[first : first + count], self.v[first : first + count]
 
-    def _decode(self, codes: torch.Tensor, scale: torch.Tensor | None, bits: int | None) -> torch.Tensor:
-        assert scale is not None
-        if bits is not None:
-            return dequantize_ref(codes, scale, bits).to(self.dtype)
-        assert self.fp8_format is not None
+
+@dataclass
+class Fp8KV(LayerKV):
+    """FP8 codes (``fp8_format``) with fp16 per-(token, kv head) scales [blocks, BLOCK, kvh] or
+    one fp32 [1] scale per tensor (``per_tensor``)."""
+
+    k_scale: torch.Tensor = field(default_factory=lambda: torch.ones(1))
+    v_scale: torch.Tensor = field(default_factory=lambda: torch.ones(1))
+    fp8_format: str = "e4m3"
+
+    @property
+    def per_token(self) -> bool:
+        return self.k_scale.dim() >= 3
+
+    def write_ref(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        write_kv_cache_ref(k, v, self.k, self.v, slot_mapping, self.k_scale, self.v_scale, self.fp8_format)
+
+    def read_blocks(self, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, values = gather_blocks(self.k, block_ids), gather_blocks(self.v, block_ids)
+        if not self.per_token:
+            return self._decode(keys, self.k_scale), self._decode(values, self.v_scale)
+        return (self._decode(keys, gather_blocks(self.k_scale, block_ids)),
+                self._decode(values, gather_blocks(self.v_scale, block_ids)))
+
+    def read_span(self, first: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        span = slice(first, first + count)
+        ks, vs = (self.k_scale[span], self.v_scale[span]) if self.per_token else (self.k_scale, self.v_scale)
+        return self._decode(self.k[span], ks), self._decode(self.v[span], vs)
+
+    def _decode(self, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         x = decode_fp8_ref(codes, self.fp8_format)
         x = x * (scale.float()[..., None] if scale.dim() == codes.dim() - 1 else scale.float())
         return x.to(self.dtype)
+
+
+@dataclass
+class IntKV(LayerKV):
+    """int8/int4 codes with fp16 parameters per (token, kv head) (layout: ``kernels.kv_int``);
+    K and V may differ in bits (``k8v4``)."""
+
+    k_scale: torch.Tensor = field(default_factory=lambda: torch.ones(1))
+    v_scale: torch.Tensor = field(default_factory=lambda: torch.ones(1))
+    k_bits: int = 8
+    v_bits: int = 8
+
+    @property
+    def head_dim(self) -> int:
+        return head_dim_of(self.k_bits, self.k.shape[3])
+
+    def write_ref(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        write_int_cache_ref(k, self.k, self.k_scale, slot_mapping, self.k_bits)
+        write_int_cache_ref(v, self.v, self.v_scale, slot_mapping, self.v_bits)
+
+    def read_blocks(self, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return (self._decode(gather_blocks(self.k, block_ids), gather_blocks(self.k_scale, block_ids), self.k_bits),
+                self._decode(gather_blocks(self.v, block_ids), gather_blocks(self.v_scale, block_ids), self.v_bits))
+
+    def read_span(self, first: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        span = slice(first, first + count)
+        return (self._decode(self.k[span], self.k_scale[span], self.k_bits),
+                self._decode(self.v[span], self.v_scale[span], self.v_bits))
+
+    def _decode(self, codes: torch.Tensor, params: torch.Tensor, bits: int) -> torch.Tensor:
+        return dequantize_ref(codes, params, bits).to(self.dtype)
 
 
 def make_layer_kv(
@@ -197,11 +251,11 @@ def make_layer_kv(
     shape = (num_blocks, BLOCK_SIZE, kv_heads, head_dim)
     if spec.kv_bits is not None:
         (k, ks), (v, vs) = (_int_tensors(shape, bits, device) for bits in spec.kv_bits)
-        return LayerKV(k, v, ks, vs, dtype=spec.dtype, k_bits=spec.kv_bits[0], v_bits=spec.kv_bits[1],
-                       rotation=hadamard(head_dim)[0].to(device) if spec.rotate else None)
+        rotation = hadamard(head_dim)[0].to(device) if spec.rotate else None
+        return IntKV(k, v, spec.dtype, KVTransform(rotation=rotation), ks, vs, *spec.kv_bits)
     if spec.fp8_format is None:
         return LayerKV(torch.zeros(shape, dtype=spec.dtype, device=device),
-                       torch.zeros(shape, dtype=spec.dtype, device=device), dtype=spec.dtype)
+                       torch.zeros(shape, dtype=spec.dtype, device=device), spec.dtype)
     k = torch.zeros(shape, dtype=torch.uint8, device=device)
     v = torch.zeros(shape, dtype=torch.uint8, device=device)
     if spec.per_token:
@@ -211,7 +265,7 @@ def make_layer_kv(
         kf, vf = static_scales or (1.0, 1.0)
         ks = torch.tensor([kf], dtype=torch.float32, device=device)
         vs = torch.tensor([vf], dtype=torch.float32, device=device)
-    return LayerKV(k, v, ks, vs, spec.fp8_format, spec.dtype)
+    return Fp8KV(k, v, spec.dtype, KVTransform(), ks, vs, spec.fp8_format)
 
 
 def _int_tensors(shape: tuple[int, int, int, int], bits: int, device: torch.device

@@ -67,6 +67,11 @@ class LinearSpec:
     """INT: every zero point is 2^(bits - 1) (the codes are signed around it)."""
     dequantize: bool = False
     """The weight is to be dequantized once (``dequantize_weights``): no packed kernel runs it."""
+    table: bool = False
+    """The weight is also a table whose rows are looked up: a token embedding [vocab, hidden]
+    (``out_features`` = vocab), whose matmul is the tied LM head."""
+    multiplies: bool = True
+    """A table: whether its matmul runs too (a tied head), else only its rows are read."""
 
 
 @dataclass
@@ -81,11 +86,15 @@ class Built:
     kernel_mm: Matmul | None = None
     """The kernel's own matmul, before ``build_linear`` adds the layer's bias to ``mm`` (the same
     as ``mm`` when the kernel adds the bias itself)."""
+    rows: Callable[[torch.Tensor], torch.Tensor] | None = None
+    """A table (``LinearSpec.table``): token ids [T] -> their rows [T, hidden] in the spec's dtype."""
 
 
 class LinearKernel(Protocol):
     name: str
     schemes: tuple[str, ...]
+    looks_up: bool
+    """Whether it also reads rows of its weight (runs a ``LinearSpec.table``)."""
 
     def can_implement(self, spec: LinearSpec) -> str | None: ...
 
@@ -102,13 +111,17 @@ def dense_matmul(w_in_out: torch.Tensor, dtype: torch.dtype) -> Built:
     return Built(lambda x: F.linear(x, dense), dense.numel() * dense.element_size())
 
 
-def tied_head(embedding: torch.Tensor) -> Matmul | None:
-    """The LM head of a model whose head is its embedding [vocab, hidden]: on the BLAS path a
-    transposed copy, which costs its size in memory but runs faster than reading the embedding
-    in place; elsewhere None (``F.linear`` on the embedding itself)."""
-    if not blas.supports(embedding.dtype, embedding.device):
-        return None
-    return dense_matmul(embedding.t(), embedding.dtype).mm
+def dense_table(table: torch.Tensor, spec: LinearSpec, keeps_packed: bool = False) -> Built:
+    """A dense table [vocab, hidden] (``LinearSpec.table``): rows read in place; its matmul (a
+    tied head, when asked) on the BLAS path from a transposed copy, which costs its size in
+    memory but runs faster than reading the table in place, elsewhere ``F.linear`` on it."""
+    table = table.to(spec.dtype).contiguous()
+    nbytes = table.numel() * table.element_size()
+    mm: Matmul = lambda x: F.linear(x, table)  # noqa: E731
+    if spec.multiplies and blas.supports(spec.dtype, table.device):
+        built = dense_matmul(table.t(), spec.dtype)
+        mm, nbytes = built.mm, nbytes + built.weight_bytes
+    return Built(mm, nbytes, keeps_packed=keeps_packed, rows=lambda ids: F.embedding(ids, table))
 
 
 def _needs_triton(spec: LinearSpec) -> str | None:
@@ -121,7 +134,7 @@ DEQUANTIZE_ASKED = "dequantize_weights=True asks for the dequantized path"
 
 
 class TritonInt:
-    name, schemes = "triton-fused", ("int",)
+    name, schemes, looks_up = "triton-fused", ("int",), False
 
     def can_implement(self, spec: LinearSpec) -> str | None:
         return _needs_triton(spec)
@@ -138,7 +151,7 @@ class TritonInt:
 
 
 class TritonFp8:
-    name, schemes = "triton-fused", ("fp8",)
+    name, schemes, looks_up = "triton-fused", ("fp8",), False
 
     def can_implement(self, spec: LinearSpec) -> str | None:
         if not spec.fp8_block_aligned:
@@ -155,7 +168,7 @@ class TritonFp8:
 class CpuPackedInt:
     """torch's packed CPU matmuls (``kernels.cpu.packed``): the weight stays at 4 or 8 bits."""
 
-    schemes = ("int",)
+    schemes, looks_up = ("int",), False
 
     def __init__(self, bits: int) -> None:
         self.bits, self.name = bits, f"cpu-int{bits}pack"
@@ -204,13 +217,17 @@ def blocks_reason(device: torch.device, ggml_types: tuple[int, ...], k: int) -> 
 
 class CpuBlockWeights:
     """Block-format weights kept packed on CPU (``kernels.cpu.native_gguf``): each run of
-    consecutive parts in one format is repacked into one weight; float parts run on BLAS."""
+    consecutive parts in one format is repacked into one weight; float parts run on BLAS. A
+    table (an embedding) in one block format dequantizes its rows from the same packed weight
+    its tied head multiplies with, so the table is held once."""
 
-    name, schemes = "cpu-blocks", ("blocks",)
+    name, schemes, looks_up = "cpu-blocks", ("blocks",), True
 
     def can_implement(self, spec: LinearSpec) -> str | None:
         if spec.dequantize:
             return DEQUANTIZE_ASKED
+        if spec.table and (len(spec.ggml_types) != 1 or spec.ggml_types[0] in (*FLOAT_TYPES, BF16)):
+            return "reads rows of a table in one block format only (a float table is read densely)"
         return blocks_reason(spec.device, spec.ggml_types, spec.in_features)
 
     def build(self, layer: Any, spec: LinearSpec) -> Built:
@@ -230,7 +247,12 @@ class CpuBlockWeights:
                 w = native_gguf.repack([v.rows for v in values], t, k)
             pieces.append((offset, offset + sum(v.shape[0] for v in values), w))
         mm = native_gguf.PiecewiseMatmul(pieces, k, spec.out_features)
-        return Built(mm, mm.weight_bytes())
+        rows = None
+        if spec.table:
+            table = pieces[0][2]
+            assert isinstance(table, native_gguf.PackedWeight)
+            rows = lambda ids: native_gguf.dequantize_rows(table, ids).to(spec.dtype)  # noqa: E731
+        return Built(mm, mm.weight_bytes(), rows=rows)
 
 
 class TritonBlocks:
@@ -238,7 +260,7 @@ class TritonBlocks:
     the INT kernels, Q4_1/Q4_K/Q6_K decoded from the file's bytes into cuBLAS matmuls, float
     parts dense; the parts' outputs side by side."""
 
-    name, schemes = "triton-blocks", ("blocks",)
+    name, schemes, looks_up = "triton-blocks", ("blocks",), False
 
     def can_implement(self, spec: LinearSpec) -> str | None:
         why = _needs_triton(spec)
@@ -279,7 +301,7 @@ class CpuIntBlocks:
     """GPTQ/AWQ/compressed-tensors INT4/INT8 written once as Q4_0/Q4_1/Q8_0 blocks
     (``kernels.cpu.int_blocks``) and run on the block kernels, act-order included."""
 
-    name, schemes = "cpu-blocks", ("int",)
+    name, schemes, looks_up = "cpu-blocks", ("int",), False
 
     def can_implement(self, spec: LinearSpec) -> str | None:
         if spec.dequantize:
@@ -302,7 +324,7 @@ class Dequantized:
     for what no packed kernel runs, or on request (``dequantize_weights``), on BLAS in fp32;
     elsewhere a slow fallback with dense memory, which the server's doctor reports."""
 
-    schemes = ("int", "fp8", "blocks")
+    schemes, looks_up = ("int", "fp8", "blocks"), True
 
     def __init__(self, name: str, devices: tuple[str, ...] | None) -> None:
         self.name, self.devices = name, devices
@@ -313,18 +335,22 @@ class Dequantized:
         return None
 
     def build(self, layer: Any, spec: LinearSpec) -> Built:
+        if spec.table:
+            return dense_table(layer.dequantized_in_out().t(), spec)
         return dense_matmul(layer.dequantized_in_out(), spec.dtype)
 
 
 class DenseBlas:
     """An unquantized fp32 weight on CPU, on NumPy's BLAS."""
 
-    name, schemes = "cpu-blas", ("dense",)
+    name, schemes, looks_up = "cpu-blas", ("dense",), True
 
     def can_implement(self, spec: LinearSpec) -> str | None:
         return None if blas.supports(spec.dtype, spec.device) else "needs fp32 activations on cpu"
 
     def build(self, layer: Any, spec: LinearSpec) -> Built:
+        if spec.table:
+            return dense_table(layer.weight.data, spec, keeps_packed=True)
         # Store W transposed ([in, out] contiguous); ``weight`` stays an [out, in] view of it, so
         # weights copied into it later (the quantizer's layer refills) reach the BLAS copy too.
         w_t = layer.weight.data.t().contiguous()
@@ -337,12 +363,14 @@ class DenseTorch:
     """An unquantized weight anywhere else: ``F.linear`` with the bias fused (one rounding in
     half precision)."""
 
-    name, schemes = "torch", ("dense",)
+    name, schemes, looks_up = "torch", ("dense",), True
 
     def can_implement(self, spec: LinearSpec) -> str | None:
         return None
 
     def build(self, layer: Any, spec: LinearSpec) -> Built:
+        if spec.table:
+            return dense_table(layer.weight.data, spec, keeps_packed=True)
         w = layer.weight.data
         return Built(lambda x: F.linear(x, layer.weight, layer.bias), w.numel() * w.element_size(),
                      keeps_packed=True, adds_bias=True)
@@ -361,13 +389,14 @@ def select_linear_kernel(spec: LinearSpec, kernels: Sequence[LinearKernel] = LIN
     for k in kernels:
         if spec.scheme not in k.schemes:
             continue
-        why = k.can_implement(spec)
+        why = "does not read rows of a table (an embedding)" if spec.table and not k.looks_up else k.can_implement(spec)
         if why is None:
             for r in reasons:
                 logger.debug("%s linear [%d -> %d]: skipped %s", spec.scheme, spec.in_features, spec.out_features, r)
             return k
         reasons.append(f"{k.name}: {why}")
-    raise ValueError(f"no kernel runs a {spec.scheme} linear [{spec.in_features} -> {spec.out_features}] on "
+    what = "table" if spec.table else "linear"
+    raise ValueError(f"no kernel runs a {spec.scheme} {what} [{spec.in_features} -> {spec.out_features}] on "
                      f"{spec.device.type} with {spec.dtype}: " + "; ".join(reasons))
 
 

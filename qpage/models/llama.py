@@ -11,7 +11,6 @@ import re
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from qpage.formats import bnb
@@ -22,11 +21,11 @@ from qpage.kernels.cpu.native_decode import DecodeStack
 from qpage.kernels.cpu.native_gguf import PiecewiseMatmul
 from qpage.layers.attention import AttentionBackend
 from qpage.layers.attention_metadata import StepMetadata
-from qpage.layers.block_linear import BlockLinear, GgufEmbedding
+from qpage.layers.block_linear import BlockLinear
+from qpage.layers.embedding import Embedding
 from qpage.layers.fp8_linear import Fp8Linear
 from qpage.layers.kv_format import LayerKV
 from qpage.layers.linear import Linear, make_linear
-from qpage.layers.linear_kernels import Matmul, tied_head
 from qpage.layers.norms import RMSNorm
 from qpage.layers.ops import TORCH_OPS, TorchOps, select_ops
 from qpage.layers.quant_linear import IntLinear
@@ -96,18 +95,9 @@ class Attention(nn.Module):
         else:
             q, k = self.ops.rope_qk(qkv, cos, sin, nq, c.num_kv_heads)
         v = qkv[:, nq + c.num_kv_heads :]
-        if cache.k_shift is not None and cache.v_shift is not None:
-            # Centered K/V quantize better; see LayerKV.k_shift for why this is exact.
-            k, v = k - cache.k_shift, v - cache.v_shift
-        rotated = cache.rotation is not None
-        if rotated:  # Hadamard-rotated K/V quantize better; see LayerKV.rotation
-            q, k, v = cache.rotate(q), cache.rotate(k), cache.rotate(v)
+        q, k, v = cache.transform.apply(q, k, v)  # centering/rotation of a quantized cache (exact)
         backend.write_cache(k, v, cache, meta.slot_mapping)
-        out = backend.attend(q, k, v, cache, meta, self.scale)
-        if rotated:
-            out = cache.rotate(out)
-        if cache.v_shift is not None:
-            out = (out.view(t, c.num_kv_heads, -1, c.head_dim) + cache.v_shift[:, None]).view(t, nq, c.head_dim)
+        out = cache.transform.restore(backend.attend(q, k, v, cache, meta, self.scale))
         out = out.reshape(t, c.q_size)
         if self.tp is not None:
             return self.tp.row_parallel(self.o_proj.forward, out, "o_proj", self.o_cols)
@@ -175,8 +165,7 @@ class LlamaForCausalLM(nn.Module):
         self.dtype = dtype
         self.tp = tp
         gguf = isinstance(_quant(c), GgufConfig)  # a GGUF file: every tensor keeps its own format
-        self.embed_tokens: nn.Embedding | GgufEmbedding = (
-            GgufEmbedding(c.vocab_size, c.hidden_size) if gguf else nn.Embedding(c.vocab_size, c.hidden_size))
+        self.embed_tokens = Embedding(c.vocab_size, c.hidden_size, packed=gguf, tied=c.tie_word_embeddings)
         self.layers = nn.ModuleList(DecoderLayer(c, tp) for _ in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.lm_head = None if c.tie_word_embeddings else make_linear(c.hidden_size, c.vocab_size, False,
@@ -184,7 +173,6 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(c.head_dim, max_positions, c.rope_theta, c.rope_scaling, dtype)
         self.ops: TorchOps = TORCH_OPS
         """The small ops every layer uses (``layers.ops``), chosen at ``prepare``."""
-        self._tied_head: Matmul | None = None
         self.decode_stack: DecodeStack | None = None
         """Decode steps in one C call (``models.fused_decode``), when the model fits; else None.
         The runner drops it at start when its attention backend or KV cache do not fit."""
@@ -203,16 +191,13 @@ class LlamaForCausalLM(nn.Module):
         for m in self.modules():
             if isinstance(m, Linear):
                 m.prepare()
-            elif isinstance(m, (*QUANT_LINEARS, GgufEmbedding)):
+            elif isinstance(m, (*QUANT_LINEARS, Embedding)):
                 m.prepare(dtype, dequantize_weights)
         self.ops = select_ops(device, dtype)
         self.norm.ops = self.ops
         for layer in self.layers:  # not q_norm/k_norm: they normalise [T, heads, head_dim] views
             for m in (layer.input_layernorm, layer.post_attention_layernorm, layer.self_attn, layer.mlp):
                 m.ops = self.ops
-        if self.lm_head is None:
-            e = self.embed_tokens
-            self._tied_head = e.head() if isinstance(e, GgufEmbedding) else tied_head(e.weight.data)
         # The fused step has no collectives: with tensor parallelism decode runs the Python layers.
         self.decode_stack = build_decode_stack(self) if self.tp is None else None
 
@@ -251,10 +236,7 @@ class LlamaForCausalLM(nn.Module):
 
     def _local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:
-            if self._tied_head is not None:
-                return self._tied_head(hidden.contiguous())
-            assert isinstance(self.embed_tokens, nn.Embedding)
-            return F.linear(hidden, self.embed_tokens.weight)
+            return self.embed_tokens.head(hidden.contiguous())
         return self.lm_head(hidden)
 
     # ------------------------------------------------------------------ weights
@@ -270,7 +252,7 @@ class LlamaForCausalLM(nn.Module):
         def whole(name: str, p: torch.Tensor) -> None:
             out[name] = (p, 0, p.shape[0])
 
-        if isinstance(self.embed_tokens, nn.Embedding):
+        if self.embed_tokens.weight is not None:
             whole("model.embed_tokens.weight", self.embed_tokens.weight)
         whole("model.norm.weight", self.norm.weight)
         if isinstance(self.lm_head, Linear):
@@ -306,10 +288,10 @@ class LlamaForCausalLM(nn.Module):
             whole(f"{pre}post_attention_layernorm.weight", layer.post_attention_layernorm.weight)
         return out
 
-    def quant_targets(self) -> dict[str, tuple[QuantLinear | GgufEmbedding, int, int]]:
+    def quant_targets(self) -> dict[str, tuple[QuantLinear | Embedding, int, int]]:
         """Quantized projection prefix -> (fused layer, first output column, columns)."""
-        out: dict[str, tuple[QuantLinear | GgufEmbedding, int, int]] = {}
-        if isinstance(self.embed_tokens, GgufEmbedding):
+        out: dict[str, tuple[QuantLinear | Embedding, int, int]] = {}
+        if self.embed_tokens.packed:
             out["model.embed_tokens"] = (self.embed_tokens, 0, self.config.vocab_size)
         if isinstance(self.lm_head, QUANT_LINEARS):
             out["lm_head"] = (self.lm_head, 0, self.config.vocab_size)
@@ -383,7 +365,7 @@ class LlamaForCausalLM(nn.Module):
             )
 
     def _load_quant(self, prefix: str, parts: dict[str, torch.Tensor],
-                    qtargets: dict[str, tuple[QuantLinear | GgufEmbedding, int, int]],
+                    qtargets: dict[str, tuple[QuantLinear | Embedding, int, int]],
                     file: str) -> None:
         mod, off, cols = qtargets[prefix]
         if self.tp is None:

@@ -42,14 +42,15 @@ from qpage.formats.gguf_model import GgufConfig, GgufTensor
 from qpage.formats.gptq import GptqConfig
 from qpage.formats.safetensors_io import LazyTensor, read_parts
 from qpage.kernels.packing import pack_rows, unpack_rows
-from qpage.layers.block_linear import BlockLinear, GgufEmbedding
+from qpage.layers.block_linear import BlockLinear
+from qpage.layers.embedding import Embedding
 from qpage.layers.fp8_linear import Fp8Linear
 from qpage.layers.quant_linear import IntLinear
 from qpage.models.arch import ArchConfig
 from qpage.parallel.comm import Collectives
 
 _LAYER = re.compile(r"^model\.layers\.\d+\.(self_attn|mlp)\.(\w+_proj)\.(weight|bias)$")
-Module = IntLinear | Fp8Linear | BlockLinear | GgufEmbedding
+Module = IntLinear | Fp8Linear | BlockLinear | Embedding
 """The layers a quantized checkpoint's projections (and a GGUF embedding) load into."""
 IntConfig = GptqConfig | AwqConfig | CtIntConfig
 """Integer formats, all held in the GPTQ layout once loaded (``IntLinear.check_part``)."""
@@ -343,7 +344,7 @@ class Rank:
         the global input columns a row-parallel part gathers (see ``_row_part``), else None."""
         plan, rank, arch = self.plan, self.comm.rank, self.arch
         parts = read_parts(parts, _unread_parts(mod))
-        if isinstance(mod, GgufEmbedding):
+        if isinstance(mod, Embedding):
             mod.load_part(prefix, {"weight": shard_weight(f"{prefix}.weight", parts["weight"], plan, arch)}, offset,
                           cols, file)
             return None

@@ -64,7 +64,7 @@ def _calibrate(src: Path, scheme: QuantScheme, windows: list[list[int]], store: 
                on_layer: Callable[[int, int], None] | None) -> ResultStore:
     source = LayerSource(src, max(len(w) for w in windows) + 1)
     model, c = source.model, source.arch
-    backend = TorchPagedAttention()
+    backend = TorchPagedAttention(KVCacheSpec(torch.float32))
     hidden = source.embed(windows)
     parts: dict[str, list[tuple[str, int, int]]] = {}
     for name, fused, off, rows in projections(c):
@@ -147,7 +147,7 @@ def _awq(src: Path, scheme: QuantScheme, windows: list[list[int]], store: Result
 
     source = LayerSource(src, max(len(w) for w in windows) + 1)
     model, c = source.model, source.arch
-    backend = TorchPagedAttention()
+    backend = TorchPagedAttention(KVCacheSpec(torch.float32))
     hidden = source.embed(windows)
     parts: dict[str, list[tuple[str, int, int]]] = {}
     for name, fused, off, rows in projections(c):

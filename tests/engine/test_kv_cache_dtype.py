@@ -72,7 +72,7 @@ def test_centering_is_exact(llm_factory: Any, tokenizer: Any) -> None:
         shifted = score_window(eng, ids, 40)
     finally:
         for c in eng.runner.caches:
-            c.k_shift = c.v_shift = None
+            c.transform.k_shift = c.transform.v_shift = None
     assert (shifted - base).abs().max() < 1e-3
 
 

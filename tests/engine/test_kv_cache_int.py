@@ -53,7 +53,7 @@ def test_bytes_capacity_and_layout(dtype: str, name: str, bits: tuple[int, int],
         assert codes.dtype == (torch.int8 if b == 8 else torch.uint8)
         assert codes.shape == (eng.kv.num_blocks, BLOCK_SIZE, a.num_kv_heads, a.head_dim * b // 8)
         assert params.shape == (eng.kv.num_blocks, BLOCK_SIZE, a.num_kv_heads, 1 if b == 8 else 2)
-    assert cache.rotation is not None and cache.k_shift is not None
+    assert cache.transform.rotation is not None and cache.transform.k_shift is not None
 
 
 def test_rotation_is_exact(llm_factory: Any, tokenizer: Any) -> None:
@@ -63,11 +63,11 @@ def test_rotation_is_exact(llm_factory: Any, tokenizer: Any) -> None:
     base = score_window(eng, ids, 40)
     try:
         for c in eng.runner.caches:
-            c.rotation = hadamard(eng.arch.head_dim)[0]
+            c.transform.rotation = hadamard(eng.arch.head_dim)[0]
         rotated = score_window(eng, ids, 40)
     finally:
         for c in eng.runner.caches:
-            c.rotation = None
+            c.transform.rotation = None
     assert (rotated - base).abs().max() < 1e-3
 
 

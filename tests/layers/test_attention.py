@@ -16,7 +16,7 @@ from qpage.kernels.cpu import native
 from qpage.layers.attention import CpuBlasPagedAttention, CpuNativePagedAttention, TorchPagedAttention
 from qpage.layers.attention_metadata import AttentionBatch, SeqSpan, decode_groups
 from qpage.layers.attention_triton import TritonPagedAttention
-from qpage.layers.kv_format import LayerKV
+from qpage.layers.kv_format import KVCacheSpec, LayerKV
 
 KVH, G, HD = 2, 3, 16
 H = KVH * G
@@ -33,8 +33,8 @@ def dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torc
     return torch.einsum("htc,chd->thd", s.softmax(-1), v)
 
 
-@pytest.mark.parametrize("backend", [TorchPagedAttention(), CpuBlasPagedAttention(), CpuNativePagedAttention(),
-                                     TritonPagedAttention()], ids=lambda b: b.name)
+@pytest.mark.parametrize("backend", [b(KVCacheSpec(torch.float32)) for b in (
+    TorchPagedAttention, CpuBlasPagedAttention, CpuNativePagedAttention, TritonPagedAttention)], ids=lambda b: b.name)
 def test_paged_attention_matches_dense(backend: TorchPagedAttention) -> None:
     if backend.name == "cpu-native" and native.unavailable_reason():
         pytest.skip(f"C kernels: {native.unavailable_reason()}")
@@ -80,7 +80,8 @@ def test_write_cache_slots() -> None:
     v_cache = torch.zeros(4, BLOCK_SIZE, KVH, HD)
     k = torch.randn(3, KVH, HD)
     v = torch.randn(3, KVH, HD)
-    TorchPagedAttention().write_cache(k, v, LayerKV(k_cache, v_cache), torch.tensor([5, 17, 63]))
+    backend = TorchPagedAttention(KVCacheSpec(torch.float32))
+    backend.write_cache(k, v, LayerKV(k_cache, v_cache), torch.tensor([5, 17, 63]))
     assert torch.equal(k_cache[0, 5], k[0]) and torch.equal(k_cache[1, 1], k[1])
     assert torch.equal(v_cache[3, 15], v[2])
     assert int((k_cache != 0).any(-1).any(-1).sum()) == 3
