@@ -33,9 +33,9 @@ def make_calls(n: int, ctx: int) -> dict[str, Callable[[], Any]]:
     """One decode call per mode over the same keys and values (written through each cache's own write)."""
     import torch
 
-    from qpage.kernels.cpu import native as cpu_native
-    from qpage.kernels.cpu.native_fp8 import paged_decode_fp8, write_kv_fp8
-    from qpage.kernels.cpu.native_int import paged_decode_int, write_int
+    from qpage.kernels.cpu.attention import native_fp32
+    from qpage.kernels.cpu.attention.native_fp8 import paged_decode_fp8, write_kv_fp8
+    from qpage.kernels.cpu.attention.native_int import paged_decode_int, write_int
     from qpage.kernels.kv_int import PARAMS, code_width
 
     g = torch.Generator().manual_seed(0)
@@ -53,7 +53,7 @@ def make_calls(n: int, ctx: int) -> dict[str, Callable[[], Any]]:
     vc = torch.zeros_like(kc)
     kc.view(-1, KV_HEADS, HEAD_DIM)[slots] = k
     vc.view(-1, KV_HEADS, HEAD_DIM)[slots] = v
-    calls: dict[str, Callable[[], Any]] = {"fp32": lambda: cpu_native.paged_decode(q, kc, vc, table, lens, scale)}
+    calls: dict[str, Callable[[], Any]] = {"fp32": lambda: native_fp32.paged_decode(q, kc, vc, table, lens, scale)}
     for fmt in ("e4m3", "e5m2"):
         for per_token in (True, False):
             k8 = torch.zeros(nb, BLOCK, KV_HEADS, HEAD_DIM, dtype=torch.uint8)

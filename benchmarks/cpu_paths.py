@@ -60,8 +60,8 @@ def _weight_paths(k: int, n: int, bits: int, group: int, act: bool, g: torch.Gen
     symmetric (zero 128), as qpage's INT8 schemes write it and the blocks hold it."""
     import numpy as np
 
-    from qpage.kernels.cpu import int_blocks, native_gguf
-    from qpage.kernels.cpu import packed as cpu_packed
+    from qpage.kernels.cpu.matmul import int_blocks, native_gguf
+    from qpage.kernels.cpu.matmul import packed as cpu_packed
     from qpage.kernels.packing import dequantize_ref, pack_cols, pack_rows
 
     gs = group or k

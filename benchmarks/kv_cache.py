@@ -129,7 +129,7 @@ def main() -> None:
 
     from qpage import LLM
     from qpage.eval.perplexity import kl_rows, nll_sum, score_window, token_windows
-    from qpage.layers.kv_format import KVCacheSpec
+    from qpage.layers.attention.kv_format import KVCacheSpec
 
     engines = {}
     for label, kwargs in MODES:

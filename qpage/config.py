@@ -54,7 +54,7 @@ KV_CACHE_FORMATS: dict[str, str | None] = {
     "auto": None, "fp8": "e4m3", "fp8_e4m3": "e4m3", "fp8_e5m2": "e5m2", "int8": "int8", "int4": "int4",
     "k8v4": "k8v4", "int8_per_token_head": "int8", "int4_per_token_head": "int4",
 }
-"""kv_cache_dtype -> the stored format (``layers.kv_format``; None: the model dtype)."""
+"""kv_cache_dtype -> the stored format (``layers.attention.kv_format``; None: the model dtype)."""
 KV_CACHE_DTYPES = tuple(KV_CACHE_FORMATS)
 INT_BITS = {"int8": (8, 8), "int4": (4, 4), "k8v4": (8, 4)}
 """Integer cache formats -> (K bits, V bits)."""

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from qpage.config import BLOCK_SIZE, parse_size
-from qpage.layers.kv_format import KVCacheSpec
+from qpage.layers.attention.kv_format import KVCacheSpec
 from qpage.models.arch import ArchConfig, parse_arch_config
 from qpage.models.sharding import check_parallel, plan_shards
 

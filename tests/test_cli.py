@@ -108,8 +108,8 @@ def test_version_reports_the_machine() -> None:
     import torch
 
     from qpage import __version__
-    from qpage.layers.backends import select_attention_backend
-    from qpage.layers.kv_format import KVCacheSpec
+    from qpage.layers.attention.kv_format import KVCacheSpec
+    from qpage.layers.attention.selector import select_attention_backend
 
     r = qpage("--version")
     assert r.returncode == 0, r.stderr

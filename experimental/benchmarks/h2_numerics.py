@@ -51,7 +51,7 @@ def emulate_linears(mode: dict[str, str]) -> None:
     from qpage.kernels.quant_gemv_h2 import h2_gemv_ref
     from qpage.kernels.quant_matmul import int_matmul_ref
 
-    from qpage.layers.quant_linear import IntLinear
+    from qpage.layers.linear.quant_linear import IntLinear
 
     def prepare(self: IntLinear, dtype: torch.dtype) -> None:
         if self.cfg.bits != 4 or self.g_idx is not None:

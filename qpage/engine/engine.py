@@ -26,8 +26,8 @@ from qpage.engine.structured import GrammarCompiler, Guide, token_masks
 from qpage.formats import gguf_model
 from qpage.formats.gguf_model import is_gguf
 from qpage.formats.gguf_reader import GgufFile
-from qpage.layers.block_linear import BlockLinear
-from qpage.layers.kv_format import KVCacheSpec
+from qpage.layers.attention.kv_format import KVCacheSpec
+from qpage.layers.linear.block_linear import BlockLinear
 from qpage.models.arch import ArchConfig
 from qpage.models.loader import load_model, read_arch_config, resolve_dtype, resolve_model_dir
 from qpage.models.sharding import check_parallel, plan_shards
@@ -125,7 +125,7 @@ class LLMEngine:
         else:
             self._start_ranks(num_blocks)
         if self.kv_spec.centered:
-            from qpage.layers.kv_calibration import CALIBRATION_TEXT
+            from qpage.layers.attention.kv_calibration import CALIBRATION_TEXT
 
             ids = self.tokenizer.encode(CALIBRATION_TEXT, add_special_tokens=False)
             self._run_ranks(lambda: self.runner.calibrate_kv_shifts(ids[: min(512, self.max_model_len)]))

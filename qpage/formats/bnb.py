@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from qpage.formats.gguf_model import GgufTensor
-from qpage.kernels.cpu.native_gguf import FP4, NF4
+from qpage.kernels.cpu.matmul.native_gguf import FP4, NF4
 
 logger = logging.getLogger("qpage")
 

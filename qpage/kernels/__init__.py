@@ -9,5 +9,5 @@ Helpers below them: ``triton_utils`` (the optional Triton import), ``packing`` (
 packing, no Triton), ``kv_quant`` (FP8 KV scale rules), ``split_k``, ``configs`` (typed kernel
 settings and defaults) and ``tuned`` (per-GPU tables). Which kernel runs is decided in one
 selector per operation: ``int_matmul.select`` per call, the layers' ``prepare`` per layer
-(``qpage.layers.linear_kernels``), ``qpage.layers.backends`` for attention.
+(``qpage.layers.linear.linear_kernels``), ``qpage.layers.attention.selector`` for attention.
 """

@@ -1,4 +1,4 @@
-"""llama.cpp block formats on CUDA (Triton): the CUDA side of ``kernels.cpu.native_gguf``.
+"""llama.cpp block formats on CUDA (Triton): the CUDA side of ``kernels.cpu.matmul.native_gguf``.
 
 Q4_0 and Q8_0 are symmetric integers in groups of 32, so they are written once as the GPTQ
 layout (``to_gptq``: exact) and run on the INT4/INT8 kernels (``int_matmul``). Q4_1, Q4_K and

@@ -1,7 +1,7 @@
 """How a K/V row becomes FP8 codes and a scale: the rules the cache writers share, in plain torch.
 
 The Triton writer (``attention.cache_write``), the C writer (``cpu.native_fp8``) and the
-torch path (``layers.kv_format``) all pick the same per-token scale, so a cache written by one
+torch path (``layers.attention.kv_format``) all pick the same per-token scale, so a cache written by one
 reads the same through any other. Layout and scale modes: ``attention.cache_write``.
 """
 

@@ -15,7 +15,8 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from qpage.kernels.cpu import blas, native
+from qpage.kernels.cpu import native, native_ops
+from qpage.kernels.cpu.matmul import blas
 from qpage.layers.rotary import apply_rotary
 
 logger = logging.getLogger("qpage")
@@ -78,21 +79,21 @@ class CpuNativeOps(CpuBlasOps):
         return super().can_implement(device, dtype) or native.unavailable_reason()
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        return native.rms_norm(x, weight, eps)
+        return native_ops.rms_norm(x, weight, eps)
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
                      ) -> tuple[torch.Tensor, torch.Tensor]:
         """In place: ``residual += x``, ``x = rms_norm(residual)``; returns ``(x, residual)``."""
-        native.add_rms_norm_(x, residual, weight, eps)
+        native_ops.add_rms_norm_(x, residual, weight, eps)
         return x, residual
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        return native.silu_mul(gate_up)
+        return native_ops.silu_mul(gate_up)
 
     def rope_qk(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, nq: int, nkv: int
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         t = qkv.shape[0]
-        native.rope_(qkv, cos.view(t, -1), sin.view(t, -1), nq + nkv)
+        native_ops.rope_(qkv, cos.view(t, -1), sin.view(t, -1), nq + nkv)
         return qkv[:, :nq], qkv[:, nq : nq + nkv]
 
 

@@ -16,11 +16,11 @@ from typing import Any
 
 import torch
 
+from qpage.kernels.cpu.matmul.native_gguf import PiecewiseMatmul
 from qpage.kernels.cpu.native_decode import DecodeStack, LayerWeights, unfit_reason
-from qpage.kernels.cpu.native_gguf import PiecewiseMatmul
-from qpage.layers.attention import CpuNativePagedAttention
-from qpage.layers.attention_metadata import AttentionMetadata
-from qpage.layers.kv_format import KVCacheSpec, LayerKV
+from qpage.layers.attention.backends import CpuNativePagedAttention
+from qpage.layers.attention.kv_format import KVCacheSpec, LayerKV
+from qpage.layers.attention.metadata import AttentionMetadata
 from qpage.layers.ops import CpuNativeOps
 
 logger = logging.getLogger("qpage")

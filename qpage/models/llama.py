@@ -17,18 +17,18 @@ from qpage.formats import bnb
 from qpage.formats.detect import LinearConfig, linear_config
 from qpage.formats.gguf_model import GgufConfig, GgufTensor
 from qpage.formats.safetensors_io import LazyTensor
+from qpage.kernels.cpu.matmul.native_gguf import PiecewiseMatmul
 from qpage.kernels.cpu.native_decode import DecodeStack
-from qpage.kernels.cpu.native_gguf import PiecewiseMatmul
-from qpage.layers.attention import AttentionBackend
-from qpage.layers.attention_metadata import StepMetadata
-from qpage.layers.block_linear import BlockLinear
-from qpage.layers.embedding import Embedding
-from qpage.layers.fp8_linear import Fp8Linear
-from qpage.layers.kv_format import LayerKV
-from qpage.layers.linear import Linear, make_linear
+from qpage.layers.attention.backends import AttentionBackend
+from qpage.layers.attention.kv_format import LayerKV
+from qpage.layers.attention.metadata import StepMetadata
+from qpage.layers.linear.block_linear import BlockLinear
+from qpage.layers.linear.embedding import Embedding
+from qpage.layers.linear.factory import Linear, make_linear
+from qpage.layers.linear.fp8_linear import Fp8Linear
+from qpage.layers.linear.quant_linear import IntLinear
 from qpage.layers.norms import RMSNorm
 from qpage.layers.ops import TORCH_OPS, TorchOps, select_ops
-from qpage.layers.quant_linear import IntLinear
 from qpage.layers.rotary import RotaryEmbedding, apply_rotary
 from qpage.models.arch import ArchConfig
 from qpage.models.fused_decode import build_decode_stack, decode_only, run_decode_stack

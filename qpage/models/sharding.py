@@ -42,10 +42,10 @@ from qpage.formats.gguf_model import GgufConfig, GgufTensor
 from qpage.formats.gptq import GptqConfig
 from qpage.formats.safetensors_io import LazyTensor, read_parts
 from qpage.kernels.packing import pack_rows, unpack_rows
-from qpage.layers.block_linear import BlockLinear
-from qpage.layers.embedding import Embedding
-from qpage.layers.fp8_linear import Fp8Linear
-from qpage.layers.quant_linear import IntLinear
+from qpage.layers.linear.block_linear import BlockLinear
+from qpage.layers.linear.embedding import Embedding
+from qpage.layers.linear.fp8_linear import Fp8Linear
+from qpage.layers.linear.quant_linear import IntLinear
 from qpage.models.arch import ArchConfig
 from qpage.parallel.comm import Collectives
 

@@ -20,9 +20,9 @@ from typing import Any
 import torch
 
 from qpage.formats.scheme import QuantScheme
-from qpage.layers.attention import TorchPagedAttention
-from qpage.layers.attention_metadata import AttentionBatch, SeqSpan
-from qpage.layers.kv_format import KVCacheSpec, make_layer_kv
+from qpage.layers.attention.backends import TorchPagedAttention
+from qpage.layers.attention.kv_format import KVCacheSpec, make_layer_kv
+from qpage.layers.attention.metadata import AttentionBatch, SeqSpan
 from qpage.models.llama import projections
 from qpage.quantizers.gptq import gptq_quantize
 from qpage.quantizers.layer_source import LayerSource, Result, ResultStore

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from qpage.formats.safetensors_io import iter_tensors, read_header, write_file
-from qpage.layers.linear import Linear
+from qpage.layers.linear.factory import Linear
 from qpage.models.loader import read_arch_config, weight_files
 from qpage.models.registry import model_class
 

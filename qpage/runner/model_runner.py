@@ -18,11 +18,11 @@ from typing import Any
 import torch
 
 from qpage.config import BLOCK_SIZE
-from qpage.kernels.cpu import blas
+from qpage.kernels.cpu.matmul import blas
 from qpage.kernels.kv_int import hadamard
-from qpage.layers.attention_metadata import AttentionBatch, SeqSpan
-from qpage.layers.backends import select_attention_backend
-from qpage.layers.kv_format import KVCacheSpec, make_layer_kv
+from qpage.layers.attention.kv_format import KVCacheSpec, make_layer_kv
+from qpage.layers.attention.metadata import AttentionBatch, SeqSpan
+from qpage.layers.attention.selector import select_attention_backend
 from qpage.models.arch import ArchConfig
 from qpage.models.fused_decode import unfit_reason_for
 from qpage.runner.batch import Logprob, ScheduledRequest, SchedulerOutput, StepLogits, StepResult
@@ -232,7 +232,7 @@ def set_threads(model: Any, device: torch.device) -> None:
     """The one thread policy of a process that runs a model (the engine's, or a rank's on its
     own cores): torch takes the chosen ops' thread count (``layers.ops``); on CPU NumPy's BLAS
     keeps one thread where the block-format kernels run their own (two spinning pools on the
-    same cores slow each other, ``kernels.cpu.blas``), else its starting size."""
+    same cores slow each other, ``kernels.cpu.matmul.blas``), else its starting size."""
     if model.ops.torch_threads is not None:
         torch.set_num_threads(model.ops.torch_threads)
     if device.type == "cpu":

@@ -29,8 +29,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from qpage.config import BLOCK_SIZE
-from qpage.kernels.cpu import blas
-from qpage.layers.kv_format import KVCacheSpec
+from qpage.kernels.cpu.matmul import blas
+from qpage.layers.attention.kv_format import KVCacheSpec
 from qpage.models.arch import ArchConfig
 from qpage.models.loader import load_model
 from qpage.models.sharding import Rank, plan_shards

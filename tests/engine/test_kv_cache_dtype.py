@@ -15,9 +15,9 @@ from qpage import LLM, SamplingParams
 from qpage.config import BLOCK_SIZE
 from qpage.eval.perplexity import kl_rows, score_window
 from qpage.kernels.cpu import native as cpu_native
-from qpage.layers import backends
-from qpage.layers.backends import select_attention_backend
-from qpage.layers.kv_format import KVCacheSpec
+from qpage.layers.attention import selector as backends
+from qpage.layers.attention.kv_format import KVCacheSpec
+from qpage.layers.attention.selector import select_attention_backend
 from tests.helpers import assert_greedy_agrees
 
 pytestmark = pytest.mark.slow  # see pyproject.toml's markers

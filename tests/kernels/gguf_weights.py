@@ -10,8 +10,8 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
 from qpage.formats import bnb
-from qpage.kernels.cpu import block_rewrite
-from qpage.kernels.cpu import native_gguf as ng
+from qpage.kernels.cpu.matmul import block_rewrite
+from qpage.kernels.cpu.matmul import native_gguf as ng
 
 TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q2_K": 10, "Q3_K": 11, "Q4_K": 12, "Q5_K": 13,
          "Q6_K": 14, "IQ4_NL": 20, "IQ4_XS": 23, "NF4": ng.NF4, "FP4": ng.FP4}

@@ -13,8 +13,8 @@ import torch
 from qpage.formats.gguf_model import GgufConfig, GgufTensor
 from qpage.kernels import block_matmul as bm
 from qpage.kernels.triton_utils import HAS_TRITON, INTERPRET
-from qpage.layers.block_linear import BlockLinear
-from qpage.layers.linear_kernels import TritonBlocks
+from qpage.layers.linear.block_linear import BlockLinear
+from qpage.layers.linear.linear_kernels import TritonBlocks
 from tests.kernels.conftest import rel_err
 from tests.kernels.gguf_weights import quantized_weight
 

@@ -1,4 +1,4 @@
-"""The block-format matmuls (``kernels.cpu.native_gguf``) against the ``gguf`` package.
+"""The block-format matmuls (``kernels.cpu.matmul.native_gguf``) against the ``gguf`` package.
 
 Weights are quantized by ``gguf.quants.quantize`` (llama.cpp's reference quantizers; the
 K-quants and IQ4, which it cannot write, as random blocks with d in [0.001, 0.011): any other
@@ -20,9 +20,9 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 
-from qpage.kernels.cpu import block_rewrite  # noqa: E402
 from qpage.kernels.cpu import native as cpu_native  # noqa: E402
-from qpage.kernels.cpu import native_gguf as ng  # noqa: E402
+from qpage.kernels.cpu.matmul import block_rewrite  # noqa: E402
+from qpage.kernels.cpu.matmul import native_gguf as ng  # noqa: E402
 from tests.kernels.conftest import rel_err  # noqa: E402
 from tests.kernels.gguf_weights import RANDOM, TYPES, quantized_weight  # noqa: E402
 

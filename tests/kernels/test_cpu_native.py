@@ -18,10 +18,12 @@ import torch.nn.functional as F
 
 from qpage.config import BLOCK_SIZE
 from qpage.kernels.cpu import native as cpu_native
+from qpage.kernels.cpu import native_ops
+from qpage.kernels.cpu.attention import native_fp32
 from qpage.kernels.kv_quant import write_kv_cache_ref
-from qpage.layers.attention import TorchPagedAttention
-from qpage.layers.attention_metadata import DecodeGroup
-from qpage.layers.kv_format import LayerKV
+from qpage.layers.attention.backends import TorchPagedAttention
+from qpage.layers.attention.kv_format import LayerKV
+from qpage.layers.attention.metadata import DecodeGroup
 from qpage.layers.rotary import RotaryEmbedding, apply_rotary
 from tests.kernels.conftest import rel_err
 
@@ -61,7 +63,7 @@ def paged_case(lens: list[int], kvh: int, group: int, hd: int, seed: int = 0) ->
 @pytest.mark.parametrize("lens", [[1], [16], [300, 17, 15, 1, 33]])
 def test_paged_decode(kvh: int, group: int, hd: int, lens: list[int]) -> None:
     q, cache, d = paged_case(lens, kvh, group, hd)
-    out = cpu_native.paged_decode(q, cache.k, cache.v, d.block_table, d.seq_lens, hd**-0.5)
+    out = native_fp32.paged_decode(q, cache.k, cache.v, d.block_table, d.seq_lens, hd**-0.5)
     ref = TorchPagedAttention._decode(q, cache, d, hd**-0.5)
     assert rel_err(out, ref) < TOL
 
@@ -70,7 +72,7 @@ def test_paged_decode_peaked_scores() -> None:
     """Scores hundreds apart: most probabilities underflow to exactly 0 (the C exp's floor)."""
     q, cache, d = paged_case([200], 2, 2, 64, seed=1)
     q = q * 40
-    out = cpu_native.paged_decode(q, cache.k, cache.v, d.block_table, d.seq_lens, 0.125)
+    out = native_fp32.paged_decode(q, cache.k, cache.v, d.block_table, d.seq_lens, 0.125)
     assert rel_err(out, TorchPagedAttention._decode(q, cache, d, 0.125)) < TOL
 
 
@@ -79,14 +81,14 @@ def test_paged_decode_rejects_bad_tables() -> None:
     bad = d.block_table.clone()
     bad[0, 1] = cache.k.shape[0]  # one past the last block
     with pytest.raises(ValueError, match="block id outside"):
-        cpu_native.paged_decode(q, cache.k, cache.v, bad, d.seq_lens, 0.125)
+        native_fp32.paged_decode(q, cache.k, cache.v, bad, d.seq_lens, 0.125)
     narrow = d.block_table[:, :2]  # a view whose rows are further apart than its 2 columns
     with pytest.raises(ValueError, match="block id outside"):
-        cpu_native.paged_decode(q, cache.k, cache.v, narrow, torch.tensor([40]), 0.125)  # needs 3 blocks
+        native_fp32.paged_decode(q, cache.k, cache.v, narrow, torch.tensor([40]), 0.125)  # needs 3 blocks
     with pytest.raises(ValueError, match="seq_len < 1"):
-        cpu_native.paged_decode(q, cache.k, cache.v, d.block_table, torch.tensor([0]), 0.125)
+        native_fp32.paged_decode(q, cache.k, cache.v, d.block_table, torch.tensor([0]), 0.125)
     with pytest.raises(ValueError, match="unsupported layout"):
-        cpu_native.paged_decode(q.double(), cache.k, cache.v, d.block_table, d.seq_lens, 0.125)
+        native_fp32.paged_decode(q.double(), cache.k, cache.v, d.block_table, d.seq_lens, 0.125)
 
 
 def test_write_kv_is_exact() -> None:
@@ -95,11 +97,11 @@ def test_write_kv_is_exact() -> None:
     k, v = kv[:, 4:6], kv[:, 6:8]
     slots = torch.tensor([3, 40, -1, 17, 0])
     caches = [torch.zeros(4, BLOCK_SIZE, 2, 16) for _ in range(4)]
-    cpu_native.write_kv(k, v, caches[0], caches[1], slots)
+    native_fp32.write_kv(k, v, caches[0], caches[1], slots)
     write_kv_cache_ref(k, v, caches[2], caches[3], slots)
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
     with pytest.raises(ValueError, match="slot outside"):
-        cpu_native.write_kv(k, v, caches[0], caches[1], torch.tensor([3, 40, 64, 17, 0]))
+        native_fp32.write_kv(k, v, caches[0], caches[1], torch.tensor([3, 40, 64, 17, 0]))
 
 
 @pytest.mark.parametrize("dim", [576, 100])
@@ -107,11 +109,11 @@ def test_rms_norms(dim: int) -> None:
     g = torch.Generator().manual_seed(0)
     x, res = torch.randn(7, dim, generator=g), torch.randn(7, dim, generator=g)
     w = torch.randn(dim, generator=g)
-    assert rel_err(cpu_native.rms_norm(x, w, 1e-5), F.rms_norm(x, (dim,), w, 1e-5)) < TOL
+    assert rel_err(native_ops.rms_norm(x, w, 1e-5), F.rms_norm(x, (dim,), w, 1e-5)) < TOL
     wide = torch.randn(7, dim + 9, generator=g)  # a strided view: rows dim + 9 apart
-    assert rel_err(cpu_native.rms_norm(wide[:, :dim], w, 1e-5), F.rms_norm(wide[:, :dim], (dim,), w, 1e-5)) < TOL
+    assert rel_err(native_ops.rms_norm(wide[:, :dim], w, 1e-5), F.rms_norm(wide[:, :dim], (dim,), w, 1e-5)) < TOL
     x2, res2 = x.clone(), res.clone()
-    cpu_native.add_rms_norm_(x2, res2, w, 1e-5)
+    native_ops.add_rms_norm_(x2, res2, w, 1e-5)
     assert torch.equal(res2, x + res)
     assert rel_err(x2, F.rms_norm(x + res, (dim,), w, 1e-5)) < TOL
 
@@ -121,7 +123,7 @@ def test_silu_mul() -> None:
     gate_up = torch.randn(6, 2 * 1536, generator=g) * 4
     gate_up[0, :8] = torch.tensor([0.0, -0.0, 30.0, -30.0, 90.0, -90.0, 1e-8, -1e-8])  # saturation, underflow
     gate, up = gate_up.split(1536, dim=-1)
-    out = cpu_native.silu_mul(gate_up)
+    out = native_ops.silu_mul(gate_up)
     assert rel_err(out, F.silu(gate) * up) < TOL
     assert torch.allclose(out[0, :8], (F.silu(gate) * up)[0, :8], rtol=1e-6, atol=0)
 
@@ -135,7 +137,7 @@ def test_rope_in_place(hd: int) -> None:
     cos, sin = rot.lookup(pos)
     ref = apply_rotary(x[:, :12], cos, sin)
     out = x.clone()
-    cpu_native.rope_(out, cos.view(5, hd), sin.view(5, hd), 12)
+    native_ops.rope_(out, cos.view(5, hd), sin.view(5, hd), 12)
     assert rel_err(out[:, :12], ref) < TOL
     assert torch.equal(out[:, 12:], x[:, 12:])  # the v heads are left alone
 
@@ -143,8 +145,8 @@ def test_rope_in_place(hd: int) -> None:
 @pytest.mark.slow
 def test_unavailable_compiler_falls_back() -> None:
     """No compiler: a clear reason, and the engine's CPU backend falls back to BLAS."""
-    code = ("import os; from qpage.kernels.cpu import native as c; from qpage.layers.backends import "
-            "select_attention_backend as s; from qpage.layers.kv_format import KVCacheSpec; import torch;"
+    code = ("import os; from qpage.kernels.cpu import native as c; from qpage.layers.attention.selector import "
+            "select_attention_backend as s; from qpage.layers.attention.kv_format import KVCacheSpec; import torch;"
             "print(c.unavailable_reason()); print(s(torch.device('cpu'), KVCacheSpec(torch.float32), 64).name)")
     env = {"PATH": "/nonexistent", "CC": "/nonexistent/cc", "QPAGE_CACHE": "/nonexistent-cache"}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,

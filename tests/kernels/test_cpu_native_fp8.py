@@ -1,4 +1,4 @@
-"""The FP8 cache kernels in C (``kernels.cpu.native_fp8``) against their torch references.
+"""The FP8 cache kernels in C (``kernels.cpu.attention.native_fp8``) against their torch references.
 
 The cache write must equal ``write_kv_cache_ref`` bit for bit (codes and fp16 scales), in
 both formats and both scale modes. Decode attention is held to 2e-6 relative against
@@ -14,15 +14,15 @@ import torch
 from qpage.config import BLOCK_SIZE
 from qpage.kernels.cpu import native as cpu_native
 from qpage.kernels.kv_quant import write_kv_cache_ref
-from qpage.layers.attention import TorchPagedAttention
-from qpage.layers.attention_metadata import DecodeGroup
-from qpage.layers.kv_format import KVCacheSpec, make_layer_kv
+from qpage.layers.attention.backends import TorchPagedAttention
+from qpage.layers.attention.kv_format import KVCacheSpec, make_layer_kv
+from qpage.layers.attention.metadata import DecodeGroup
 from tests.kernels.conftest import rel_err
 
 if cpu_native.no_compiler_or_disabled():  # pragma: no cover
     pytest.skip(f"native CPU kernels unavailable: {cpu_native.unavailable_reason()}", allow_module_level=True)
 
-from qpage.kernels.cpu.native_fp8 import code_values, paged_decode_fp8, write_kv_fp8
+from qpage.kernels.cpu.attention.native_fp8 import code_values, paged_decode_fp8, write_kv_fp8
 
 MODES = [("e4m3", True), ("e4m3", False), ("e5m2", True), ("e5m2", False)]
 IDS = ["e4m3-token", "e4m3-tensor", "e5m2-token", "e5m2-tensor"]

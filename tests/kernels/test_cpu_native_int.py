@@ -1,4 +1,4 @@
-"""The int8/int4 cache kernels in C (``kernels.cpu.native_int``) against their torch references,
+"""The int8/int4 cache kernels in C (``kernels.cpu.attention.native_int``) against their torch references,
 and the references themselves (``kernels.kv_int``).
 
 The cache write must equal ``write_int_cache_ref`` bit for bit (codes and fp16 parameters).
@@ -16,9 +16,9 @@ import torch
 from qpage.config import BLOCK_SIZE
 from qpage.kernels.cpu import native as cpu_native
 from qpage.kernels.kv_int import dequantize_ref, hadamard, quantize_ref, unpack_int4, write_int_cache_ref
-from qpage.layers.attention import TorchPagedAttention
-from qpage.layers.attention_metadata import DecodeGroup
-from qpage.layers.kv_format import KVCacheSpec, make_layer_kv
+from qpage.layers.attention.backends import TorchPagedAttention
+from qpage.layers.attention.kv_format import KVCacheSpec, make_layer_kv
+from qpage.layers.attention.metadata import DecodeGroup
 from tests.kernels.conftest import rel_err
 
 BITS = [8, 4]
@@ -81,7 +81,7 @@ def _write_ref(cache: object, k: torch.Tensor, v: torch.Tensor, slots: torch.Ten
 @native
 @pytest.mark.parametrize("kv_bits", KV_BITS, ids=KV_IDS)
 def test_write_is_bit_exact(kv_bits: tuple[int, int]) -> None:
-    from qpage.kernels.cpu.native_int import write_int
+    from qpage.kernels.cpu.attention.native_int import write_int
 
     kvh, hd, nb = 3, 64, 12
     mine, ref = (make_layer_kv(_spec(kv_bits), nb, kvh, hd, torch.device("cpu")) for _ in range(2))
@@ -117,7 +117,7 @@ def _filled_cache(kv_bits: tuple[int, int], kvh: int, hd: int, lens: list[int], 
 @pytest.mark.parametrize("kv_bits", KV_BITS, ids=KV_IDS)
 @pytest.mark.parametrize(("kvh", "group", "hd"), [(3, 3, 64), (2, 4, 128), (1, 7, 80), (2, 2, 6), (1, 2, 320)])
 def test_decode_matches_torch(kv_bits: tuple[int, int], kvh: int, group: int, hd: int) -> None:
-    from qpage.kernels.cpu.native_int import paged_decode_int
+    from qpage.kernels.cpu.attention.native_int import paged_decode_int
 
     lens = [300, 17, 1, 16]
     cache, table, g = _filled_cache(kv_bits, kvh, hd, lens, 3)
@@ -133,7 +133,7 @@ def test_decode_matches_torch(kv_bits: tuple[int, int], kvh: int, group: int, hd
 @native
 @pytest.mark.parametrize("bits", BITS)
 def test_block_reader_matches_reference(bits: int) -> None:
-    from qpage.kernels.cpu.native_int import read_blocks_int
+    from qpage.kernels.cpu.attention.native_int import read_blocks_int
 
     cache, table, _ = _filled_cache((bits, bits), 3, 64, [40, 7], 5)
     ids = table[:, :3].flatten()
@@ -144,7 +144,7 @@ def test_block_reader_matches_reference(bits: int) -> None:
 
 @native
 def test_bad_tables_and_slots_raise() -> None:
-    from qpage.kernels.cpu.native_int import paged_decode_int, read_blocks_int, write_int
+    from qpage.kernels.cpu.attention.native_int import paged_decode_int, read_blocks_int, write_int
 
     cache = make_layer_kv(KVCacheSpec(torch.float32, int_bits=4), 4, 2, 64, torch.device("cpu"))
     q = torch.randn(1, 2, 64)

@@ -1,4 +1,4 @@
-"""torch's packed CPU kernels (``kernels.cpu.packed``) against the dequantized reference.
+"""torch's packed CPU kernels (``kernels.cpu.matmul.packed``) against the dequantized reference.
 
 qpage uses them with bf16 activations only (fp16 is exact too, but slow on CPU).
 The layers hold GPTQ-layout weights; ``pack_int4``/``pack_int8`` convert them once. The
@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qpage.kernels.cpu import packed as cpu_packed
+from qpage.kernels.cpu.matmul import packed as cpu_packed
 from qpage.kernels.packing import dequantize_ref, pack_cols, pack_rows
 from tests.kernels.conftest import rel_err
 

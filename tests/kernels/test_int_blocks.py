@@ -1,4 +1,4 @@
-"""Integer weights written as llama.cpp blocks (``kernels.cpu.int_blocks``) and run on the
+"""Integer weights written as llama.cpp blocks (``kernels.cpu.matmul.int_blocks``) and run on the
 block kernels.
 
 The written rows are decoded by the ``gguf`` package (``gguf.quants.dequantize``), an
@@ -17,9 +17,9 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 
-from qpage.kernels.cpu import int_blocks  # noqa: E402
 from qpage.kernels.cpu import native as cpu_native  # noqa: E402
-from qpage.kernels.cpu import native_gguf as ng  # noqa: E402
+from qpage.kernels.cpu.matmul import int_blocks  # noqa: E402
+from qpage.kernels.cpu.matmul import native_gguf as ng  # noqa: E402
 from qpage.kernels.packing import dequantize_ref, pack_cols, pack_rows  # noqa: E402
 from tests.kernels.conftest import rel_err  # noqa: E402
 

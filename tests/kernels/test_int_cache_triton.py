@@ -12,9 +12,9 @@ import torch
 from qpage.config import BLOCK_SIZE
 from qpage.kernels.attention.int_cache import dequantize_blocks, paged_decode_int, write_int_cache
 from qpage.kernels.kv_int import dequantize_ref, write_int_cache_ref
-from qpage.layers.attention import TorchPagedAttention
-from qpage.layers.attention_metadata import DecodeGroup
-from qpage.layers.kv_format import KVCacheSpec, make_layer_kv
+from qpage.layers.attention.backends import TorchPagedAttention
+from qpage.layers.attention.kv_format import KVCacheSpec, make_layer_kv
+from qpage.layers.attention.metadata import DecodeGroup
 from tests.kernels.conftest import rel_err
 
 

@@ -13,10 +13,10 @@ import torch
 
 from qpage.config import BLOCK_SIZE
 from qpage.kernels.cpu import native
-from qpage.layers.attention import CpuBlasPagedAttention, CpuNativePagedAttention, TorchPagedAttention
-from qpage.layers.attention_metadata import AttentionBatch, SeqSpan, decode_groups
-from qpage.layers.attention_triton import TritonPagedAttention
-from qpage.layers.kv_format import KVCacheSpec, LayerKV
+from qpage.layers.attention.backends import CpuBlasPagedAttention, CpuNativePagedAttention, TorchPagedAttention
+from qpage.layers.attention.kv_format import KVCacheSpec, LayerKV
+from qpage.layers.attention.metadata import AttentionBatch, SeqSpan, decode_groups
+from qpage.layers.attention.triton_backend import TritonPagedAttention
 
 KVH, G, HD = 2, 3, 16
 H = KVH * G

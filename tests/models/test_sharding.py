@@ -16,7 +16,7 @@ from qpage.formats.gguf_model import GgufTensor
 from qpage.formats.gptq import GptqConfig
 from qpage.formats.safetensors_io import lazy_tensors, write_file
 from qpage.kernels.packing import dequantize_ref, pack_cols, pack_rows
-from qpage.layers.fp8_linear import Fp8Linear
+from qpage.layers.linear.fp8_linear import Fp8Linear
 from qpage.models.arch import ArchConfig
 from qpage.models.sharding import check_parallel, plan_shards, shard_fp8, shard_gptq, shard_weight
 

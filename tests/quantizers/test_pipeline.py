@@ -58,7 +58,7 @@ def test_checkpoint_layout(int4_dir: Path) -> None:
 def test_quantized_model_runs_the_dequantized_weights(int4_dir: Path, default_model_dir: Path) -> None:
     """The engine's weight for down_proj equals RTN's dequantization of the source: exactly when
     dequantized on request, and on the block kernels within the fp16 rounding of each block's
-    offset ``m = -s z`` (2^-11 |s z|, kernels.cpu.int_blocks)."""
+    offset ``m = -s z`` (2^-11 |s z|, kernels.cpu.matmul.int_blocks)."""
     src = load_file(str(default_model_dir / "model.safetensors"))["model.layers.3.mlp.down_proj.weight"]
     q, s, z = quantize_rtn(src, 4, 128, False)
     want = dequantize_rtn(q, s, z, 128)  # [out, in]

@@ -1,6 +1,6 @@
 """Write this step's K and V into the paged cache, quantizing to FP8 when the cache is FP8.
 
-Cache layout per layer (``layers/attention.py``): ``k_cache``, ``v_cache`` of shape
+Cache layout per layer (``layers/attention/backends.py``): ``k_cache``, ``v_cache`` of shape
 [num_blocks, BLOCK_SIZE, kv_heads, head_dim], flattened to slots: token slot ``s`` is
 block ``s // BLOCK_SIZE``, offset ``s % BLOCK_SIZE``; ``slot_mapping[t] = -1`` skips
 token t (padding). dtype: the model's (``auto``) or uint8 FP8 codes.

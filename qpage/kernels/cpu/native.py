@@ -1,12 +1,12 @@
-"""The fp32 CPU kernels in C (``csrc/``), compiled once with the system C compiler and
-called through ctypes: paged decode attention and the cache write (``cpu_attention.c``),
-RMSNorm with the residual add, SiLU-and-mul and rotary embedding (``cpu_ops.c``), and the
-same two cache kernels for the FP8 cache (``cpu_fp8.c``; wrappers in ``native_fp8``) and for
-the int8/int4 cache (``cpu_int.c``; wrappers in ``native_int``), and matmuls on weights in
-llama.cpp's block formats (``cpu_gguf.c``; their layouts in ``cpu_gguf_layout.c``, Q4_K/Q5_K,
-Q6_K and IQ4 in ``cpu_gguf_q4k.c``, ``cpu_gguf_q6k.c``, ``cpu_gguf_iq4.c``; wrappers in
-``native_gguf``) with a whole decode step over them
-(``cpu_decode.c``; ``native_decode``).
+"""The CPU kernels' C library (``csrc/``), compiled once with the system C compiler and
+called through ctypes. Its wrappers, by operation: paged decode attention and the cache
+write for an fp32 cache (``cpu_attention.c``; ``attention.native_fp32``), the FP8 cache
+(``cpu_fp8.c``; ``attention.native_fp8``) and the int8/int4 cache (``cpu_int.c``;
+``attention.native_int``); RMSNorm with the residual add, SiLU-and-mul and rotary embedding
+(``cpu_ops.c``; ``native_ops``); matmuls on weights in llama.cpp's block formats
+(``cpu_gguf.c``; their layouts in ``cpu_gguf_layout.c``, Q4_K/Q5_K, Q6_K and IQ4 in
+``cpu_gguf_q4k.c``, ``cpu_gguf_q6k.c``, ``cpu_gguf_iq4.c``; ``matmul.native_gguf``); and a
+whole decode step over them (``cpu_decode.c``; ``native_decode``).
 
 Why: at batch 1 the torch path spends most of its attention time gathering the sequence's
 blocks into one tensor and dispatching ops, and each norm and activation is several small
@@ -198,108 +198,3 @@ def unavailable_reason() -> str | None:
 def as_i64(t: torch.Tensor) -> torch.Tensor:
     """``t`` as contiguous int64 (itself when it already is: no copy on the hot path)."""
     return t if t.dtype == torch.int64 and t.is_contiguous() else t.to(torch.int64).contiguous()
-
-
-def paged_decode(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-    seq_lens: torch.Tensor, scale: float,
-) -> torch.Tensor:
-    """Decode attention, as ``TorchPagedAttention._decode`` computes it.
-
-    q: fp32 [n, H, hd] (heads contiguous; sequences may be strided); k_cache/v_cache: fp32
-    [num_blocks, block, kvh, hd] contiguous; block_table: int64 [n, >= blocks used];
-    seq_lens: int64 [n], each >= 1. Returns fp32 [n, H, hd].
-    """
-    lib = load()
-    assert lib is not None, "paged_decode needs the native kernels; check load() first"
-    n, h, hd = q.shape
-    nb, bs, kvh, hd_c = k_cache.shape
-    if (q.device.type != "cpu" or q.dtype != torch.float32 or k_cache.dtype != torch.float32
-            or q.stride(2) != 1 or q.stride(1) != hd or hd_c != hd or h % kvh or k_cache.shape != v_cache.shape
-            or block_table.shape[0] != n or not (k_cache.is_contiguous() and v_cache.is_contiguous())):
-        raise ValueError(f"paged_decode: unsupported layout q {tuple(q.shape)}/{q.stride()} {q.dtype}, "
-                         f"cache {tuple(k_cache.shape)} {k_cache.dtype}")
-    bt, lens = as_i64(block_table), as_i64(seq_lens)
-    out = torch.empty(n, h, hd, dtype=torch.float32)
-    rc = lib.qp_paged_decode_f32(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), bt.data_ptr(),
-                                 bt.stride(0), bt.shape[1], lens.data_ptr(), out.data_ptr(), n, h, kvh, hd, bs, scale,
-                                 nb)
-    if rc == -2:
-        raise ValueError(f"paged_decode: a seq_len < 1 or a block id outside [0, {nb}) in the block table")
-    if rc != 0:
-        raise MemoryError("paged_decode: could not allocate the score scratch")
-    return out
-
-
-def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """``write_kv_cache_ref`` for an fp32 cache: k, v fp32 [T, kvh, hd] (each token's heads
-    contiguous), slot -1 skipped."""
-    lib = load()
-    assert lib is not None, "write_kv needs the native kernels; check load() first"
-    t, kvh, hd = k.shape
-    row = kvh * hd
-    ok = all(x.dtype == torch.float32 and x.stride(2) == 1 and x.stride(1) == hd for x in (k, v))
-    ok = ok and k.shape == v.shape and k_cache.shape == v_cache.shape and tuple(k_cache.shape[2:]) == (kvh, hd)
-    if not ok or not (k_cache.is_contiguous() and v_cache.is_contiguous()) or k_cache.dtype != torch.float32:
-        raise ValueError("write_kv: unsupported layout or dtype")
-    slots = as_i64(slot_mapping)
-    n_slots = k_cache.shape[0] * k_cache.shape[1]
-    rc = lib.qp_write_kv_f32(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k_cache.data_ptr(),
-                             v_cache.data_ptr(), slots.data_ptr(), t, row, n_slots)
-    if rc != 0:
-        raise ValueError(f"write_kv: a slot outside [-1, {n_slots}) in slot_mapping")
-
-
-def _rows_ok(x: torch.Tensor, width: int) -> bool:
-    """fp32 on CPU, 2-D, ``width`` contiguous floats per row."""
-    return (x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and x.shape[1] >= width
-            and (x.stride(1) == 1 or x.shape[1] == 1))
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``F.rms_norm(x, (dim,), weight, eps)`` for fp32 x [T, dim] (rows may be strided)."""
-    lib = load()
-    assert lib is not None, "rms_norm needs the native kernels; check load() first"
-    t, dim = x.shape
-    if not _rows_ok(x, dim) or not weight.is_contiguous() or weight.shape != (dim,):
-        raise ValueError(f"rms_norm: unsupported input {tuple(x.shape)}/{x.stride()} {x.dtype}")
-    out = torch.empty(t, dim, dtype=torch.float32)
-    lib.qp_rms_norm_f32(x.data_ptr(), x.stride(0), out.data_ptr(), weight.data_ptr(), t, dim, eps)
-    return out
-
-
-def add_rms_norm_(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
-    """In place: ``residual += x``, then ``x = rms_norm(residual) * weight`` (fp32 [T, dim], contiguous)."""
-    lib = load()
-    assert lib is not None, "add_rms_norm_ needs the native kernels; check load() first"
-    t, dim = x.shape
-    if (not (x.is_contiguous() and residual.is_contiguous() and weight.is_contiguous()) or residual.shape != x.shape
-            or weight.shape != (dim,) or not _rows_ok(x, dim) or residual.dtype != torch.float32):
-        raise ValueError(f"add_rms_norm_: unsupported inputs {tuple(x.shape)}, {tuple(residual.shape)}")
-    lib.qp_add_rms_norm_f32(x.data_ptr(), residual.data_ptr(), weight.data_ptr(), t, dim, eps)
-
-
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up`` for fp32 gate_up [T, 2 * inter] (gate first); returns [T, inter]."""
-    lib = load()
-    assert lib is not None, "silu_mul needs the native kernels; check load() first"
-    t, width = gate_up.shape
-    if not _rows_ok(gate_up, width) or width % 2:
-        raise ValueError(f"silu_mul: unsupported input {tuple(gate_up.shape)}/{gate_up.stride()} {gate_up.dtype}")
-    out = torch.empty(t, width // 2, dtype=torch.float32)
-    lib.qp_silu_mul_f32(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), t, width // 2)
-    return out
-
-
-def rope_(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, heads: int) -> None:
-    """In place on the first ``heads`` heads of x fp32 [T, >= heads, hd]:
-    ``apply_rotary`` with cos and signed_sin contiguous [T, hd] (rows of the rotary tables)."""
-    lib = load()
-    assert lib is not None, "rope_ needs the native kernels; check load() first"
-    t, nh, hd = x.shape
-    ok = (x.device.type == "cpu" and x.dtype == torch.float32 and x.stride(2) == 1 and x.stride(1) == hd
-          and heads <= nh and cos.shape == (t, hd) and signed_sin.shape == (t, hd) and cos.is_contiguous()
-          and signed_sin.is_contiguous() and cos.dtype == signed_sin.dtype == torch.float32)
-    if not ok or lib.qp_rope_f32(x.data_ptr(), x.stride(0), cos.data_ptr(), signed_sin.data_ptr(), t, heads, hd):
-        raise ValueError(f"rope_: unsupported input {tuple(x.shape)}/{x.stride()} with cos {tuple(cos.shape)}")

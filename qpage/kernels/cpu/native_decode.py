@@ -15,8 +15,8 @@ from itertools import pairwise
 
 import torch
 
+from qpage.kernels.cpu.matmul.native_gguf import PiecewiseMatmul
 from qpage.kernels.cpu.native import as_i64, load
-from qpage.kernels.cpu.native_gguf import PiecewiseMatmul
 
 _p, _i32, _i64, _f = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
 

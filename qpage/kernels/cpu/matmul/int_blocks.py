@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from qpage.kernels.cpu.native_gguf import Q4_0, Q4_1, Q8_0
+from qpage.kernels.cpu.matmul.native_gguf import Q4_0, Q4_1, Q8_0
 
 BLOCK = 32
 FP16_MAX = 65504.0

@@ -1,6 +1,6 @@
 """Layers whose weights are in a block format of the CPU kernels: a linear (possibly fused
 from several projections, each in its own format) from a GGUF file or a bitsandbytes 4-bit
-checkpoint (a GGUF file's token embedding: ``layers.embedding``).
+checkpoint (a GGUF file's token embedding: ``layers.linear.embedding``).
 
 The parts are kept as loaded (``formats.gguf_model.GgufTensor``, ``formats.bnb.Bnb4Tensor``,
 or fp32 for float tensors); ``prepare`` hands them to the kernel selector (``linear_kernels``), which
@@ -15,8 +15,8 @@ import torch
 from qpage.formats import bnb
 from qpage.formats.gguf_model import GgufConfig, GgufTensor
 from qpage.formats.gguf_reader import F32
-from qpage.layers.linear_kernels import LinearSpec
-from qpage.layers.quant_base import QuantLinearBase
+from qpage.layers.linear.linear_kernels import LinearSpec
+from qpage.layers.linear.quant_base import QuantLinearBase
 
 Part = GgufTensor | torch.Tensor
 

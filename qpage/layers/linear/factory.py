@@ -13,10 +13,10 @@ from qpage.formats.bnb import BnbConfig
 from qpage.formats.detect import LinearConfig
 from qpage.formats.fp8 import Fp8Config
 from qpage.formats.gguf_model import GgufConfig
-from qpage.layers.block_linear import BlockLinear
-from qpage.layers.fp8_linear import Fp8Linear
-from qpage.layers.linear_kernels import LinearSpec, Matmul, build_linear
-from qpage.layers.quant_linear import IntLinear
+from qpage.layers.linear.block_linear import BlockLinear
+from qpage.layers.linear.fp8_linear import Fp8Linear
+from qpage.layers.linear.linear_kernels import LinearSpec, Matmul, build_linear
+from qpage.layers.linear.quant_linear import IntLinear
 
 
 class Linear(nn.Module):

@@ -31,7 +31,8 @@ import torch.nn.functional as F
 from qpage.formats.gguf_model import GgufTensor
 from qpage.formats.gguf_reader import BF16, FLOAT_TYPES, type_name
 from qpage.kernels import block_matmul
-from qpage.kernels.cpu import blas, int_blocks, native, native_gguf, packed
+from qpage.kernels.cpu import native
+from qpage.kernels.cpu.matmul import blas, int_blocks, native_gguf, packed
 from qpage.kernels.fp8.matmul import fp8_matmul
 from qpage.kernels.int_matmul import int_matmul
 from qpage.kernels.packing import unpack_cols, unpack_rows
@@ -166,7 +167,7 @@ class TritonFp8:
 
 
 class CpuPackedInt:
-    """torch's packed CPU matmuls (``kernels.cpu.packed``): the weight stays at 4 or 8 bits."""
+    """torch's packed CPU matmuls (``kernels.cpu.matmul.packed``): the weight stays at 4 or 8 bits."""
 
     schemes, looks_up = ("int",), False
 
@@ -216,7 +217,7 @@ def blocks_reason(device: torch.device, ggml_types: tuple[int, ...], k: int) -> 
 
 
 class CpuBlockWeights:
-    """Block-format weights kept packed on CPU (``kernels.cpu.native_gguf``): each run of
+    """Block-format weights kept packed on CPU (``kernels.cpu.matmul.native_gguf``): each run of
     consecutive parts in one format is repacked into one weight; float parts run on BLAS. A
     table (an embedding) in one block format dequantizes its rows from the same packed weight
     its tied head multiplies with, so the table is held once."""
@@ -299,7 +300,7 @@ class TritonBlocks:
 
 class CpuIntBlocks:
     """GPTQ/AWQ/compressed-tensors INT4/INT8 written once as Q4_0/Q4_1/Q8_0 blocks
-    (``kernels.cpu.int_blocks``) and run on the block kernels, act-order included."""
+    (``kernels.cpu.matmul.int_blocks``) and run on the block kernels, act-order included."""
 
     name, schemes, looks_up = "cpu-blocks", ("int",), False
 

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from qpage.kernels.cpu import block_rewrite
+from qpage.kernels.cpu.matmul import block_rewrite
 from qpage.kernels.cpu.native import as_i64, load
 
 BLOCK = 32

@@ -17,8 +17,9 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
-from qpage.kernels.cpu import blas_attention, native, native_fp8, native_int
-from qpage.layers.attention_metadata import (
+from qpage.kernels.cpu.attention import blas_attention, native_fp8, native_fp32, native_int
+from qpage.layers.attention.kv_format import Fp8KV, IntKV, KVCacheSpec, LayerKV, gather_kv
+from qpage.layers.attention.metadata import (
     AttentionBatch,
     AttentionMetadata,
     DecodeGroup,
@@ -26,7 +27,6 @@ from qpage.layers.attention_metadata import (
     build_torch_metadata,
     mask_bias,
 )
-from qpage.layers.kv_format import Fp8KV, IntKV, KVCacheSpec, LayerKV, gather_kv
 
 
 class AttentionBackend(Protocol):
@@ -126,7 +126,7 @@ class TorchPagedAttention:
 
 
 class CpuBlasPagedAttention(TorchPagedAttention):
-    """fp32 on CPU: the same gathers, with the matmuls on NumPy's BLAS (``kernels.cpu.blas_attention``)."""
+    """fp32 on CPU: the same gathers, with the matmuls on NumPy's BLAS (``kernels.cpu.attention.blas_attention``)."""
 
     name = "cpu-blas"
 
@@ -198,11 +198,11 @@ def _seq_lens(d: DecodeGroup) -> torch.Tensor:
 
 
 def _write_plain(k: torch.Tensor, v: torch.Tensor, cache: LayerKV, slot_mapping: torch.Tensor) -> None:
-    native.write_kv(k, v, cache.k, cache.v, slot_mapping)
+    native_fp32.write_kv(k, v, cache.k, cache.v, slot_mapping)
 
 
 def _decode_plain(q: torch.Tensor, cache: LayerKV, d: DecodeGroup, scale: float) -> torch.Tensor:
-    return native.paged_decode(q, cache.k, cache.v, d.block_table, _seq_lens(d), scale)
+    return native_fp32.paged_decode(q, cache.k, cache.v, d.block_table, _seq_lens(d), scale)
 
 
 def _write_fp8(k: torch.Tensor, v: torch.Tensor, cache: Fp8KV, slot_mapping: torch.Tensor) -> None:

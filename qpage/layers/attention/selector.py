@@ -16,9 +16,9 @@ import torch
 from qpage.config import ATTENTION_BACKENDS, INT_BITS
 from qpage.kernels.cpu import native
 from qpage.kernels.triton_utils import INSTALLED, INTERPRET
-from qpage.layers.attention import CpuBlasPagedAttention, CpuNativePagedAttention, TorchPagedAttention
-from qpage.layers.attention_triton import TritonPagedAttention
-from qpage.layers.kv_format import KVCacheSpec
+from qpage.layers.attention.backends import CpuBlasPagedAttention, CpuNativePagedAttention, TorchPagedAttention
+from qpage.layers.attention.kv_format import KVCacheSpec
+from qpage.layers.attention.triton_backend import TritonPagedAttention
 
 logger = logging.getLogger("qpage")
 

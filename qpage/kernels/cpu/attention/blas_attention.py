@@ -5,7 +5,7 @@ is slow for batched decode and prefill, and torch's bmm with a skinny right-hand
 decode case) is several times slower than OpenBLAS's (docs/cpu.md). These paths gather K/V
 once per layer (``gather_blocks``) and give every matmul to OpenBLAS.
 
-Cache layout (as ``qpage.layers.attention``): ``[num_blocks, BLOCK, kvh, hd]`` per layer.
+Cache layout (as ``qpage.layers.attention.backends``): ``[num_blocks, BLOCK, kvh, hd]`` per layer.
 
 Decode (one query token per sequence, n sequences batched): K of one sequence viewed as
 ``[L, kvh*hd]`` is multiplied by a block-diagonal query matrix ``[kvh*hd, H]`` whose

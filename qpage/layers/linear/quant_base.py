@@ -8,7 +8,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from qpage.layers.linear_kernels import LinearSpec, Matmul, build_linear
+from qpage.layers.linear.linear_kernels import LinearSpec, Matmul, build_linear
 
 
 class QuantLinearBase(nn.Module):

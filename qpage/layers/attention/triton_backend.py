@@ -16,8 +16,8 @@ from qpage.kernels.attention.cache_write import write_kv_cache
 from qpage.kernels.attention.decode import paged_attention_decode
 from qpage.kernels.attention.int_cache import dequantize_blocks, paged_decode_int, write_int_cache
 from qpage.kernels.attention.prefill import paged_attention_prefill
-from qpage.layers.attention_metadata import AttentionBatch, SeqSpan, decode_groups
-from qpage.layers.kv_format import Fp8KV, IntKV, KVCacheSpec, LayerKV
+from qpage.layers.attention.kv_format import Fp8KV, IntKV, KVCacheSpec, LayerKV
+from qpage.layers.attention.metadata import AttentionBatch, SeqSpan, decode_groups
 
 
 @dataclass

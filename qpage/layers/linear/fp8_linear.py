@@ -14,8 +14,8 @@ import torch
 
 from qpage.formats.fp8 import Fp8Config, check_linear
 from qpage.formats.safetensors_io import LazyTensor
-from qpage.layers.linear_kernels import LinearSpec
-from qpage.layers.quant_base import QuantLinearBase
+from qpage.layers.linear.linear_kernels import LinearSpec
+from qpage.layers.linear.quant_base import QuantLinearBase
 
 
 class Fp8Linear(QuantLinearBase):

@@ -13,8 +13,8 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from qpage.layers.block_linear import Part, check_shape, dequantized, ggml_type
-from qpage.layers.linear_kernels import LinearSpec, Matmul, build_linear
+from qpage.layers.linear.block_linear import Part, check_shape, dequantized, ggml_type
+from qpage.layers.linear.linear_kernels import LinearSpec, Matmul, build_linear
 
 
 class Embedding(nn.Module):

@@ -1,0 +1,2 @@
+"""Linear layers (dense, INT, FP8, block formats), the token embedding, and the one kernel
+selector they share (``linear_kernels``)."""
