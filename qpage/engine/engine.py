@@ -26,13 +26,14 @@ from qpage.engine.structured import GrammarCompiler, Guide, token_masks
 from qpage.formats import gguf_model
 from qpage.formats.gguf_model import is_gguf
 from qpage.formats.gguf_reader import GgufFile
+from qpage.layers.attention.kv_calibration import CALIBRATION_TEXT
 from qpage.layers.attention.kv_format import KVCacheSpec
 from qpage.layers.linear.block_linear import BlockLinear
+from qpage.layers.linear.embedding import Embedding
 from qpage.models.arch import ArchConfig
-from qpage.models.loader import load_model, read_arch_config, resolve_dtype, resolve_model_dir
+from qpage.models.loader import read_arch_config, resolve_dtype, resolve_model_dir
 from qpage.models.sharding import check_parallel, plan_shards
-from qpage.parallel.comm import TensorParallelError
-from qpage.runner.model_runner import ModelRunner
+from qpage.parallel.comm import Collectives, TensorParallelError
 from qpage.runner.sampler import Sampler
 from qpage.runner.tp_workers import RankReport, RankSetup, Workers, build_rank, rank_device
 from qpage.sampling_params import SamplingParams
@@ -114,19 +115,14 @@ class LLMEngine:
         self.workers: Workers | None = None
         self.rank_reports: list[RankReport] = []
         """With tensor parallelism: what each rank holds (weights, KV bytes and heads)."""
+        setup = RankSetup(self.model_dir, self.arch, self.dtype, mc.device, self.max_model_len, num_blocks,
+                          self.kv_spec, mc.attention_backend, mc.allow_pickle, mc.dequantize_weights)
         if tp == 1:
-            self.model = load_model(
-                self.model_dir, self.arch, self.dtype, self.device, self.max_model_len, mc.allow_pickle,
-                mc.dequantize_weights,
-            )
-            self.runner = ModelRunner(self.model, self.arch, num_blocks, self.dtype, self.device,
-                                      kv_spec=self.kv_spec, attention_backend=mc.attention_backend,
-                                      sampler=self._sampler())
+            self.runner, _ = build_rank(setup, Collectives.solo(), self._sampler())
+            self.model = self.runner.model
         else:
-            self._start_ranks(num_blocks)
+            self._start_ranks(setup)
         if self.kv_spec.centered:
-            from qpage.layers.attention.kv_calibration import CALIBRATION_TEXT
-
             ids = self.tokenizer.encode(CALIBRATION_TEXT, add_special_tokens=False)
             self._run_ranks(lambda: self.runner.calibrate_kv_shifts(ids[: min(512, self.max_model_len)]))
         self.metrics = EngineMetrics()
@@ -143,14 +139,12 @@ class LLMEngine:
                 flush=True,
             )
 
-    def _start_ranks(self, num_blocks: int) -> None:
+    def _start_ranks(self, setup: RankSetup) -> None:
         """Start the tensor-parallel group: the workers build their parts while this process
         (rank 0) builds its own; raise the first rank's load error, if any."""
-        mc, pc = self.config.model, self.config.parallel
+        pc = self.config.parallel
         self.workers = Workers(pc.tensor_parallel_size, pc.distributed_timeout, str(self.device))
         self._finalizer = weakref.finalize(self, self.workers.close)  # workers stop when this engine goes
-        setup = RankSetup(self.model_dir, self.arch, self.dtype, mc.device, self.max_model_len, num_blocks,
-                          self.kv_spec, mc.attention_backend, mc.allow_pickle, mc.dequantize_weights)
         comm = self.workers.comm
         try:
             comm.broadcast(setup, pc.distributed_timeout)
@@ -206,7 +200,7 @@ class LLMEngine:
         paths = self.kernel_paths()["quantized_linears"]
         mib = sum(m.weight_bytes for m in mods) / 2**20
         note = f"; quantized linears: {', '.join(f'{n} {p}' for p, n in sorted(paths.items()))} ({mib:.0f} MiB)"
-        embed = self.model.embed_tokens
+        embed = next(m for m in self.model.modules() if isinstance(m, Embedding))
         if embed.packed:  # a GGUF embedding, kept in its blocks where a kernel reads them
             note += f", embedding {embed.kernel_path} ({embed.weight_bytes / 2**20:.0f} MiB)"
         if self.model.decode_stack is not None:

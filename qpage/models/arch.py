@@ -36,6 +36,11 @@ class ArchConfig:
     torch_dtype: str
     quantization: dict[str, Any] | None = None
     """``quantization_config`` of a quantized checkpoint (validated by its format reader)."""
+    o_proj_inputs: int | None = None
+    """o_proj's input width when it is not ``q_size``: a tensor-parallel rank's part whose input
+    columns split by whole quantization groups (``models.sharding.ShardPlan.local_arch``)."""
+    down_proj_inputs: int | None = None
+    """Likewise for down_proj (else ``intermediate_size``)."""
 
     @property
     def q_size(self) -> int:

@@ -32,7 +32,7 @@ from qpage.layers.ops import TORCH_OPS, TorchOps, select_ops
 from qpage.layers.rotary import RotaryEmbedding, apply_rotary
 from qpage.models.arch import ArchConfig
 from qpage.models.fused_decode import build_decode_stack, decode_only, run_decode_stack
-from qpage.models.sharding import Rank, row_group, shard_weight
+from qpage.models.sharding import WHOLE_MODEL, PartLoader
 
 KVCache = LayerKV
 QuantLinear = IntLinear | Fp8Linear | BlockLinear
@@ -58,24 +58,13 @@ def _quant(c: ArchConfig) -> LinearConfig | None:
     return linear_config(c.quantization, "config.json") if c.quantization else None
 
 
-def _row_inputs(c: ArchConfig, proj: str, tp: Rank | None) -> int:
-    """Input width of a row-parallel projection (o_proj, down_proj) on this rank."""
-    if tp is None:
-        return c.q_size if proj == "o_proj" else c.intermediate_size
-    a, b = tp.plan.row_inputs(proj, tp.arch, row_group(_quant(c)))
-    return b - a
-
-
 class Attention(nn.Module):
-    def __init__(self, c: ArchConfig, tp: Rank | None = None) -> None:
+    def __init__(self, c: ArchConfig) -> None:
         super().__init__()
         self.c = c
         q = _quant(c)
         self.qkv_proj = make_linear(c.hidden_size, c.q_size + 2 * c.kv_size, c.qkv_bias, q)
-        self.o_proj = make_linear(_row_inputs(c, "o_proj", tp), c.hidden_size, c.o_bias, q)
-        self.tp = tp
-        self.o_cols: torch.Tensor | None = None
-        """With tensor parallelism: the global input columns o_proj reads (``Rank.row_parallel``)."""
+        self.o_proj: nn.Module = make_linear(c.o_proj_inputs or c.q_size, c.hidden_size, c.o_bias, q)
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
         self.scale = c.head_dim**-0.5
@@ -98,37 +87,29 @@ class Attention(nn.Module):
         q, k, v = cache.transform.apply(q, k, v)  # centering/rotation of a quantized cache (exact)
         backend.write_cache(k, v, cache, meta.slot_mapping)
         out = cache.transform.restore(backend.attend(q, k, v, cache, meta, self.scale))
-        out = out.reshape(t, c.q_size)
-        if self.tp is not None:
-            return self.tp.row_parallel(self.o_proj.forward, out, "o_proj", self.o_cols)
-        return self.o_proj.forward(out)
+        return self.o_proj.forward(out.reshape(t, c.q_size))
 
 
 class MLP(nn.Module):
-    def __init__(self, c: ArchConfig, tp: Rank | None = None) -> None:
+    def __init__(self, c: ArchConfig) -> None:
         super().__init__()
         q = _quant(c)
         self.gate_up_proj = make_linear(c.hidden_size, 2 * c.intermediate_size, c.mlp_bias, q)
-        self.down_proj = make_linear(_row_inputs(c, "down_proj", tp), c.hidden_size, c.mlp_bias, q)
+        self.down_proj: nn.Module = make_linear(c.down_proj_inputs or c.intermediate_size, c.hidden_size,
+                                                c.mlp_bias, q)
         self.ops: TorchOps = TORCH_OPS
-        self.tp = tp
-        self.down_cols: torch.Tensor | None = None
-        """With tensor parallelism: the global input columns down_proj reads."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.ops.silu_mul(self.gate_up_proj.forward(x))
-        if self.tp is not None:
-            return self.tp.row_parallel(self.down_proj.forward, h, "down_proj", self.down_cols)
-        return self.down_proj.forward(h)
+        return self.down_proj.forward(self.ops.silu_mul(self.gate_up_proj.forward(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, c: ArchConfig, tp: Rank | None = None) -> None:
+    def __init__(self, c: ArchConfig) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.self_attn = Attention(c, tp)
+        self.self_attn = Attention(c)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.mlp = MLP(c, tp)
+        self.mlp = MLP(c)
 
     def forward(
         self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
@@ -157,19 +138,19 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, c: ArchConfig, max_positions: int, dtype: torch.dtype, tp: Rank | None = None) -> None:
-        """``c`` is the shape this process holds: with tensor parallelism (``tp``) the rank's
-        part, ``tp.plan.local_arch(tp.arch)``."""
+    def __init__(self, c: ArchConfig, max_positions: int, dtype: torch.dtype) -> None:
+        """``c`` is the shape this process holds: the whole model, or a tensor-parallel rank's
+        part (``models.sharding``, which also wraps the split layers in their collectives)."""
         super().__init__()
         self.config = c
         self.dtype = dtype
-        self.tp = tp
         gguf = isinstance(_quant(c), GgufConfig)  # a GGUF file: every tensor keeps its own format
         self.embed_tokens = Embedding(c.vocab_size, c.hidden_size, packed=gguf, tied=c.tie_word_embeddings)
-        self.layers = nn.ModuleList(DecoderLayer(c, tp) for _ in range(c.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.lm_head = None if c.tie_word_embeddings else make_linear(c.hidden_size, c.vocab_size, False,
-                                                                       _quant(c) if gguf else None)
+        head_quant = _quant(c) if gguf else None  # only a GGUF file's head may be quantized
+        self.lm_head: nn.Module | None = (
+            None if c.tie_word_embeddings else make_linear(c.hidden_size, c.vocab_size, False, head_quant))
         self.rotary = RotaryEmbedding(c.head_dim, max_positions, c.rope_theta, c.rope_scaling, dtype)
         self.ops: TorchOps = TORCH_OPS
         """The small ops every layer uses (``layers.ops``), chosen at ``prepare``."""
@@ -198,8 +179,7 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:  # not q_norm/k_norm: they normalise [T, heads, head_dim] views
             for m in (layer.input_layernorm, layer.post_attention_layernorm, layer.self_attn, layer.mlp):
                 m.ops = self.ops
-        # The fused step has no collectives: with tensor parallelism decode runs the Python layers.
-        self.decode_stack = build_decode_stack(self) if self.tp is None else None
+        self.decode_stack = build_decode_stack(self)
 
     def runs_own_threads(self) -> bool:
         """Whether matmuls run on the block-format kernels, which split rows across the cores
@@ -217,8 +197,7 @@ class LlamaForCausalLM(nn.Module):
         meta: StepMetadata, backend: AttentionBackend,
     ) -> torch.Tensor:
         """Hidden states after the final norm, [num_tokens, hidden]."""
-        h = (self.embed_tokens.forward(input_ids) if self.tp is None
-             else self.tp.embed(input_ids, self.embed_tokens.forward))
+        h = self.embed_tokens.forward(input_ids)
         cos, sin = self.rotary.lookup(positions)
         if self.decode_stack is not None and decode_only(meta):
             h, res = run_decode_stack(self.decode_stack, h, cos, sin, caches, meta)  # type: ignore[arg-type]
@@ -231,13 +210,9 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Logits [rows, vocab]; with tensor parallelism on rank 0 only (None on the others)."""
-        logits = self._local_logits(hidden)
-        return logits if self.tp is None else self.tp.logits(logits)
-
-    def _local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:
             return self.embed_tokens.head(hidden.contiguous())
-        return self.lm_head(hidden)
+        return self.lm_head.forward(hidden)
 
     # ------------------------------------------------------------------ weights
     def weight_targets(self) -> dict[str, tuple[torch.Tensor, int, int]]:
@@ -303,9 +278,11 @@ class LlamaForCausalLM(nn.Module):
         return out
 
     @torch.no_grad()
-    def load_weights(self, tensors: Iterable[tuple[str, str, torch.Tensor | LazyTensor | GgufTensor]]) -> None:
-        """Copy (file, name, tensor) triples into the model, checking every shape; a rank of a
-        split model reads only its slices of ``LazyTensor`` s."""
+    def load_weights(self, tensors: Iterable[tuple[str, str, torch.Tensor | LazyTensor | GgufTensor]],
+                     parts: PartLoader = WHOLE_MODEL) -> None:
+        """Copy (file, name, tensor) triples into the model, checking every shape. ``parts``
+        takes what this process holds of each tensor: the whole, or a rank's slices (of a
+        ``LazyTensor``, only they are read)."""
         targets = self.weight_targets()
         qtargets = self.quant_targets()
         pending: dict[str, dict[str, torch.Tensor]] = {}
@@ -316,16 +293,16 @@ class LlamaForCausalLM(nn.Module):
             prefix, _, suffix = name.rpartition(".")
             prefix, suffix = bnb.split_name(name) or (prefix, suffix)
             quant_part = prefix in qtargets and suffix in QUANT_SUFFIXES
-            if self.tp is not None and not quant_part:  # a quantized projection is split in _load_quant
-                lazy = shard_weight(name, lazy, self.tp.plan, self.tp.arch)
+            if not quant_part:  # a quantized projection's parts go to ``parts.quant`` together
+                lazy = parts.dense(name, lazy)
             if quant_part:
                 if suffix == "input_scale":
                     continue  # static FP8 activation scales: qpage keeps activations unquantized
-                parts = pending.setdefault(prefix, {})
-                parts[suffix] = lazy  # read in _load_quant
+                held = pending.setdefault(prefix, {})
+                held[suffix] = lazy  # read in parts.quant
                 pending_file[prefix] = file
-                if qtargets[prefix][0].wants(parts):
-                    self._load_quant(prefix, pending.pop(prefix), qtargets, file)
+                if qtargets[prefix][0].wants(held):
+                    parts.quant(qtargets[prefix], prefix, pending.pop(prefix), file)
                     seen.add(prefix)
                 continue
             t = lazy.read() if isinstance(lazy, LazyTensor) else lazy
@@ -353,8 +330,8 @@ class LlamaForCausalLM(nn.Module):
             dest[off : off + rows].copy_(t)
             seen.add(name)
         self.kv_scales = {i: (d["k"], d["v"]) for i, d in found.items() if "k" in d and "v" in d}
-        for prefix, parts in pending.items():  # no g_idx (allowed: groups in order)
-            self._load_quant(prefix, parts, qtargets, pending_file[prefix])
+        for prefix, held in pending.items():  # no g_idx (allowed: groups in order)
+            parts.quant(qtargets[prefix], prefix, held, pending_file[prefix])
             seen.add(prefix)
         missing = sorted((set(targets) | set(qtargets)) - seen)
         if missing:
@@ -363,16 +340,3 @@ class LlamaForCausalLM(nn.Module):
                 f"checkpoint is missing tensors {missing[:5]}{more}; it is incomplete or not a "
                 f"{self.config.architecture}"
             )
-
-    def _load_quant(self, prefix: str, parts: dict[str, torch.Tensor],
-                    qtargets: dict[str, tuple[QuantLinear | Embedding, int, int]],
-                    file: str) -> None:
-        mod, off, cols = qtargets[prefix]
-        if self.tp is None:
-            mod.load_part(prefix, parts, off, cols, file)
-            return
-        inputs = self.tp.load_part(mod, prefix, parts, off, cols, file)
-        if prefix.endswith("o_proj"):
-            self.layers[int(prefix.split(".")[2])].self_attn.o_cols = inputs
-        elif prefix.endswith("down_proj"):
-            self.layers[int(prefix.split(".")[2])].mlp.down_cols = inputs

@@ -20,7 +20,7 @@ from qpage.formats.gguf_reader import GgufFile
 from qpage.formats.safetensors_io import LazyTensor, lazy_tensors
 from qpage.models.arch import ArchConfig, parse_arch_config
 from qpage.models.registry import model_class
-from qpage.models.sharding import Rank
+from qpage.models.sharding import WHOLE_MODEL, Rank
 
 DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -122,19 +122,22 @@ def iter_tensors(files: list[Path], lazy: bool = False) -> Iterator[tuple[str, s
 def load_model(
     model_dir: Path, arch: ArchConfig, dtype: torch.dtype, device: torch.device,
     max_positions: int, allow_pickle: bool = False, dequantize_weights: bool = False,
-    tp: Rank | None = None,
+    rank: Rank | None = None,
 ) -> torch.nn.Module:
-    """The model with its weights, kernels chosen; with ``tp``, this rank's part of it."""
+    """The model with its weights, kernels chosen; with ``rank`` (a split model), this rank's
+    part of it, its split layers wrapped in their collectives."""
     cls = model_class(arch.architecture)
     with torch.device("cpu"):
-        model = cls(arch, max_positions, dtype) if tp is None else cls(tp.plan.local_arch(arch), max_positions,
-                                                                        dtype, tp)
+        model = cls(arch if rank is None else rank.plan.local_arch(arch), max_positions, dtype)
     model.to(dtype)
+    parts = WHOLE_MODEL if rank is None else rank
     if is_gguf(model_dir):
-        model.load_weights(iter_gguf_tensors(GgufFile(model_dir)))
+        model.load_weights(iter_gguf_tensors(GgufFile(model_dir)), parts)
     else:
-        model.load_weights(iter_tensors(weight_files(model_dir, allow_pickle), lazy=tp is not None))
+        model.load_weights(iter_tensors(weight_files(model_dir, allow_pickle), lazy=rank is not None), parts)
     model.to_device(device)
     model.prepare(dequantize_weights)
+    if rank is not None:
+        rank.wrap(model)
     model.eval()
     return model

@@ -14,7 +14,7 @@ its group of query heads (as vLLM does). When the KV heads do not divide by N (S
 3 over 2 ranks) the ranks get unequal whole groups; the KV cache is sized for the largest.
 
 Quantized weights are validated (and converted) by their layer at the whole model's shape,
-then sliced (``Rank.load_part``), so their scales go with their weights. Row-parallel layers
+then sliced (``Rank.quant``), so their scales go with their weights. Row-parallel layers
 whose scales cover groups of input columns (GPTQ/AWQ/compressed-tensors groups, FP8 128x128
 blocks) split by whole groups, in the order of ``g_idx`` (the checkpoint's act-order): each
 rank's part is an ordinary in-order weight that the kernels run. When those columns are not
@@ -27,9 +27,8 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -45,6 +44,7 @@ from qpage.kernels.packing import pack_rows, unpack_rows
 from qpage.layers.linear.block_linear import BlockLinear
 from qpage.layers.linear.embedding import Embedding
 from qpage.layers.linear.fp8_linear import Fp8Linear
+from qpage.layers.linear.parallel import RowParallel, VocabParallelEmbedding, VocabParallelHead
 from qpage.layers.linear.quant_linear import IntLinear
 from qpage.models.arch import ArchConfig
 from qpage.parallel.comm import Collectives
@@ -90,10 +90,14 @@ class ShardPlan:
     vocab: tuple[int, int]
 
     def local_arch(self, arch: ArchConfig) -> ArchConfig:
-        """The shape of this rank's part: a smaller model of the same architecture."""
+        """The shape of this rank's part: a smaller model of the same architecture (its
+        row-parallel projections' input widths follow ``row_inputs``)."""
+        group = row_group(linear_config(arch.quantization, "config.json") if arch.quantization else None)
+        (o0, o1), (d0, d1) = (self.row_inputs(proj, arch, group) for proj in ROW_PARALLEL)
         return dataclasses.replace(
             arch, num_heads=self.heads[1] - self.heads[0], num_kv_heads=self.kv_heads[1] - self.kv_heads[0],
-            intermediate_size=self.intermediate[1] - self.intermediate[0], vocab_size=self.vocab[1] - self.vocab[0])
+            intermediate_size=self.intermediate[1] - self.intermediate[0], vocab_size=self.vocab[1] - self.vocab[0],
+            o_proj_inputs=o1 - o0, down_proj_inputs=d1 - d0)
 
     def own_inputs(self, proj: str, arch: ArchConfig) -> tuple[int, int]:
         """The input columns of a row-parallel projection this rank computes itself."""
@@ -301,10 +305,37 @@ def shard_gptq(prefix: str, parts: dict[str, torch.Tensor | None], plans: list[S
     return out, gather
 
 
+class PartLoader(Protocol):
+    """What a process holds of each checkpoint tensor (``LlamaForCausalLM.load_weights``)."""
+
+    def dense(self, name: str, t: Weight) -> Weight:
+        """A dense or block tensor (its ``.weight`` or ``.bias``) as this process holds it."""
+        ...
+
+    def quant(self, target: tuple[Module, int, int], prefix: str, parts: dict[str, Any], file: str) -> None:
+        """Store one quantized projection's parts (or a GGUF embedding) into its layer
+        (``target``: the layer, its first output row there, its rows)."""
+        ...
+
+
+class WholeModel:
+    """A model that is not split: every tensor whole."""
+
+    def dense(self, name: str, t: Weight) -> Weight:
+        return t
+
+    def quant(self, target: tuple[Module, int, int], prefix: str, parts: dict[str, Any], file: str) -> None:
+        mod, offset, cols = target
+        mod.load_part(prefix, parts, offset, cols, file)
+
+
+WHOLE_MODEL = WholeModel()
+
+
 @dataclass
 class Rank:
-    """This process's rank of a split model: every rank's share, the whole shape, and the
-    collectives the model's layers call."""
+    """This process's rank of a split model: every rank's share, the whole shape, what it
+    takes of each checkpoint tensor (a ``PartLoader``), and its layers' collectives (``wrap``)."""
 
     plans: list[ShardPlan]
     """Every rank's share, indexed by rank."""
@@ -315,6 +346,9 @@ class Rank:
     """Each row-parallel projection's own input columns per rank (its all-gather's widths)."""
     vocab_widths: list[int] = field(init=False)
     """Each rank's vocabulary columns (the logits' gather)."""
+    gathers: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Checkpoint prefix of a row-parallel projection -> the global input columns it gathers
+    (``_row_part``), for the ones that do."""
 
     def __post_init__(self) -> None:
         self.input_widths = {proj: [b - a for a, b in (p.own_inputs(proj, self.arch) for p in self.plans)]
@@ -325,49 +359,49 @@ class Rank:
     def plan(self) -> ShardPlan:
         return self.plans[self.comm.rank]
 
-    def embed(self, ids: torch.Tensor, lookup: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        """Vocabulary-parallel lookup: rows of this rank's tokens, zeros elsewhere, summed over ranks."""
-        v0, v1 = self.plan.vocab
-        inside = (ids >= v0) & (ids < v1)
-        h = lookup(torch.where(inside, ids - v0, 0))
-        h.masked_fill_(~inside[:, None], 0.0)
-        return self.comm.all_reduce(h)
+    def dense(self, name: str, t: Weight) -> Weight:
+        return shard_weight(name, t, self.plan, self.arch)
 
-    def logits(self, local: torch.Tensor) -> torch.Tensor | None:
-        """This rank's vocabulary columns -> the whole row on rank 0 (None on the others)."""
-        return self.comm.gather_cols(local, self.vocab_widths)
-
-    def load_part(self, mod: Module, prefix: str, parts: dict[str, Any], offset: int, cols: int,
-                  file: str) -> torch.Tensor | None:
-        """Store this rank's part of one quantized projection (or GGUF embedding) into ``mod``:
-        validated (and converted) by the layer at the whole model's shape, then sliced. Returns
-        the global input columns a row-parallel part gathers (see ``_row_part``), else None."""
+    def quant(self, target: tuple[Module, int, int], prefix: str, parts: dict[str, Any], file: str) -> None:
+        """Store this rank's part of one quantized projection (or GGUF embedding) into its
+        layer: validated (and converted) by the layer at the whole model's shape, then sliced.
+        A row-parallel part's global input columns, when it gathers them (``_row_part``), are
+        kept for ``wrap``."""
+        mod, offset, cols = target
         plan, rank, arch = self.plan, self.comm.rank, self.arch
         parts = read_parts(parts, _unread_parts(mod))
         if isinstance(mod, Embedding):
             mod.load_part(prefix, {"weight": shard_weight(f"{prefix}.weight", parts["weight"], plan, arch)}, offset,
                           cols, file)
-            return None
+            return
         whole = global_shape(prefix.rpartition(".")[2], arch)
         if isinstance(mod, IntLinear):
             part, inputs = shard_gptq(prefix, mod.check_part(prefix, parts, *whole, file), self.plans, rank, arch,
                                       mod.cfg)
             mod.store_part(prefix, part, offset, cols, file)
-            return inputs
-        if isinstance(mod, Fp8Linear):
+        elif isinstance(mod, Fp8Linear):
             codes, scale, inputs = shard_fp8(prefix, *mod.check_part(prefix, parts, *whole, file), self.plans, rank,
                                              arch, mod.cfg.block)
             mod.store_part(codes, scale, offset, cols)
-            return inputs
-        value = shard_weight(f"{prefix}.weight", mod.check_part(prefix, parts, *whole, file), plan, arch)
-        assert not isinstance(value, LazyTensor), "block formats are read by their layer's check_part"
-        mod.store_part(prefix, value, offset, cols, file)
-        return None
+        else:
+            value = shard_weight(f"{prefix}.weight", mod.check_part(prefix, parts, *whole, file), plan, arch)
+            assert not isinstance(value, LazyTensor), "block formats are read by their layer's check_part"
+            mod.store_part(prefix, value, offset, cols, file)
+            inputs = None
+        if inputs is not None:
+            self.gathers[prefix] = inputs
 
-    def row_parallel(self, forward: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, proj: str,
-                     cols: torch.Tensor | None) -> torch.Tensor:
-        """A row-parallel projection: partial sums over this rank's input columns, all-reduced.
-        ``cols`` (global input columns, see ``shard_gptq``) first all-gathers the input."""
-        if cols is not None:
-            x = self.comm.all_gather_cols(x, self.input_widths[proj])[:, cols]
-        return self.comm.all_reduce(forward(x))
+    def wrap(self, model: Any) -> None:
+        """Give a loaded and prepared Llama-family part its collectives (``layers.linear.parallel``):
+        the row-parallel projections all-reduce, the embedding and the head are split by
+        vocabulary. The fused decode step has no collectives: decode runs the Python layers."""
+        comm = self.comm
+        for i, layer in enumerate(model.layers):
+            for owner, proj in ((layer.self_attn, "o_proj"), (layer.mlp, "down_proj")):
+                kind = "self_attn" if proj == "o_proj" else "mlp"
+                cols = self.gathers.get(f"model.layers.{i}.{kind}.{proj}")
+                setattr(owner, proj, RowParallel(getattr(owner, proj), comm, self.input_widths[proj], cols))
+        model.embed_tokens = VocabParallelEmbedding(model.embed_tokens, self.plan.vocab, comm, self.vocab_widths)
+        if model.lm_head is not None:
+            model.lm_head = VocabParallelHead(model.lm_head, comm, self.vocab_widths)
+        model.decode_stack = None

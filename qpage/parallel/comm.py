@@ -29,10 +29,15 @@ class Collectives:
     rank: int
     world: int
     backend: str
-    compute: dist.ProcessGroup
-    control: dist.ProcessGroup
+    compute: dist.ProcessGroup | None
+    control: dist.ProcessGroup | None
     comm_seconds: float = 0.0
     """Time spent in collectives inside steps (for the benchmarks)."""
+
+    @classmethod
+    def solo(cls) -> Collectives:
+        """A world of one (a model that is not split): no group, and no layer calls a collective."""
+        return cls(0, 1, "none", None, None)
 
     @classmethod
     def join(cls, rank: int, world: int, init: str | dist.Store, timeout_s: float,

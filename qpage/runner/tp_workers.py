@@ -105,13 +105,14 @@ def _pin(rank: int, world: int, device: str) -> Callable[[], None]:
 
 def build_rank(setup: RankSetup, comm: Collectives, sampler: Sampler | None = None,
                broadcast: Callable[[Any], None] | None = None) -> tuple[ModelRunner, RankReport]:
-    """This rank's part of the model and of the KV cache (the driver passes its sampler and
-    how it sends commands to the workers)."""
-    tp = Rank(plan_shards(setup.arch, comm.world), setup.arch, comm)
+    """This rank's part of the model and of the KV cache (the driver passes its sampler and,
+    with workers, how it sends them commands). Every engine builds here: a model that is not
+    split is a world of one (``Collectives.solo``), which holds the whole model."""
+    rank = Rank(plan_shards(setup.arch, comm.world), setup.arch, comm)
     device = torch.device(rank_device(setup.device, comm.world, comm.rank))
     model = load_model(setup.model_dir, setup.arch, setup.dtype, device, setup.max_model_len,
-                       setup.allow_pickle, setup.dequantize_weights, tp)
-    local = tp.plan.local_arch(setup.arch)
+                       setup.allow_pickle, setup.dequantize_weights, rank if comm.world > 1 else None)
+    local = rank.plan.local_arch(setup.arch)
     runner = ModelRunner(model, local, setup.num_blocks, setup.dtype, device, kv_spec=setup.kv_spec,
                          attention_backend=setup.attention_backend, sampler=sampler, broadcast=broadcast)
     kv = setup.kv_spec.bytes_per_token(local.num_layers, local.num_kv_heads, local.head_dim)

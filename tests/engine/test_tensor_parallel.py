@@ -140,7 +140,7 @@ def test_fp8_and_bitsandbytes_weights_split(default_model_dir: Path, tmp_path: P
     try:
         assert_exact(ref, two)
         if scheme == "fp8-block":
-            assert llm.llm_engine.model.layers[0].self_attn.o_cols is not None
+            assert llm.llm_engine.model.layers[0].self_attn.o_proj.cols is not None
     finally:
         llm.shutdown()
     if scheme != "nf4":
@@ -224,10 +224,10 @@ def test_packed_two_ranks_match_one(request: pytest.FixtureRequest, which: str) 
         eng = llm.llm_engine
         assert eng.kernel_paths()["quantized_linears"] == {"cpu-blocks": 120}, "each rank's part runs packed"
         if which == "gguf":
-            assert eng.model.embed_tokens.kernel_path == "cpu-blocks"
+            assert eng.model.embed_tokens.inner.kernel_path == "cpu-blocks"
             assert sum(r.weight_bytes for r in eng.rank_reports) == pytest.approx(92.1 * 2**20, rel=0.03)
         else:
-            assert eng.model.layers[0].self_attn.o_cols is not None, "act-order o_proj reads gathered input columns"
+            assert eng.model.layers[0].self_attn.o_proj.cols is not None, "act-order o_proj gathers its input"
     finally:
         llm.shutdown()
 
