@@ -195,6 +195,14 @@ def unavailable_reason() -> str | None:
     return None if load() is not None else (_why_not or "not loaded")
 
 
+def check_decode(rc: int, name: str, num_blocks: int) -> None:
+    """Raise on a paged decode kernel's error code (-2: bad lengths or block ids; else no memory)."""
+    if rc == -2:
+        raise ValueError(f"{name}: a seq_len < 1 or a block id outside [0, {num_blocks}) in the block table")
+    if rc != 0:
+        raise MemoryError(f"{name}: could not allocate the score scratch")
+
+
 def as_i64(t: torch.Tensor) -> torch.Tensor:
     """``t`` as contiguous int64 (itself when it already is: no copy on the hot path)."""
     return t if t.dtype == torch.int64 and t.is_contiguous() else t.to(torch.int64).contiguous()

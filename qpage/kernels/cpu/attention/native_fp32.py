@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from qpage.kernels.cpu.native import as_i64, load
+from qpage.kernels.cpu.native import as_i64, check_decode, load
 
 
 def paged_decode(
@@ -32,10 +32,7 @@ def paged_decode(
     rc = lib.qp_paged_decode_f32(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), bt.data_ptr(),
                                  bt.stride(0), bt.shape[1], lens.data_ptr(), out.data_ptr(), n, h, kvh, hd, bs, scale,
                                  nb)
-    if rc == -2:
-        raise ValueError(f"paged_decode: a seq_len < 1 or a block id outside [0, {nb}) in the block table")
-    if rc != 0:
-        raise MemoryError("paged_decode: could not allocate the score scratch")
+    check_decode(rc, "paged_decode", nb)
     return out
 
 

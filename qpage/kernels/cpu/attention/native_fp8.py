@@ -13,7 +13,7 @@ import functools
 
 import torch
 
-from qpage.kernels.cpu.native import as_i64, load
+from qpage.kernels.cpu.native import as_i64, check_decode, load
 from qpage.kernels.fp8.codec import decode_fp8_ref
 from qpage.kernels.kv_quant import scale_multipliers
 
@@ -91,8 +91,5 @@ def paged_decode_fp8(
     rc = lib.qp_paged_decode_fp8(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), kp, vp, k_mul,
                                  v_mul, code_values(fmt).data_ptr(), int(fmt == "e5m2"), bt.data_ptr(), bt.stride(0),
                                  bt.shape[1], lens.data_ptr(), out.data_ptr(), n, h, kvh, hd, bs, scale, nb)
-    if rc == -2:
-        raise ValueError(f"paged_decode_fp8: a seq_len < 1 or a block id outside [0, {nb}) in the block table")
-    if rc != 0:
-        raise MemoryError("paged_decode_fp8: could not allocate the score scratch")
+    check_decode(rc, "paged_decode_fp8", nb)
     return out

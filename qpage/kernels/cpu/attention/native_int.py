@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from qpage.kernels.cpu.native import as_i64, load
+from qpage.kernels.cpu.native import as_i64, check_decode, load
 from qpage.kernels.kv_int import PARAMS, code_width
 
 
@@ -61,10 +61,7 @@ def paged_decode_int(
                                  k_params.data_ptr(), v_params.data_ptr(), k_bits, v_bits, bt.data_ptr(),
                                  bt.stride(0), bt.shape[1], lens.data_ptr(), out.data_ptr(), n, h, kvh, hd, bs, scale,
                                  nb)
-    if rc == -2:
-        raise ValueError(f"paged_decode_int: a seq_len < 1 or a block id outside [0, {nb}) in the block table")
-    if rc != 0:
-        raise MemoryError("paged_decode_int: could not allocate the score scratch")
+    check_decode(rc, "paged_decode_int", nb)
     return out
 
 
