@@ -255,16 +255,6 @@ def shard_fp8(prefix: str, codes: torch.Tensor | LazyTensor, scale: torch.Tensor
     return codes[:, c0:c1].view(torch.uint8), scale, gather
 
 
-def _unread_parts(mod: Module) -> tuple[str, ...]:
-    """The tensors of a quantized projection a rank slices before it reads them (``LazyTensor``):
-    the bulk of GPTQ (qweight) and FP8 (weight), whose validation needs only their shape and
-    dtype. The others are read whole (validated or converted at the whole shape), one
-    projection at a time."""
-    if isinstance(mod, IntLinear) and isinstance(mod.cfg, GptqConfig):
-        return ("qweight",)
-    return ("weight",) if isinstance(mod, Fp8Linear) else ()
-
-
 def shard_gptq(prefix: str, parts: dict[str, torch.Tensor | None], plans: list[ShardPlan], rank: int,
                arch: ArchConfig, cfg: IntConfig) -> tuple[dict[str, torch.Tensor | None], torch.Tensor | None]:
     """Rank ``rank``'s part of one integer projection in the GPTQ layout (v2 zeros, g_idx None
@@ -364,32 +354,29 @@ class Rank:
 
     def quant(self, target: tuple[Module, int, int], prefix: str, parts: dict[str, Any], file: str) -> None:
         """Store this rank's part of one quantized projection (or GGUF embedding) into its
-        layer: validated (and converted) by the layer at the whole model's shape, then sliced.
-        A row-parallel part's global input columns, when it gathers them (``_row_part``), are
-        kept for ``wrap``."""
+        layer, which takes it by its own form (``load_split`` with this rank as its
+        ``Splitter``); a row-parallel part's global input columns, when it gathers them
+        (``_row_part``), are kept for ``wrap``."""
         mod, offset, cols = target
-        plan, rank, arch = self.plan, self.comm.rank, self.arch
-        parts = read_parts(parts, _unread_parts(mod))
-        if isinstance(mod, Embedding):
-            mod.load_part(prefix, {"weight": shard_weight(f"{prefix}.weight", parts["weight"], plan, arch)}, offset,
-                          cols, file)
-            return
-        whole = global_shape(prefix.rpartition(".")[2], arch)
-        if isinstance(mod, IntLinear):
-            part, inputs = shard_gptq(prefix, mod.check_part(prefix, parts, *whole, file), self.plans, rank, arch,
-                                      mod.cfg)
-            mod.store_part(prefix, part, offset, cols, file)
-        elif isinstance(mod, Fp8Linear):
-            codes, scale, inputs = shard_fp8(prefix, *mod.check_part(prefix, parts, *whole, file), self.plans, rank,
-                                             arch, mod.cfg.block)
-            mod.store_part(codes, scale, offset, cols)
-        else:
-            value = shard_weight(f"{prefix}.weight", mod.check_part(prefix, parts, *whole, file), plan, arch)
-            assert not isinstance(value, LazyTensor), "block formats are read by their layer's check_part"
-            mod.store_part(prefix, value, offset, cols, file)
-            inputs = None
+        inputs = mod.load_split(prefix, read_parts(parts, mod.unread_parts()), offset, cols, file, self)
         if inputs is not None:
             self.gathers[prefix] = inputs
+
+    # The Splitter: what this rank takes of a projection, by form.
+    def whole_shape(self, prefix: str) -> tuple[int, int]:
+        return global_shape(prefix.rpartition(".")[2], self.arch)
+
+    def int_part(self, prefix: str, parts: dict[str, Any], cfg: Any) -> tuple[dict[str, Any], torch.Tensor | None]:
+        return shard_gptq(prefix, parts, self.plans, self.comm.rank, self.arch, cfg)
+
+    def fp8_part(self, prefix: str, codes: Any, scale: torch.Tensor, block: int | None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        return shard_fp8(prefix, codes, scale, self.plans, self.comm.rank, self.arch, block)
+
+    def tensor_part(self, name: str, value: Any) -> Any:
+        part = shard_weight(name, value, self.plan, self.arch)
+        assert not isinstance(part, LazyTensor), "block formats are read by their layer's check_part"
+        return part
 
     def wrap(self, model: Any) -> None:
         """Give a loaded and prepared Llama-family part its collectives (``layers.linear.parallel``):

@@ -16,7 +16,7 @@ from qpage.formats import bnb
 from qpage.formats.gguf_model import GgufConfig, GgufTensor
 from qpage.formats.gguf_reader import F32
 from qpage.layers.linear.linear_kernels import LinearSpec
-from qpage.layers.linear.quant_base import QuantLinearBase
+from qpage.layers.linear.quant_base import QuantLinearBase, Splitter
 
 Part = GgufTensor | torch.Tensor
 
@@ -50,6 +50,15 @@ class BlockLinear(QuantLinearBase):
 
     def load_part(self, prefix: str, parts: dict[str, Part], offset: int, cols: int, file: str) -> None:
         self.store_part(prefix, self.check_part(prefix, parts, self.in_features, cols, file), offset, cols, file)
+
+    def load_split(self, prefix: str, parts: dict[str, Part], offset: int, cols: int, file: str,
+                   split: Splitter) -> None:
+        """A split model's ``load_part``: this rank's rows or columns, cut between blocks."""
+        value = split.tensor_part(f"{prefix}.weight", self.check_part(prefix, parts, *split.whole_shape(prefix), file))
+        self.store_part(prefix, value, offset, cols, file)
+
+    def unread_parts(self) -> tuple[str, ...]:
+        return ()
 
     def check_part(self, prefix: str, parts: dict[str, Part], in_features: int, cols: int, file: str) -> Part:
         """One projection's weight [cols, in_features] as its format holds it, validated."""

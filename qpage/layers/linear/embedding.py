@@ -15,6 +15,7 @@ from torch import nn
 
 from qpage.layers.linear.block_linear import Part, check_shape, dequantized, ggml_type
 from qpage.layers.linear.linear_kernels import LinearSpec, Matmul, build_linear
+from qpage.layers.linear.quant_base import Splitter
 
 
 class Embedding(nn.Module):
@@ -47,6 +48,14 @@ class Embedding(nn.Module):
         value = parts["weight"]
         check_shape(prefix, value, self.num_embeddings, self.embedding_dim, file)
         self.value = value
+
+    def load_split(self, prefix: str, parts: dict[str, Part], offset: int, cols: int, file: str,
+                   split: Splitter) -> None:
+        """A split model's ``load_part``: this rank's token rows."""
+        self.load_part(prefix, {"weight": split.tensor_part(f"{prefix}.weight", parts["weight"])}, offset, cols, file)
+
+    def unread_parts(self) -> tuple[str, ...]:
+        return ()
 
     # What the kernels read (``linear_kernels``).
     @property

@@ -10,12 +10,14 @@ weight dequantized once (the CPU path; on CUDA a reported slow fallback).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from qpage.formats.fp8 import Fp8Config, check_linear
 from qpage.formats.safetensors_io import LazyTensor
 from qpage.layers.linear.linear_kernels import LinearSpec
-from qpage.layers.linear.quant_base import QuantLinearBase
+from qpage.layers.linear.quant_base import QuantLinearBase, Splitter
 
 
 class Fp8Linear(QuantLinearBase):
@@ -33,6 +35,18 @@ class Fp8Linear(QuantLinearBase):
 
     def load_part(self, prefix: str, parts: dict[str, torch.Tensor], offset: int, cols: int, file: str) -> None:
         self.store_part(*self.check_part(prefix, parts, self.in_features, cols, file), offset, cols)
+
+    def load_split(self, prefix: str, parts: dict[str, Any], offset: int, cols: int, file: str,
+                   split: Splitter) -> torch.Tensor | None:
+        """A split model's ``load_part``: this rank's part (``Splitter``); returns its input columns."""
+        codes, scale = self.check_part(prefix, parts, *split.whole_shape(prefix), file)
+        codes, scale, inputs = split.fp8_part(prefix, codes, scale, self.cfg.block)
+        self.store_part(codes, scale, offset, cols)
+        return inputs
+
+    def unread_parts(self) -> tuple[str, ...]:
+        """The codes, sliced before they are read (their validation needs only shape and dtype)."""
+        return ("weight",)
 
     def check_part(self, prefix: str, parts: dict[str, torch.Tensor], in_features: int, cols: int,
                    file: str) -> tuple[torch.Tensor | LazyTensor, torch.Tensor]:

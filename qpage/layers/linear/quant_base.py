@@ -4,11 +4,37 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 from qpage.layers.linear.linear_kernels import LinearSpec, Matmul, build_linear
+
+
+class Splitter(Protocol):
+    """What one rank of a split model takes of a checkpoint projection, by the form its layer
+    holds it in (``models.sharding.Rank``). A layer's ``load_split`` validates the projection at
+    the whole model's shape, asks for its part, and stores it; the methods that return input
+    columns give, for a row-parallel part that gathers its input, the global columns it reads
+    (else None)."""
+
+    def whole_shape(self, prefix: str) -> tuple[int, int]:
+        """(in_features, out_features) of the whole model's projection ``prefix``."""
+        ...
+
+    def int_part(self, prefix: str, parts: dict[str, Any], cfg: Any) -> tuple[dict[str, Any], torch.Tensor | None]:
+        """This rank's part of an integer projection in the GPTQ layout, and its input columns."""
+        ...
+
+    def fp8_part(self, prefix: str, codes: Any, scale: torch.Tensor, block: int | None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """This rank's FP8 codes and scale, and its input columns."""
+        ...
+
+    def tensor_part(self, name: str, value: Any) -> Any:
+        """This rank's rows or columns of a dense or block tensor (blocks cut between blocks)."""
+        ...
 
 
 class QuantLinearBase(nn.Module):

@@ -8,6 +8,8 @@ blocks), torch's packed kernels for what has no block form, else the weight dequ
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from qpage.formats.awq import AwqConfig
@@ -17,7 +19,7 @@ from qpage.formats.compressed_tensors import check_linear as ct_check_linear
 from qpage.formats.gptq import GptqConfig, check_linear
 from qpage.kernels.packing import dequantize_ref, unpack_cols
 from qpage.layers.linear.linear_kernels import LinearSpec
-from qpage.layers.linear.quant_base import QuantLinearBase
+from qpage.layers.linear.quant_base import QuantLinearBase, Splitter
 
 
 class IntLinear(QuantLinearBase):
@@ -44,6 +46,20 @@ class IntLinear(QuantLinearBase):
     def load_part(self, prefix: str, parts: dict[str, torch.Tensor], offset: int, cols: int, file: str) -> None:
         """Copy one projection's tensors into output columns [offset, offset + cols)."""
         self.store_part(prefix, self.check_part(prefix, parts, self.in_features, cols, file), offset, cols, file)
+
+    def load_split(self, prefix: str, parts: dict[str, Any], offset: int, cols: int, file: str,
+                   split: Splitter) -> torch.Tensor | None:
+        """A split model's ``load_part``: this rank's part (``Splitter``); returns its input columns."""
+        whole = self.check_part(prefix, parts, *split.whole_shape(prefix), file)
+        part, inputs = split.int_part(prefix, whole, self.cfg)
+        self.store_part(prefix, part, offset, cols, file)
+        return inputs
+
+    def unread_parts(self) -> tuple[str, ...]:
+        """The tensors a split model slices before reading them: GPTQ's qweight, whose
+        validation needs only its shape and dtype (the others are read whole, one projection
+        at a time)."""
+        return ("qweight",) if isinstance(self.cfg, GptqConfig) else ()
 
     def check_part(self, prefix: str, parts: dict[str, torch.Tensor], in_features: int, cols: int,
                    file: str) -> dict[str, torch.Tensor]:
