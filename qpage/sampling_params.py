@@ -56,6 +56,8 @@ class StructuredOutputsParams:
                 self.json = json.loads(self.json)
             except ValueError as e:
                 raise ValueError(f"json is not valid JSON text ({e}); give a JSON schema") from None
+            except RecursionError:
+                raise ValueError("json nests too deeply to read; give a flatter JSON schema") from None
         if self.json is not None and not isinstance(self.json, (dict, bool)):
             raise ValueError(f"json must be a JSON schema (an object), got {type(self.json).__name__}")
         for name in ("regex", "grammar"):

@@ -58,33 +58,38 @@ def _xgrammar() -> Any:
                          "(or pip install 'qpage[structured]')") from None
 
 
-def _depth(node: Any) -> int:
-    if isinstance(node, dict):
-        return 1 + max(map(_depth, node.values()), default=0)
-    if isinstance(node, list):
-        return 1 + max(map(_depth, node), default=0)
-    return 0
-
-
-def _patterns(node: Any) -> list[str]:
-    """Every ``pattern`` string of a JSON schema."""
-    if isinstance(node, list):
-        return [p for v in node for p in _patterns(v)]
-    if not isinstance(node, dict):
-        return []
-    own = [node["pattern"]] if isinstance(node.get("pattern"), str) else []
-    return own + [p for v in node.values() for p in _patterns(v)]
+def _walk(node: Any, limit: int) -> tuple[int, list[str]]:
+    """(The nesting depth of objects and lists in ``node``, every ``pattern`` string in it),
+    without recursion (a schema may nest past Python's recursion limit); the walk stops once
+    the depth passes ``limit``."""
+    deepest, patterns, stack = 0, [], [(node, 1)]
+    while stack:
+        n, d = stack.pop()
+        if isinstance(n, dict):
+            if isinstance(n.get("pattern"), str):
+                patterns.append(n["pattern"])
+            children: Any = n.values()
+        elif isinstance(n, list):
+            children = n
+        else:
+            continue
+        deepest = max(deepest, d)
+        if deepest > limit:
+            break
+        stack.extend((c, d + 1) for c in children)
+    return deepest, patterns
 
 
 def check_limits(spec: StructuredOutputsParams) -> None:
     """ValueError if ``spec`` is past the size limits above (named in the message)."""
     kind = spec.kind
+    depth, patterns = _walk(spec.json, MAX_SCHEMA_DEPTH) if kind == "json" else (0, [])
+    if depth > MAX_SCHEMA_DEPTH:  # checked first: a deeper schema may not even serialise
+        raise ValueError(f"the JSON schema nests deeper than {MAX_SCHEMA_DEPTH} levels; flatten it")
     text = json.dumps(spec.json) if kind == "json" else "".join(spec.choice or []) or spec.regex or spec.grammar or ""
     if len(text) > MAX_CONSTRAINT_CHARS:
         raise ValueError(f"the {kind} constraint has {len(text)} characters; at most {MAX_CONSTRAINT_CHARS} are taken")
-    if kind == "json" and _depth(spec.json) > MAX_SCHEMA_DEPTH:
-        raise ValueError(f"the JSON schema nests deeper than {MAX_SCHEMA_DEPTH} levels; flatten it")
-    for rx in _patterns(spec.json) if kind == "json" else [spec.regex or spec.grammar or ""]:
+    for rx in patterns if kind == "json" else [spec.regex or spec.grammar or ""]:
         for m in _REPEAT.finditer(rx or ""):
             n = max(int(m.group(1)), int(m.group(2) or 0))
             if n > MAX_REPEAT:

@@ -293,6 +293,8 @@ def _arguments(text: str) -> Any:
         return json.loads(text)
     except ValueError:
         raise APIError(400, f"a tool call's arguments are not JSON: {text[:80]!r}", "messages") from None
+    except RecursionError:
+        raise APIError(400, "a tool call's arguments nest too deeply to read", "messages") from None
 
 
 class ChatCompletionRequest(_SamplingRequest):

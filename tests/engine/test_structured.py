@@ -15,7 +15,7 @@ import torch
 import xgrammar as xgr
 
 from qpage import GuidedDecodingParams, SamplingParams, StructuredOutputsParams
-from qpage.engine.structured import choice_grammar, token_masks
+from qpage.engine.structured import check_limits, choice_grammar, token_masks
 from qpage.runner.sampler import apply_bitmask
 
 CHAT = [{"role": "user", "content": "Describe a person as JSON."}]
@@ -124,6 +124,17 @@ def test_bad_constraints_fail_by_name(llm: Any, so: dict[str, Any], words: str) 
 def test_params_check(kw: dict[str, Any], words: str) -> None:
     with pytest.raises(ValueError, match=words):
         StructuredOutputsParams(**kw)
+
+
+def test_a_schema_past_the_recursion_limit_is_refused_by_name() -> None:
+    """5,000 levels: the depth limit is checked without recursion (no RecursionError)."""
+    deep: Any = {}
+    for _ in range(5000):
+        deep = {"type": "array", "items": deep}
+    with pytest.raises(ValueError, match="nests deeper than"):
+        check_limits(StructuredOutputsParams(json=deep))
+    with pytest.raises(ValueError, match="nests too deeply"):
+        StructuredOutputsParams(json="[" * 5000 + "]" * 5000)
 
 
 def test_choice_grammar_escapes() -> None:

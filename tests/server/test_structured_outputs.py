@@ -221,6 +221,12 @@ def test_required_with_shared_defs(client: Any) -> None:
 DEEP: dict[str, Any] = {"type": "integer"}
 for _ in range(40):  # past the engine's schema depth limit
     DEEP = {"type": "array", "items": DEEP}
+VERY_DEEP: Any = {}
+for _ in range(450):  # 900 levels of JSON: the body parses, a recursive walk of it would not
+    VERY_DEEP = {"type": "array", "items": VERY_DEEP}
+NESTED_TEXT = "[" * 3000 + "]" * 3000  # JSON text past Python's recursion limit
+CALLED = [*ASK, {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function", "function": {
+    "name": "get_time", "arguments": NESTED_TEXT}}]}, {"role": "tool", "content": "noon", "tool_call_id": "c1"}]
 BAD = [
     ("response_format", {"response_format": _json_format({"type": "nonsense"})}),
     ("response_format", {"response_format": {"type": "json_schema"}}),
@@ -242,6 +248,10 @@ BAD = [
     ("guided_regex", {"guided_regex": "[a-z]{1,5000}"}),
     ("guided_json", {"guided_json": {"type": "string", "pattern": "^x{2000}$"}}),
     ("guided_json", {"guided_json": DEEP}),
+    ("guided_json", {"guided_json": VERY_DEEP}),
+    ("guided_json", {"guided_json": NESTED_TEXT}),
+    ("structured_outputs", {"structured_outputs": {"json": VERY_DEEP}}),
+    ("messages", {"messages": CALLED}),
     ("structured_outputs", {"structured_outputs": {"json_object": 1}}),
 ]
 
