@@ -384,9 +384,9 @@ class Rank:
         vocabulary. The fused decode step has no collectives: decode runs the Python layers."""
         comm = self.comm
         for i, layer in enumerate(model.layers):
-            for owner, proj in ((layer.self_attn, "o_proj"), (layer.mlp, "down_proj")):
-                kind = "self_attn" if proj == "o_proj" else "mlp"
-                cols = self.gathers.get(f"model.layers.{i}.{kind}.{proj}")
+            for part, proj in (("self_attn", "o_proj"), ("mlp", "down_proj")):
+                owner = getattr(layer, part)
+                cols = self.gathers.get(f"model.layers.{i}.{part}.{proj}")
                 setattr(owner, proj, RowParallel(getattr(owner, proj), comm, self.input_widths[proj], cols))
         model.embed_tokens = VocabParallelEmbedding(model.embed_tokens, self.plan.vocab, comm, self.vocab_widths)
         if model.lm_head is not None:

@@ -1,17 +1,16 @@
 """Attention over the paged KV cache.
 
 Cache layout per layer: ``kv_format.LayerKV`` (model dtype, or FP8 or integer codes with
-scales). The batch layout and the metadata: ``attention_metadata``.
+scales). The batch layout and the metadata: ``metadata``.
 
 The torch paths below are the CPU implementation and the reference; with a quantized cache
 they dequantize what they gather. ``AttentionBackend`` is the seam: the Triton backend
-(``attention_triton``) implements the same methods with its own metadata, and
-``backends.select_attention_backend`` picks one by declared capabilities.
+(``triton_backend``) implements the same methods with its own metadata, and
+``selector.select_attention_backend`` picks one by declared capabilities.
 """
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Any, Protocol
 
 import torch
@@ -178,10 +177,10 @@ class CpuNativePagedAttention(CpuBlasPagedAttention):
 
     def __init__(self, spec: KVCacheSpec) -> None:
         super().__init__(spec)
-        if (bits := spec.kv_bits) is not None:
-            self.write_cache = partial(_write_int, bits=bits)  # type: ignore[method-assign]
-            self._decode = partial(_decode_int, bits=bits)  # type: ignore[method-assign]
-            self._gather = partial(_gather_int, bits=bits)  # type: ignore[method-assign]
+        if spec.kv_bits is not None:
+            self.write_cache = _write_int  # type: ignore[method-assign]
+            self._decode = _decode_int  # type: ignore[method-assign]
+            self._gather = _gather_int  # type: ignore[method-assign]
         elif spec.fp8_format is not None:
             self.write_cache = _write_fp8  # type: ignore[method-assign]
             self._decode = _decode_fp8  # type: ignore[method-assign]
@@ -214,22 +213,20 @@ def _decode_fp8(q: torch.Tensor, cache: Fp8KV, d: DecodeGroup, scale: float) -> 
                                        d.block_table, _seq_lens(d), scale)
 
 
-def _write_int(k: torch.Tensor, v: torch.Tensor, cache: IntKV, slot_mapping: torch.Tensor,
-               bits: tuple[int, int]) -> None:
-    native_int.write_int(k, cache.k, cache.k_scale, slot_mapping, bits[0])
-    native_int.write_int(v, cache.v, cache.v_scale, slot_mapping, bits[1])
+def _write_int(k: torch.Tensor, v: torch.Tensor, cache: IntKV, slot_mapping: torch.Tensor) -> None:
+    native_int.write_int(k, cache.k, cache.k_scale, slot_mapping, cache.k_bits)
+    native_int.write_int(v, cache.v, cache.v_scale, slot_mapping, cache.v_bits)
 
 
-def _decode_int(q: torch.Tensor, cache: IntKV, d: DecodeGroup, scale: float, bits: tuple[int, int]) -> torch.Tensor:
-    return native_int.paged_decode_int(q, cache.k, cache.v, cache.k_scale, cache.v_scale, *bits, d.block_table,
-                                       _seq_lens(d), scale)
+def _decode_int(q: torch.Tensor, cache: IntKV, d: DecodeGroup, scale: float) -> torch.Tensor:
+    return native_int.paged_decode_int(q, cache.k, cache.v, cache.k_scale, cache.v_scale, cache.k_bits,
+                                       cache.v_bits, d.block_table, _seq_lens(d), scale)
 
 
-def _gather_int(cache: IntKV, block_table: torch.Tensor, length: int, bits: tuple[int, int]
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+def _gather_int(cache: IntKV, block_table: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of a prefill's context, dequantized in C."""
     rows, hd, ids = block_table.shape[0], cache.head_dim, block_table.flatten()
-    keys = native_int.read_blocks_int(cache.k, cache.k_scale, bits[0], ids, hd)
-    values = native_int.read_blocks_int(cache.v, cache.v_scale, bits[1], ids, hd)
+    keys = native_int.read_blocks_int(cache.k, cache.k_scale, cache.k_bits, ids, hd)
+    values = native_int.read_blocks_int(cache.v, cache.v_scale, cache.v_bits, ids, hd)
     kvh = keys.shape[2]
     return keys.view(rows, -1, kvh, hd)[:, :length], values.view(rows, -1, kvh, hd)[:, :length]

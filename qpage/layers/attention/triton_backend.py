@@ -2,7 +2,7 @@
 
 Runs on CUDA, and on CPU under ``TRITON_INTERPRET=1`` (tests). Its metadata, built once per
 step from the runner's batch: int32 block tables and lengths in the kernels' layout, a table
-per group of decodes of similar length (``attention_metadata.decode_groups``: each group's
+per group of decodes of similar length (``metadata.decode_groups``: each group's
 longest context decides its split-KV partitions) and one for all the prefill chunks.
 """
 

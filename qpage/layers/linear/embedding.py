@@ -67,14 +67,11 @@ class Embedding(nn.Module):
         return dequantized(self.value).t().to(self.anchor.device)
 
     def spec(self, dtype: torch.dtype) -> LinearSpec:
-        if self.packed:
-            if self.value is None:
-                raise RuntimeError("the embedding has no weight; load_weights checks for it")
-            types: tuple[int, ...] = (ggml_type(self.value),)
-            return LinearSpec("blocks", self.anchor.device, dtype, self.embedding_dim, self.num_embeddings,
-                              ggml_types=types, table=True, multiplies=self.tied)
-        return LinearSpec("dense", self.anchor.device, dtype, self.embedding_dim, self.num_embeddings, table=True,
-                          multiplies=self.tied)
+        if self.packed and self.value is None:
+            raise RuntimeError("the embedding has no weight; load_weights checks for it")
+        types = (ggml_type(self.value),) if self.value is not None else ()
+        return LinearSpec("blocks" if self.packed else "dense", self.anchor.device, dtype, self.embedding_dim,
+                          self.num_embeddings, ggml_types=types, table=True, multiplies=self.tied)
 
     def prepare(self, dtype: torch.dtype, dequantize: bool = False) -> None:
         """Choose the kernel once the table is loaded and on its device (``dequantize``: no
