@@ -42,6 +42,10 @@ def add_parsers(sub: Any, engine_args: Any) -> None:
     s.add_argument("--max-connections", type=_positive_int, default=512,
                    help="most open connections; requests past it get 503 (default: 512)")
     s.add_argument("--chat-template", default=None, help="Jinja chat template file (default: the tokenizer's)")
+    s.add_argument("--special-tokens-in-content", action="store_true",
+                   help="read special-token strings in chat messages (e.g. <|im_start|>) as control tokens; "
+                        "only for trusted clients, who could otherwise write turns of other roles (default: "
+                        "they are plain text)")
     s.add_argument("--log-interval", type=float, default=5.0, help="seconds between stats log lines")
     s.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True)
 
@@ -103,7 +107,7 @@ def _serve(args: argparse.Namespace, build_engine_config: Any) -> int:
             template = f.read()
     aengine = AsyncEngine(engine, args.max_waiting, args.log_interval)
     app = build_app(aengine, ServerSettings(names, args.api_key, args.max_request_bytes, template, args.max_n,
-                                            args.read_timeout))
+                                            args.read_timeout, args.special_tokens_in_content))
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         logging.getLogger("qpage.server").warning(
             "serving on %s without --api-key: anyone who can reach this port can use the model", args.host)

@@ -203,6 +203,13 @@ class SamplingParams:
         return self._stop_list
 
     @property
+    def stops_apply(self) -> bool:
+        """Whether ``stop`` and ``stop_token_ids`` end the output: not when it is constrained,
+        since a constrained output ends where its grammar ends (a stop string inside it would
+        leave text that breaks the constraint)."""
+        return self.structured_outputs is None
+
+    @property
     def needs_penalties(self) -> bool:
         return (
             self.repetition_penalty != 1.0

@@ -299,7 +299,8 @@ class LLMEngine:
         if not p.detokenize:
             return None
         return IncrementalDetokenizer(
-            self.tokenizer, ids, p.skip_special_tokens, p.stop_strings, p.include_stop_str_in_output
+            self.tokenizer, ids, p.skip_special_tokens, p.stop_strings if p.stops_apply else [],
+            p.include_stop_str_in_output
         )
 
     def abort_request(self, request_id: str) -> None:

@@ -115,17 +115,19 @@ class Request:
     def stop_status(self, max_model_len: int, stop_string: str | None = None) -> RequestStatus | None:
         """Whether the last token ends the request, and how: the one place that decides. In
         order: a stop string the detokenizer found (it waits for ``min_tokens``), the grammar's
-        end, EOS and stop tokens (once ``min_tokens`` are out), then the length limits. Sets
-        ``stop_reason`` to the stop string or token that ended it."""
+        end, EOS and stop tokens (once ``min_tokens`` are out), then the length limits. Stop
+        strings and tokens do not apply to a constrained output (``SamplingParams.stops_apply``).
+        Sets ``stop_reason`` to the stop string or token that ended it."""
         n_out = self.num_output_tokens
         last = self.output_token_ids[-1]
         p = self.params
-        if stop_string is not None:
+        if not p.stops_apply:
+            if self.guide is not None and self.guide.terminated:
+                return RequestStatus.FINISHED_STOPPED
+        elif stop_string is not None:
             self.stop_reason = stop_string
             return RequestStatus.FINISHED_STOPPED
-        if self.guide is not None and self.guide.terminated:
-            return RequestStatus.FINISHED_STOPPED
-        if n_out >= p.min_tokens:
+        elif n_out >= p.min_tokens:
             if not p.ignore_eos and last in self.eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED
             if p.stop_token_ids and last in p.stop_token_ids:

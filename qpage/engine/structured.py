@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from qpage.engine.schema_check import check_regex, check_schema
 from qpage.sampling_params import StructuredOutputsParams
 
 GRAMMAR_CACHE_BYTES = 256 * 2**20
@@ -80,8 +81,9 @@ def _walk(node: Any, limit: int) -> tuple[int, list[str]]:
     return deepest, patterns
 
 
-def check_limits(spec: StructuredOutputsParams) -> None:
-    """ValueError if ``spec`` is past the size limits above (named in the message)."""
+def check_constraint(spec: StructuredOutputsParams) -> None:
+    """ValueError if ``spec`` is past the size limits above, or says what the grammar would
+    not enforce (``schema_check``); the message names the limit or keyword."""
     kind = spec.kind
     depth, patterns = _walk(spec.json, MAX_SCHEMA_DEPTH) if kind == "json" else (0, [])
     if depth > MAX_SCHEMA_DEPTH:  # checked first: a deeper schema may not even serialise
@@ -95,6 +97,10 @@ def check_limits(spec: StructuredOutputsParams) -> None:
             if n > MAX_REPEAT:
                 raise ValueError(f"the repetition count {n} in {m.group(0)!r} is over {MAX_REPEAT}; use + or * "
                                  "(and maxLength in a schema) instead")
+    if kind == "json":
+        check_schema(spec.json)
+    elif kind == "regex":
+        check_regex(spec.regex or "")
 
 
 def choice_grammar(choices: list[str]) -> str:
@@ -130,24 +136,29 @@ class GrammarCompiler:
 
     def compile(self, spec: StructuredOutputsParams) -> Any:
         """The compiled grammar of ``spec``; ValueError naming the constraint and the problem."""
-        check_limits(spec)
+        check_constraint(spec)
         comp = self._get()
         kind = spec.kind
         try:
             if kind in ("json", "json_object"):
                 # strict: properties a schema does not name are not generated (any object
                 # for json_object, whose schema names none)
-                return comp.compile_json_schema(
+                compiled = comp.compile_json_schema(
                     json.dumps(spec.json if kind == "json" else {"type": "object"}), strict_mode=kind == "json",
                     any_whitespace=not spec.disable_any_whitespace, max_whitespace_cnt=MAX_JSON_WHITESPACE)
-            if kind == "regex":
-                return comp.compile_regex(spec.regex)
-            if kind == "choice":
-                return comp.compile_grammar(choice_grammar(spec.choice or []))
-            return comp.compile_grammar(spec.grammar)
+            elif kind == "regex":
+                compiled = comp.compile_regex(spec.regex)
+            elif kind == "choice":
+                compiled = comp.compile_grammar(choice_grammar(spec.choice or []))
+            else:
+                compiled = comp.compile_grammar(spec.grammar)
         except Exception as e:  # the library's errors (RuntimeError mostly) are about the input
             why = _CPP_PREFIX.sub("", str(e).strip())
             raise ValueError(f"invalid {kind}: {why}") from None
+        if not Guide(compiled).allows_any():
+            raise ValueError(f"the {kind} constraint matches no text (not even an empty one); check it for a rule "
+                             "that never ends or a character class that excludes everything")
+        return compiled
 
     def guide(self, spec: StructuredOutputsParams) -> Guide:
         """A fresh matcher for ``spec`` (compiled, or taken from the cache)."""
@@ -159,10 +170,17 @@ class Guide:
 
     def __init__(self, compiled: Any) -> None:
         self.matcher = _xgrammar().GrammarMatcher(compiled)
+        self.vocab_size: int = compiled.tokenizer_info.vocab_size
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         """Write this sequence's allowed tokens into ``bitmask[row]``."""
         self.matcher.fill_next_token_bitmask(bitmask, row)
+
+    def allows_any(self) -> bool:
+        """Some token may come next (a grammar that matches nothing allows none at the start)."""
+        mask = torch.zeros((1, -(-self.vocab_size // 32)), dtype=torch.int32)
+        self.fill(mask, 0)
+        return bool(mask.any())
 
     def accept(self, token: int) -> bool:
         """Advance by ``token``; False if the grammar does not allow it (the state is unchanged)."""

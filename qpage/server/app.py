@@ -49,6 +49,8 @@ class ServerSettings:
     """Most completions (``n``) one request may ask for (400 past it)."""
     read_timeout: float = 30.0
     """Seconds a client has to send a request's head, and again its body (408 past it)."""
+    special_tokens_in_content: bool = False
+    """Let special-token strings in chat messages act as control tokens (trusted clients only)."""
 
 
 def error_response(err: APIError, close: bool = False, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -136,11 +138,9 @@ def _add_info_routes(app: FastAPI, aengine: AsyncEngine, pre: Preprocessor, serv
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of prompt or messages", "prompt")
         if body.messages is not None:
-            conv = [m.as_template_dict() for m in body.messages]
-            text, special = await pre.render_chat(conv, body.add_generation_prompt), False
+            ids = await pre.chat_ids([m.as_template_dict() for m in body.messages], body.add_generation_prompt)
         else:
-            text, special = body.prompt, body.add_special_tokens
-        ids = await pre.encode(text, special)  # type: ignore[arg-type]
+            ids = await pre.encode(body.prompt, body.add_special_tokens)  # type: ignore[arg-type]
         return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
 
     @app.post("/detokenize")
@@ -152,7 +152,7 @@ def _add_info_routes(app: FastAPI, aengine: AsyncEngine, pre: Preprocessor, serv
 def build_app(aengine: AsyncEngine, settings: ServerSettings) -> Any:
     engine: LLMEngine = aengine.engine
     pre = Preprocessor(engine.tokenizer, engine.max_model_len, engine.arch.vocab_size, settings.chat_template,
-                       engine.grammars)
+                       engine.grammars, settings.special_tokens_in_content)
     serving = OpenAIServing(aengine, pre, settings.model_names, settings.max_n)
     created = int(time.time())
     cfg = engine.config

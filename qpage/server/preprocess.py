@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 from qpage.engine.engine import check_prompt_ids
 from qpage.engine.structured import GrammarCompiler
 from qpage.sampling_params import StructuredOutputsParams
+from qpage.server.chat_tokens import ContentGuard
 from qpage.server.protocol import APIError
 from qpage.server.tools import HERMES_OPEN
 
@@ -32,8 +33,9 @@ MAX_PENDING_COMPILES = 8
 
 class Preprocessor:
     def __init__(self, tokenizer: Any, max_model_len: int, vocab_size: int, chat_template: str | None = None,
-                 grammars: GrammarCompiler | None = None) -> None:
+                 grammars: GrammarCompiler | None = None, special_tokens_in_content: bool = False) -> None:
         self.tokenizer = copy.deepcopy(tokenizer)  # not shared with the engine thread's detokenizers
+        self.guard = None if special_tokens_in_content else ContentGuard(self.tokenizer)
         self.grammars = grammars
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
@@ -61,6 +63,12 @@ class Preprocessor:
     async def render_chat(self, conv: list[dict[str, Any]], add_generation_prompt: bool,
                           continue_final: bool = False, tools: list[dict[str, Any]] | None = None) -> str:
         return await self._run(self._render, conv, add_generation_prompt, continue_final, tools)
+
+    async def chat_ids(self, conv: list[dict[str, Any]], add_generation_prompt: bool,
+                       continue_final: bool = False, tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """The conversation rendered and tokenized; special-token strings inside the messages
+        and tools stay text (``chat_tokens``) unless the server trusts its clients."""
+        return await self._run(self._chat_ids, conv, add_generation_prompt, continue_final, tools)
 
     @property
     def hermes_tools(self) -> bool:
@@ -106,6 +114,14 @@ class Preprocessor:
                                            continue_final_message=continue_final)
         except Exception as e:
             raise APIError(400, f"the chat template failed on these messages: {e}", "messages") from None
+
+    def _chat_ids(self, conv: list[dict[str, Any]], add_generation_prompt: bool, continue_final: bool,
+                  tools: list[dict[str, Any]] | None) -> list[int]:
+        if self.guard is not None:
+            (conv, tools), hit = self.guard.defuse((conv, tools))
+            if hit:
+                return self.guard.encode(self._render(conv, add_generation_prompt, continue_final, tools))
+        return self._encode(self._render(conv, add_generation_prompt, continue_final, tools), False)
 
     def _prompts(self, prompts: list[Prompt], add_special_tokens: bool, max_tokens: int | None,
                  param: str) -> list[dict[str, Any]]:

@@ -101,9 +101,9 @@ class OpenAIServing:
             structured = (tc, "tools")
         params = body.sampling_params(body.requested_max_tokens(), body.logprobs_k(), structured and structured[0])
         grammar = await self.pre.compile(*structured) if structured is not None else None
-        prompt = await self.pre.render_chat([m.as_template_dict() for m in body.messages],
-                                            body.add_generation_prompt and not body.continue_final_message,
-                                            body.continue_final_message, template_dicts(body))
+        prompt = await self.pre.chat_ids([m.as_template_dict() for m in body.messages],
+                                         body.add_generation_prompt and not body.continue_final_message,
+                                         body.continue_final_message, template_dicts(body))
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         streams = await self._start([prompt], params, rid, False, body.requested_max_tokens(), "messages", grammar)
         reader = ToolCallReader(mode, function, self.pre.hermes_tools)

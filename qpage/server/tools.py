@@ -11,8 +11,8 @@ Modes:
   as in Qwen2.5/Qwen3, Hermes and SmolLM3 templates); other templates give plain content.
 - ``none``: plain content.
 ``finish_reason`` is "tool_calls" only when the output ended as its grammar (or format)
-ends it; a call cut off by ``max_tokens`` or a stop string keeps that reason
-(``ToolCallReader``).
+ends it; a call cut off by ``max_tokens`` (or, in the unconstrained ``auto`` mode, a stop
+string) keeps that reason (``ToolCallReader``).
 """
 
 from __future__ import annotations
@@ -52,18 +52,41 @@ def tool_mode(body: ChatCompletionRequest) -> tuple[str, str | None]:
     return "named", choice.function.name
 
 
-def _hoist_defs(schemas: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """The tools' schemas without their ``$defs``, and those definitions merged: nested under
-    the array of calls, ``#/$defs/...`` references must find them at the root."""
-    defs: dict[str, Any] = {}
-    out = []
-    for schema in schemas:
-        schema = dict(schema)
-        for name, d in (schema.pop("$defs", None) or {}).items():
-            if defs.setdefault(name, d) != d:
-                raise APIError(400, f"two tools define $defs {name!r} differently; rename one", "tools")
-        out.append(schema)
-    return out, defs
+def _rebase(schema: Any, base: str) -> Any:
+    """A copy of ``schema`` whose local references (``"$ref": "#..."``) point under ``base``;
+    copied without recursion, since a client's schema may nest deeply."""
+    root: list[Any] = [None]
+    stack: list[tuple[Any, Any, Any]] = [(schema, root, 0)]
+    while stack:
+        node, parent, key = stack.pop()
+        copy: Any = node
+        if isinstance(node, dict):
+            copy = {}
+            for k, v in node.items():
+                if k == "$ref" and isinstance(v, str) and v.startswith("#"):
+                    copy[k] = base + v[1:]
+                else:
+                    stack.append((v, copy, k))
+        elif isinstance(node, list):
+            copy = [None] * len(node)
+            stack.extend((v, copy, i) for i, v in enumerate(node))
+        parent[key] = copy
+    return root[0]
+
+
+def _tool_defs(tools: list[Any]) -> dict[str, Any]:
+    """Each tool's arguments schema under ``$defs/tool<i>`` of the array of calls, its local
+    references rebased there: ``#`` and ``#/$defs/...`` inside a tool keep meaning that tool's
+    own schema, nested as it is under the array."""
+    defs = {}
+    for i, t in enumerate(tools):
+        schema = _params_schema(t)
+        for key in ("$defs", "definitions"):
+            if key in schema and not isinstance(schema[key], dict):
+                raise APIError(400, f"the tool {t.function.name!r} has {key} of type {type(schema[key]).__name__}; "
+                                    f"{key} must be an object of schemas", "tools")
+        defs[f"tool{i}"] = _rebase(schema, f"#/$defs/tool{i}")
+    return defs
 
 
 def tool_constraint(body: ChatCompletionRequest, mode: str, name: str | None) -> StructuredOutputsParams | None:
@@ -74,14 +97,12 @@ def tool_constraint(body: ChatCompletionRequest, mode: str, name: str | None) ->
         return StructuredOutputsParams(json=_params_schema(tool))
     if mode != "required":
         return None
-    params, defs = _hoist_defs([_params_schema(t) for t in tools])
-    calls = [{"type": "object", "properties": {"name": {"const": t.function.name}, "arguments": p},
-              "required": ["name", "arguments"]} for t, p in zip(tools, params, strict=True)]
-    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+    calls = [{"type": "object", "properties": {"name": {"const": t.function.name},
+                                                "arguments": {"$ref": f"#/$defs/tool{i}"}},
+              "required": ["name", "arguments"]} for i, t in enumerate(tools)]
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}, "$defs": _tool_defs(tools)}
     if not body.parallel_tool_calls:
         schema["maxItems"] = 1
-    if defs:
-        schema["$defs"] = defs
     return StructuredOutputsParams(json=schema)
 
 
@@ -136,8 +157,8 @@ class ToolCallReader:
     as stream deltas (``feed``, called with the text so far). Both give the same calls: a
     named call's arguments as generated so far, the complete calls of ``required``, the
     tagged calls of ``auto``. ``finish_reason`` becomes "tool_calls" only when the output
-    ended as its grammar (or the model's own format) ends it, not at a stop string or
-    ``max_tokens``."""
+    ended as its grammar (or the model's own format) ends it, not at ``max_tokens`` or (in
+    ``auto``, which is unconstrained) a stop string."""
 
     def __init__(self, mode: str, name: str | None, hermes: bool) -> None:
         self.mode, self.name, self.hermes = mode, name, hermes

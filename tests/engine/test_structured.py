@@ -15,7 +15,7 @@ import torch
 import xgrammar as xgr
 
 from qpage import GuidedDecodingParams, SamplingParams, StructuredOutputsParams
-from qpage.engine.structured import check_limits, choice_grammar, token_masks
+from qpage.engine.structured import check_constraint, choice_grammar, token_masks
 from qpage.runner.sampler import apply_bitmask
 
 CHAT = [{"role": "user", "content": "Describe a person as JSON."}]
@@ -77,6 +77,19 @@ def test_min_tokens_does_not_block_the_grammar_end(llm: Any) -> None:
     assert c.text in ("yes", "no") and c.finish_reason == "stop"
 
 
+def test_stop_strings_and_tokens_do_not_cut_a_constrained_output(llm: Any, tokenizer: Any) -> None:
+    """The grammar decides where a constrained output ends: "}" and its token would cut the
+    JSON in the middle (a nested object), so they are ignored."""
+    so = StructuredOutputsParams(json={"type": "object", "required": ["who"], "properties": {"who": PERSON}})
+    brace = tokenizer.convert_tokens_to_ids("}")
+    outs = _texts(llm, so, n=3, stop=["}", '"'], stop_token_ids=[brace])
+    for c in outs:
+        assert c.finish_reason == "stop" and c.stop_reason is None, (c.text, c.stop_reason)
+        jsonschema.validate(json.loads(c.text), so.json)
+    free = llm.generate("JSON: {", SamplingParams(temperature=0, max_tokens=40, stop=['"']), use_tqdm=False)
+    assert free[0].outputs[0].stop_reason == '"'  # unconstrained, stop strings still apply
+
+
 def test_free_requests_unchanged_by_constrained_neighbours(llm: Any) -> None:
     prompts = ["The capital of France is", "List three colors:", "Once upon a time", "def fibonacci(n):"]
     free = SamplingParams(temperature=0, max_tokens=24)
@@ -108,7 +121,7 @@ def test_preempted_request_resumes_its_grammar(llm_factory: Any) -> None:
     (dict(json={"type": "foo"}), "invalid json: Unsupported type"),
     (dict(regex="a(b"), "invalid regex"),
     (dict(grammar="root ::= missing"), "invalid grammar"),
-    (dict(json={"type": "integer", "minimum": 5, "maximum": 1}), "invalid json"),
+    (dict(json={"type": "integer", "minimum": 5, "maximum": 1}), "minimum 5 over maximum 1"),
 ])
 def test_bad_constraints_fail_by_name(llm: Any, so: dict[str, Any], words: str) -> None:
     with pytest.raises(ValueError, match=words):
@@ -132,7 +145,7 @@ def test_a_schema_past_the_recursion_limit_is_refused_by_name() -> None:
     for _ in range(5000):
         deep = {"type": "array", "items": deep}
     with pytest.raises(ValueError, match="nests deeper than"):
-        check_limits(StructuredOutputsParams(json=deep))
+        check_constraint(StructuredOutputsParams(json=deep))
     with pytest.raises(ValueError, match="nests too deeply"):
         StructuredOutputsParams(json="[" * 5000 + "]" * 5000)
 

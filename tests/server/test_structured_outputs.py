@@ -218,6 +218,27 @@ def test_required_with_shared_defs(client: Any) -> None:
     jsonschema.validate(json.loads(call.function.arguments), params)
 
 
+TREE = {"type": "object", "required": ["v"], "properties": {
+    "v": {"type": "integer", "minimum": 0, "maximum": 9},
+    "kids": {"type": "array", "maxItems": 2, "items": {"$ref": "#"}}}}
+OLD_DEFS = {"type": "object", "required": ["p"], "properties": {"p": {"$ref": "#/definitions/P"}},
+            "definitions": {"P": {"enum": ["north", "south"]}}}
+
+
+def test_required_resolves_refs_within_each_tool(client: Any) -> None:
+    """``#`` is the tool's own schema and ``definitions`` work, as in named mode: each tool's
+    schema sits under the array of calls with its references rebased."""
+    tools = [{"type": "function", "function": {"name": "plant", "parameters": TREE}},
+             {"type": "function", "function": {"name": "face", "parameters": OLD_DEFS}}]
+    schemas = {"plant": TREE, "face": OLD_DEFS}
+    for seed in (1, 2, 3):
+        r = client.chat.completions.create(model=MODEL, messages=ASK, tools=tools, tool_choice="required",
+                                           temperature=1.0, seed=seed, max_tokens=MAX_TOKENS)
+        assert r.choices[0].finish_reason == "tool_calls"
+        for call in r.choices[0].message.tool_calls:
+            jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+
+
 DEEP: dict[str, Any] = {"type": "integer"}
 for _ in range(40):  # past the engine's schema depth limit
     DEEP = {"type": "array", "items": DEEP}
@@ -253,6 +274,14 @@ BAD = [
     ("structured_outputs", {"structured_outputs": {"json": VERY_DEEP}}),
     ("messages", {"messages": CALLED}),
     ("structured_outputs", {"structured_outputs": {"json_object": 1}}),
+    ("guided_json", {"guided_json": {"type": "object", "properties": {"a": {"anyOf": []}}, "required": ["a"]}}),
+    ("guided_json", {"guided_json": {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}}),
+    ("response_format", {"response_format": _json_format({"type": "integer", "enum": ["a", "b"]})}),
+    ("guided_regex", {"guided_regex": "a^b"}),
+    ("guided_regex", {"guided_regex": r"[^\s\S]"}),
+    ("guided_grammar", {"guided_grammar": 'root ::= a\na ::= a "x"'}),
+    ("tools", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "$defs": [1, 2]}}}], "tool_choice": "required"}),
 ]
 
 

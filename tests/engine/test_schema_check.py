@@ -1,0 +1,76 @@
+"""Constraints the grammar would not enforce are refused by name, before any token: each
+JSON-schema keyword or combination the grammar library drops or gets wrong, regex anchors
+it ignores, and constraints that match no text at all."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from qpage.engine.structured import GrammarCompiler
+from qpage.sampling_params import StructuredOutputsParams
+
+INT = {"type": "integer"}
+
+
+@pytest.fixture(scope="module")
+def grammars(tokenizer: Any) -> GrammarCompiler:
+    return GrammarCompiler(tokenizer, 49152, {2})
+
+
+@pytest.mark.parametrize("schema, words", [
+    ({"type": "object", "properties": {"a": {"anyOf": []}}, "required": ["a"]}, "#/properties/a/anyOf is empty"),
+    ({"type": "object", "properties": {"a": INT}, "required": ["a", "b"]}, "#/required names 'b'"),
+    ({"type": "array", "items": INT, "uniqueItems": True}, "uses `uniqueItems`"),
+    ({"type": "array", "items": INT, "contains": {"const": 7}}, "uses `contains`"),
+    ({"type": "integer", "enum": ["a", "b"]}, "#/enum lists 'a'"),
+    ({"type": "integer", "minimum": 5, "const": 3}, "#/const lists 3"),
+    ({"type": "string", "pattern": "^[a-z]+$", "minLength": 5}, "combines `pattern` with minLength"),
+    ({"type": "string", "format": "email", "maxLength": 8}, "combines `format` with minLength"),
+    ({"allOf": [INT, {"minimum": 5}]}, "#/allOf has several schemas"),
+    ({"not": {"type": "string"}}, "uses `not`"),
+    ({"if": INT, "then": {"minimum": 3}}, "uses `if`"),
+    ({"oneOf": [INT, {"type": "number"}]}, "#/oneOf has branches one value may match twice"),
+    ({"type": "number", "multipleOf": 0.5}, "`multipleOf` on a non-integer"),
+    ({"type": "string", "minLength": 5, "maxLength": 2}, "minLength 5 over maxLength 2"),
+    ({"type": "object", "properties": {"a": {"type": "string", "pattern": "a^b"}}}, "anchor '^' at position 1"),
+    ({"type": "array", "items": [INT, INT]}, "for a tuple use prefixItems"),
+    ({"type": "object", "$defs": [1, 2]}, "#/$defs is a list"),
+    ({"type": "object", "properties": {"a": {"enum": ["x"], "pattern": "^x$"}}}, "combines `enum` with `pattern`"),
+])
+def test_schema_the_grammar_would_not_enforce_is_refused_by_keyword(
+        grammars: GrammarCompiler, schema: dict[str, Any], words: str) -> None:
+    with pytest.raises(ValueError, match=words.replace("$", r"\$").replace("^", r"\^").replace("(", r"\(")):
+        grammars.compile(StructuredOutputsParams(json=schema))
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "integer", "enum": [1, 2]},
+    {"oneOf": [INT, {"type": "string"}]},
+    {"oneOf": [{"type": "object", "properties": {"k": {"const": "a"}}, "required": ["k"]},
+               {"type": "object", "properties": {"k": {"const": "b"}, "x": INT}, "required": ["k"]}]},
+    {"allOf": [{"type": "integer", "minimum": 3}]},
+    {"type": "object", "properties": {"a": INT}, "required": ["a"], "title": "T", "x-vendor": {"not": 1}},
+    {"type": "string", "pattern": "^[a-z]{2,8}$"},
+    {"type": "integer", "multipleOf": 3},
+])
+def test_schemas_the_grammar_enforces_compile(grammars: GrammarCompiler, schema: dict[str, Any]) -> None:
+    grammars.compile(StructuredOutputsParams(json=schema))
+
+
+@pytest.mark.parametrize("so, words", [
+    (dict(regex="a^b"), "anchor '^' at position 1"),
+    (dict(regex="a$b"), "anchor '$' at position 1"),
+    (dict(regex=r"[^\s\S]"), "matches no text"),
+    (dict(grammar='root ::= a\na ::= a "x"'), "matches no text"),
+])
+def test_regex_anchors_and_constraints_matching_nothing_are_refused(
+        grammars: GrammarCompiler, so: dict[str, Any], words: str) -> None:
+    with pytest.raises(ValueError, match=words.replace("$", r"\$").replace("^", r"\^")):
+        grammars.compile(StructuredOutputsParams(**so))
+
+
+@pytest.mark.parametrize("rx", ["^ab$", "[$^]x", r"\^a\$", "a|b"])
+def test_anchors_at_the_ends_or_escaped_are_fine(grammars: GrammarCompiler, rx: str) -> None:
+    grammars.compile(StructuredOutputsParams(regex=rx))

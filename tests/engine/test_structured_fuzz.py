@@ -1,0 +1,148 @@
+"""Fuzzing structured outputs on the real model (hypothesis, bounded and derandomized):
+random JSON schemas built from the keywords the docs list as enforced (with, now and then, one
+the grammar cannot enforce), random regexes and the same patterns as EBNF grammars. Every
+constraint either is refused with a ValueError naming what it cannot honour, or every output
+that ends with ``finish_reason == "stop"`` is valid: ``jsonschema`` (with its format
+checker) for schemas, Python's ``re.fullmatch`` for regexes and grammars."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import jsonschema
+import pytest
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+
+from qpage import SamplingParams, StructuredOutputsParams
+from qpage.engine.schema_check import UNSUPPORTED
+
+pytestmark = pytest.mark.slow
+PROMPT = [{"role": "user", "content": "Reply with a short JSON value."}]
+NAMES = st.sampled_from(["a", "id", "name", "x y", "n2", "tag"])
+FORMATS = ["date", "email", "ipv4", "uuid", "date-time", "time"]
+PATTERNS = [r"^[a-z]{1,6}$", r"^[A-Z][a-z]*-[0-9]{2}$", r"^(yes|no)$", r"^\d{3}$"]
+SMALL = st.integers(0, 4)
+
+
+def _numeric(kind: str) -> st.SearchStrategy[dict[str, Any]]:
+    bound = st.integers(-50, 50) if kind == "integer" else st.one_of(st.integers(-50, 50), st.floats(-50, 50).map(
+        lambda f: round(f, 2)))
+    keys = st.fixed_dictionaries({}, optional={"minimum": bound, "maximum": bound, "exclusiveMinimum": bound,
+                                               "exclusiveMaximum": bound})
+    extra = st.fixed_dictionaries({}, optional={"multipleOf": st.integers(2, 5)}) if kind == "integer" else st.just({})
+    return st.tuples(keys, extra).map(lambda t: {"type": kind, **t[0], **t[1]})
+
+
+LEAVES = st.one_of(
+    _numeric("integer"), _numeric("number"),
+    st.fixed_dictionaries({"type": st.just("string")}, optional={"minLength": SMALL, "maxLength": st.integers(0, 12)}),
+    st.sampled_from(PATTERNS).map(lambda p: {"type": "string", "pattern": p}),
+    st.sampled_from(FORMATS).map(lambda f: {"type": "string", "format": f}),
+    st.sampled_from([{"type": "boolean"}, {"type": "null"}, {"type": ["string", "null"], "maxLength": 5}]),
+    st.lists(st.one_of(st.integers(-9, 9), st.text(max_size=4), st.booleans(), st.none()), min_size=1, max_size=4,
+             unique_by=repr).map(lambda v: {"enum": v}),
+    st.one_of(st.integers(), st.text(max_size=5), st.just({"k": [1, None]})).map(lambda v: {"const": v}),
+)
+
+
+def _containers(child: st.SearchStrategy[Any]) -> st.SearchStrategy[dict[str, Any]]:
+    def obj(props: dict[str, Any], draw_req: list[bool], extra: dict[str, Any]) -> dict[str, Any]:
+        req = [k for k, r in zip(props, draw_req, strict=False) if r]
+        return {"type": "object", "properties": props, "required": req, **extra}
+    objects = st.builds(obj, st.dictionaries(NAMES, child, max_size=3), st.lists(st.booleans(), max_size=3),
+                        st.fixed_dictionaries({}, optional={"additionalProperties": st.just(False)}))
+    arrays = st.builds(lambda items, lim: {"type": "array", "items": items, **lim}, child,
+                       st.fixed_dictionaries({}, optional={"minItems": st.integers(0, 2), "maxItems": SMALL}))
+    tuples = st.lists(child, min_size=1, max_size=2).map(lambda c: {"type": "array", "prefixItems": c, "items": False})
+    unions = st.lists(child, min_size=1, max_size=3).map(lambda c: {"anyOf": c})
+    one_of = st.just({"oneOf": [{"type": "integer"}, {"type": "string", "maxLength": 4}, {"type": "null"}]})
+    return st.one_of(objects, arrays, tuples, unions, one_of)
+
+
+SCHEMAS = st.recursive(LEAVES, _containers, max_leaves=6)
+NUMERIC_KEYWORDS = ("uniqueItems", "minContains", "maxContains")
+WITH_UNSUPPORTED = st.tuples(SCHEMAS, st.sampled_from(sorted(UNSUPPORTED))).map(
+    lambda t: {**t[0], t[1]: 1 if t[1] in NUMERIC_KEYWORDS else {"type": "integer"}})
+SOMETIMES_UNSUPPORTED = st.one_of(SCHEMAS, SCHEMAS, SCHEMAS, WITH_UNSUPPORTED)
+
+# Regexes as a small tree, printed both as a Python regex and as an EBNF grammar.
+ATOMS = st.sampled_from([("lit", "ab"), ("lit", "x"), ("lit", "-"), ("cls", "a-z"), ("cls", "0-9"), ("cls", "A-C")])
+
+
+def _patterns(child: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+    return st.one_of(st.tuples(st.just("seq"), st.lists(child, min_size=2, max_size=3)),
+                     st.tuples(st.just("alt"), st.lists(child, min_size=2, max_size=3)),
+                     st.tuples(st.just("rep"), child, st.sampled_from(["?", "+", "*", "{1,3}", "{2}"])))
+
+
+TREES = st.recursive(ATOMS, _patterns, max_leaves=6)
+
+
+def as_regex(t: Any) -> str:
+    kind = t[0]
+    if kind == "lit":
+        return re.escape(t[1])
+    if kind == "cls":
+        return f"[{t[1]}]"
+    if kind == "seq":
+        return "".join(f"(?:{as_regex(c)})" for c in t[1])
+    if kind == "alt":
+        return "|".join(f"(?:{as_regex(c)})" for c in t[1])
+    return f"(?:{as_regex(t[1])}){t[2]}"
+
+
+def as_ebnf(t: Any) -> str:
+    kind = t[0]
+    if kind == "lit":
+        return json.dumps(t[1])
+    if kind == "cls":
+        return f"[{t[1]}]"
+    if kind == "seq":
+        return " ".join(f"({as_ebnf(c)})" for c in t[1])
+    if kind == "alt":
+        return " | ".join(f"({as_ebnf(c)})" for c in t[1])
+    return f"({as_ebnf(t[1])}){t[2]}"
+
+
+def _run(llm: Any, sos: list[StructuredOutputsParams], seed: int) -> list[Any]:
+    params = [SamplingParams(temperature=1.0, seed=seed + i, max_tokens=64, structured_outputs=so)
+              for i, so in enumerate(sos)]
+    return [o.outputs[0] for o in llm.chat([PROMPT] * len(sos), params, use_tqdm=False)]
+
+
+FUZZ = settings(max_examples=6, deadline=None, derandomize=True, phases=[Phase.generate],
+                suppress_health_check=list(HealthCheck))
+
+
+@FUZZ
+@given(schemas=st.lists(SOMETIMES_UNSUPPORTED, min_size=6, max_size=6), seed=st.integers(0, 1000))
+def test_fuzzed_schemas_refused_by_name_or_every_stop_output_valid(llm: Any, schemas: list[Any], seed: int) -> None:
+    accepted = []
+    for schema in schemas:
+        so = StructuredOutputsParams(json=schema)
+        try:
+            llm.llm_engine.grammars.compile(so)
+        except ValueError as e:
+            assert re.search(r"`|JSON schema at|invalid json", str(e)), (schema, str(e))
+            assert not any(k in schema for k in UNSUPPORTED) or any(f"`{k}`" in str(e) for k in schema), str(e)
+            continue
+        assert not any(k in schema for k in UNSUPPORTED), f"{schema} compiled, but uses an unenforced keyword"
+        accepted.append((schema, so))
+    checker = jsonschema.FormatChecker()
+    for (schema, _), c in zip(accepted, _run(llm, [so for _, so in accepted], seed), strict=True):
+        if c.finish_reason == "stop":
+            jsonschema.validate(json.loads(c.text), schema, format_checker=checker)
+
+
+@FUZZ
+@given(trees=st.lists(TREES, min_size=4, max_size=4), seed=st.integers(0, 1000))
+def test_fuzzed_regexes_and_grammars_every_stop_output_matches(llm: Any, trees: list[Any], seed: int) -> None:
+    sos = [StructuredOutputsParams(regex=as_regex(t)) for t in trees]
+    sos += [StructuredOutputsParams(grammar=f"root ::= {as_ebnf(t)}") for t in trees]
+    outs = _run(llm, sos, seed)
+    for t, c in zip(trees + trees, outs, strict=True):
+        if c.finish_reason == "stop":
+            assert re.fullmatch(as_regex(t), c.text), (as_regex(t), c.text)
