@@ -22,7 +22,7 @@ from qpage.engine.output_processor import OutputProcessor, ParentState
 from qpage.engine.outputs import CompletionOutput, RequestOutput
 from qpage.engine.request import Request, RequestStatus
 from qpage.engine.scheduler import Scheduler
-from qpage.engine.structured import GrammarCompiler, Guide, token_masks
+from qpage.engine.structured import GrammarCompiler, Guide, MaskBudget, token_masks
 from qpage.formats import gguf_model
 from qpage.formats.gguf_model import is_gguf
 from qpage.formats.gguf_reader import GgufFile
@@ -103,6 +103,7 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(self.model_dir)
         self.eos_token_ids = eos_token_ids(self.model_dir, self.tokenizer)
         self.grammars = GrammarCompiler(self.tokenizer, self.arch.vocab_size, self.eos_token_ids)
+        self.mask_budget = MaskBudget()
         cc = config.cache
         self.kv_spec = KVCacheSpec.from_config(cc.kv_cache_dtype, cc.kv_cache_scales, self.dtype, cc.kv_cache_rotation)
         # Each rank holds its KV heads for every block: the blocks are sized for the rank with most.
@@ -323,12 +324,18 @@ class LLMEngine:
             self.update_gauges()
             return []
         guided = [s for s in sched.scheduled if s.samples and cast(Request, s.request).guide is not None]
+        over: dict[str, float] = {}  # parent id -> seconds its grammar took, past the budget
         if guided:
-            masks = token_masks([cast(Request, s.request).guide for s in guided], self.arch.vocab_size)  # type: ignore[misc]
+            g_reqs = [cast(Request, s.request) for s in guided]
+            masks, over = token_masks([r.guide for r in g_reqs], self.arch.vocab_size,  # type: ignore[misc]
+                                      [r.parent_id for r in g_reqs], self.mask_budget.seconds)
             for j, s in enumerate(guided):
                 s.token_mask = masks[j]
+        t0 = time.perf_counter()
         step = self._run_ranks(lambda: self.runner.execute(sched))
-        failed: dict[str, str] = {}  # parent request id -> why it failed (it alone ends)
+        self.mask_budget.observe(time.perf_counter() - t0)
+        # parent request id -> why it failed (it alone ends); a grammar past its budget is the request's fault
+        failed: dict[str, str] = {pid: self.mask_budget.refusal(spent) for pid, spent in over.items()}
         for s in sched.scheduled:
             req = cast(Request, s.request)
             if req.request_id in step.prompt_logprobs:
@@ -357,15 +364,17 @@ class LLMEngine:
             if ended is not None:
                 self.scheduler.finish(req, ended)
         touched = {r.parent_id for r in reqs} - failed.keys()
-        return self._finish_step(self.outputs.snapshot(touched, failed), failed)
+        return self._finish_step(self.outputs.snapshot(touched, failed), failed, set(over))
 
-    def _finish_step(self, outs: list[RequestOutput], failed: dict[str, str]) -> list[RequestOutput]:
-        """Add the failed requests' final outputs, forget finished requests, refresh gauges."""
+    def _finish_step(self, outs: list[RequestOutput], failed: dict[str, str],
+                     refused: set[str]) -> list[RequestOutput]:
+        """Add the failed requests' final outputs (``refused``: failed by their own doing, a
+        client error), forget finished requests, refresh gauges."""
         for pid, msg in failed.items():
             log.warning("qpage: request %s failed: %s", pid, msg)
             for req in self._requests.get(pid, []):
                 self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
-            out = self.outputs.failed(pid, msg)
+            out = self.outputs.failed(pid, msg, pid in refused)
             if out is not None:
                 outs.append(out)
         for o in outs:

@@ -85,7 +85,7 @@ class OutputProcessor:
         comp.text = detok.text
         return stop
 
-    def failed(self, request_id: str, error: str) -> RequestOutput | None:
+    def failed(self, request_id: str, error: str, client_error: bool = False) -> RequestOutput | None:
         """The final output of a request that failed (``finish_reason`` 'error'); drops its state."""
         parent = self.parents.pop(request_id, None)
         if parent is None:
@@ -94,7 +94,7 @@ class OutputProcessor:
             comp.finish_reason = comp.finish_reason or "error"
         self.metrics.inc("request_failure_total")
         out = self._output(parent)
-        out.finished, out.error = True, error
+        out.finished, out.error, out.client_error = True, error, client_error
         return out
 
     def snapshot(self, parent_ids: set[str], failed: dict[str, str]) -> list[RequestOutput]:

@@ -42,3 +42,5 @@ class RequestOutput:
     metrics: dict[str, float] = field(default_factory=dict)
     error: str | None = None
     """Why the request failed inside the engine (its completions end with 'error'); None if not."""
+    client_error: bool = False
+    """The failure is the request's own doing (its grammar too costly to follow), not the engine's."""

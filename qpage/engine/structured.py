@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import importlib
 import json
+import math
 import re
 import threading
+import time
 from typing import Any
 
 import torch
@@ -42,6 +44,11 @@ MAX_CONSTRAINT_CHARS = 65536
 """Longest constraint accepted (a schema's JSON text, a regex, a grammar, the choices together)."""
 MAX_SCHEMA_DEPTH = 32
 """Deepest nesting of objects and lists in a JSON schema (compile time grows steeply with it)."""
+MASK_STEP_SHARE = 0.25
+"""Share of a model step one request's grammar may take to compute its allowed tokens, in one
+step (all its sequences together); past it the request is ended (``MaskBudget``)."""
+MASK_FLOOR_S = 0.005
+"""The budget is never below this, so that fast steps (a GPU) leave room for ordinary grammars."""
 MAX_REPEAT = 1000
 """Largest ``{n}`` / ``{n,m}`` count in a regex, a grammar or a schema's ``pattern`` (each
 repeat is compiled out)."""
@@ -192,10 +199,49 @@ class Guide:
         return bool(self.matcher.is_terminated())
 
 
-def token_masks(guides: list[Guide], vocab_size: int) -> torch.Tensor:
-    """[len(guides), ceil(vocab_size / 32)] int32: row j holds the tokens ``guides[j]`` allows
-    next (bit k of word w = token 32w + k), for the sampler (``runner.sampler.apply_bitmask``)."""
+def token_masks(guides: list[Guide], vocab_size: int, owners: list[str] | None = None,
+                budget_s: float = math.inf) -> tuple[torch.Tensor, dict[str, float]]:
+    """([len(guides), ceil(vocab_size / 32)] int32, owners past the budget). Row j holds the
+    tokens ``guides[j]`` allows next (bit k of word w = token 32w + k), for the sampler
+    (``runner.sampler.apply_bitmask``). ``owners[j]`` names the request of row j: once one
+    request's rows have taken more than ``budget_s`` together, its remaining rows are left
+    unfilled (all tokens allowed) and it is returned with the seconds it took, to be ended."""
     bitmask = torch.full((len(guides), -(-vocab_size // 32)), -1, dtype=torch.int32)
+    spent: dict[str, float] = {}
+    over: dict[str, float] = {}
     for j, g in enumerate(guides):
+        owner = owners[j] if owners is not None else ""
+        if owner in over:
+            continue
+        t0 = time.perf_counter()
         g.fill(bitmask, j)
-    return bitmask
+        spent[owner] = spent.get(owner, 0.0) + time.perf_counter() - t0
+        if spent[owner] > budget_s:
+            over[owner] = spent[owner]
+    return bitmask, over
+
+
+class MaskBudget:
+    """How long one request's grammar may take per step to say which tokens may come next:
+    ``MASK_STEP_SHARE`` of a model step (a moving average of recent steps), at least
+    ``MASK_FLOOR_S``. An ambiguous grammar's matcher can grow slower with every token (to
+    hundreds of milliseconds per token); ending such a request bounds what it costs every
+    other request in the batch to that share of a step."""
+
+    def __init__(self) -> None:
+        self.step_s: float | None = None
+
+    def observe(self, seconds: float) -> None:
+        """Record one model step's duration."""
+        self.step_s = seconds if self.step_s is None else 0.8 * self.step_s + 0.2 * seconds
+
+    @property
+    def seconds(self) -> float:
+        """The bound now (unbounded before the first step is timed)."""
+        return math.inf if self.step_s is None else max(MASK_FLOOR_S, MASK_STEP_SHARE * self.step_s)
+
+    def refusal(self, spent: float) -> str:
+        """The error for a request whose grammar took ``spent`` seconds in one step."""
+        return (f"its grammar took {spent * 1e3:.1f} ms to compute the allowed tokens for one step, more than "
+                f"{self.seconds * 1e3:.1f} ms ({MASK_STEP_SHARE:.0%} of a model step); the grammar is too ambiguous "
+                "to follow in bounded time: rewrite rules such as s ::= s s as right-recursive ones (s ::= x s | x)")

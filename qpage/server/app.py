@@ -101,6 +101,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestFailedError)
     async def _failed(_: Request, exc: RequestFailedError) -> JSONResponse:
+        if exc.status == 400:
+            return error_response(APIError(400, str(exc), code="request_too_costly"))
         return error_response(APIError(500, str(exc), code="request_failed"), close=True)
 
     @app.exception_handler(Exception)

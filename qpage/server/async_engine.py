@@ -37,7 +37,12 @@ class QueueFullError(RuntimeError):
 
 
 class RequestFailedError(RuntimeError):
-    """The engine failed on this request alone; the others went on (HTTP 500 for its client)."""
+    """The engine failed on this request alone; the others went on (HTTP 500 for its client,
+    400 when the request itself is at fault)."""
+
+    def __init__(self, message: str, status: int = 500) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class EngineDeadError(RuntimeError):
@@ -287,7 +292,8 @@ class AsyncEngine:
             if stream is None:
                 continue
             item = self._snapshot(out) if out.error is None else RequestFailedError(
-                f"the engine failed on this request (other requests were not affected): {out.error}")
+                f"the engine ended this request (other requests were not affected): {out.error}",
+                400 if out.client_error else 500)
             batch.append((stream, item))
             if out.finished:
                 del self._streams[out.request_id]

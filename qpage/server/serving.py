@@ -12,7 +12,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from qpage.sampling_params import SamplingParams
-from qpage.server.async_engine import AsyncEngine, RequestStream, Snapshot
+from qpage.server.async_engine import AsyncEngine, RequestFailedError, RequestStream, Snapshot
 from qpage.server.preprocess import Preprocessor, Prompt
 from qpage.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from qpage.server.responses import ChatBuilder, CompletionBuilder, sse, usage
@@ -215,7 +215,7 @@ def _sse_response(gen: AsyncIterator[str], streams: list[RequestStream], request
             async for event in gen:
                 yield event
         except Exception as e:  # the engine failed on this request mid-stream: say so, then end
-            yield sse(APIError(500, str(e)).body())
+            yield sse(APIError(e.status if isinstance(e, RequestFailedError) else 500, str(e)).body())
             yield sse("[DONE]")
         finally:
             watcher.cancel()

@@ -318,3 +318,13 @@ def test_chat_template_receives_tools_and_tool_messages(llm: Any) -> None:
     assert text.startswith("<tools>get_weather:") and '"maximum": 7' in text and "get_time:" in text
     assert '<tool_call>get_weather{"city": "Paris", "days": 3}</tool_call>' in text  # arguments as a mapping
     assert "<|tool|>sunny[call_1]" in text and pre.hermes_tools
+
+
+def test_a_grammar_too_costly_to_follow_is_a_400(server: Server) -> None:
+    body = {"model": MODEL, "prompt": "x", "guided_grammar": 'root ::= s\ns ::= s s | "a" | "b" | "c"',
+            "max_tokens": 400, "temperature": 1, "seed": 1, "n": 4}
+    status, reply = raw(server.url, "/v1/completions", body)
+    assert_openai_error(status, reply, 400)
+    assert "too ambiguous" in reply["error"]["message"] and reply["error"]["code"] == "request_too_costly"
+    status, reply = raw(server.url, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2})
+    assert status == 200, reply
