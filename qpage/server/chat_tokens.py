@@ -15,6 +15,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from qpage.server.json_copy import copy_json
+
 MARK_BASE = 0xF0000
 """First private-use code point standing for a special token (U+F0000 .. U+FFFFD)."""
 
@@ -38,8 +40,7 @@ class ContentGuard:
 
     def defuse(self, value: Any) -> tuple[Any, bool]:
         """(A copy of ``value`` with every special-token string in its strings and keys
-        replaced by its mark, whether any was); copied without recursion, since a tool call's
-        arguments may nest deeply."""
+        replaced by its mark, whether any was)."""
         if self._find is None:
             return value, False
         hit = False
@@ -49,22 +50,7 @@ class ContentGuard:
             out = self._defuse_str(s)
             hit = hit or out != s
             return out
-        root: list[Any] = [None]
-        stack: list[tuple[Any, Any, Any]] = [(value, root, 0)]
-        while stack:
-            node, parent, key = stack.pop()
-            copy: Any = node
-            if isinstance(node, str):
-                copy = text(node)
-            elif isinstance(node, dict):
-                copy = {}
-                for k, v in node.items():
-                    stack.append((v, copy, text(k) if isinstance(k, str) else k))
-            elif isinstance(node, list | tuple):
-                copy = [None] * len(node)
-                stack.extend((v, copy, i) for i, v in enumerate(node))
-            parent[key] = copy
-        return root[0], hit
+        return copy_json(value, lambda _, s: text(s), text), hit
 
     def encode(self, text: str) -> list[int]:
         """Token ids of rendered text with marks: each mark becomes its special token's string

@@ -23,6 +23,7 @@ import uuid
 from typing import Any
 
 from qpage.sampling_params import StructuredOutputsParams
+from qpage.server.json_copy import copy_json
 from qpage.server.protocol import APIError, ChatCompletionRequest
 
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
@@ -53,25 +54,8 @@ def tool_mode(body: ChatCompletionRequest) -> tuple[str, str | None]:
 
 
 def _rebase(schema: Any, base: str) -> Any:
-    """A copy of ``schema`` whose local references (``"$ref": "#..."``) point under ``base``;
-    copied without recursion, since a client's schema may nest deeply."""
-    root: list[Any] = [None]
-    stack: list[tuple[Any, Any, Any]] = [(schema, root, 0)]
-    while stack:
-        node, parent, key = stack.pop()
-        copy: Any = node
-        if isinstance(node, dict):
-            copy = {}
-            for k, v in node.items():
-                if k == "$ref" and isinstance(v, str) and v.startswith("#"):
-                    copy[k] = base + v[1:]
-                else:
-                    stack.append((v, copy, k))
-        elif isinstance(node, list):
-            copy = [None] * len(node)
-            stack.extend((v, copy, i) for i, v in enumerate(node))
-        parent[key] = copy
-    return root[0]
+    """A copy of ``schema`` whose local references (``"$ref": "#..."``) point under ``base``."""
+    return copy_json(schema, lambda k, s: base + s[1:] if k == "$ref" and s.startswith("#") else s)
 
 
 def _tool_defs(tools: list[Any]) -> dict[str, Any]:

@@ -81,30 +81,23 @@ def _patterns(child: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
 TREES = st.recursive(ATOMS, _patterns, max_leaves=6)
 
 
-def as_regex(t: Any) -> str:
-    kind = t[0]
-    if kind == "lit":
-        return re.escape(t[1])
-    if kind == "cls":
-        return f"[{t[1]}]"
-    if kind == "seq":
-        return "".join(f"(?:{as_regex(c)})" for c in t[1])
-    if kind == "alt":
-        return "|".join(f"(?:{as_regex(c)})" for c in t[1])
-    return f"(?:{as_regex(t[1])}){t[2]}"
+SYNTAX = {  # literal, group, sequence separator, alternation separator
+    "regex": (re.escape, "(?:{})", "", "|"),
+    "ebnf": (json.dumps, "({})", " ", " | "),
+}
 
 
-def as_ebnf(t: Any) -> str:
+def render(t: Any, syntax: str) -> str:
+    """The pattern tree ``t`` as a Python regex or as the right side of an EBNF rule."""
+    literal, group, seq, alt = SYNTAX[syntax]
     kind = t[0]
     if kind == "lit":
-        return json.dumps(t[1])
+        return literal(t[1])
     if kind == "cls":
         return f"[{t[1]}]"
-    if kind == "seq":
-        return " ".join(f"({as_ebnf(c)})" for c in t[1])
-    if kind == "alt":
-        return " | ".join(f"({as_ebnf(c)})" for c in t[1])
-    return f"({as_ebnf(t[1])}){t[2]}"
+    if kind in ("seq", "alt"):
+        return (seq if kind == "seq" else alt).join(group.format(render(c, syntax)) for c in t[1])
+    return group.format(render(t[1], syntax)) + t[2]
 
 
 def _run(llm: Any, sos: list[StructuredOutputsParams], seed: int) -> list[Any]:
@@ -140,9 +133,9 @@ def test_fuzzed_schemas_refused_by_name_or_every_stop_output_valid(llm: Any, sch
 @FUZZ
 @given(trees=st.lists(TREES, min_size=4, max_size=4), seed=st.integers(0, 1000))
 def test_fuzzed_regexes_and_grammars_every_stop_output_matches(llm: Any, trees: list[Any], seed: int) -> None:
-    sos = [StructuredOutputsParams(regex=as_regex(t)) for t in trees]
-    sos += [StructuredOutputsParams(grammar=f"root ::= {as_ebnf(t)}") for t in trees]
+    sos = [StructuredOutputsParams(regex=render(t, "regex")) for t in trees]
+    sos += [StructuredOutputsParams(grammar=f"root ::= {render(t, 'ebnf')}") for t in trees]
     outs = _run(llm, sos, seed)
     for t, c in zip(trees + trees, outs, strict=True):
         if c.finish_reason == "stop":
-            assert re.fullmatch(as_regex(t), c.text), (as_regex(t), c.text)
+            assert re.fullmatch(render(t, "regex"), c.text), (render(t, "regex"), c.text)
