@@ -107,7 +107,7 @@ def mask_cost(batch: int) -> dict[str, Any]:
     t0 = time.perf_counter()
     rows = list(range(batch))
     for t in walk:
-        apply_bitmask(logits, token_masks(guides, len(tok)), rows)
+        apply_bitmask(logits, token_masks(guides, len(tok))[0], rows)
         for g in guides:
             assert g.accept(t)
     step = (time.perf_counter() - t0) / len(walk)
