@@ -81,6 +81,25 @@ def _subschemas(node: dict[str, Any], path: tuple[str, ...]) -> list[tuple[Any, 
     return out
 
 
+def _resolve(root: Any, node: Any) -> Any:
+    """``node``, or what its local ``$ref`` ("#/$defs/Cat") points at in ``root`` (a few hops
+    of references to references); None where a reference leads nowhere."""
+    for _ in range(8):
+        ref = node.get("$ref") if isinstance(node, dict) else None
+        if not (isinstance(ref, str) and ref.startswith("#")):
+            return node
+        node = root
+        for part in ref[1:].split("/")[1:]:
+            part = part.replace("~1", "/").replace("~0", "~")
+            if isinstance(node, dict):
+                node = node.get(part)
+            elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+                node = node[int(part)]
+            else:
+                return None
+    return node
+
+
 def _types(node: Any) -> set[str] | None:
     """The JSON types a branch allows, where its ``type``, ``const`` or ``enum`` says (else None)."""
     def of(v: Any) -> str:
@@ -113,9 +132,11 @@ def _discriminator(branches: list[Any]) -> bool:
     return False
 
 
-def _check_one_of(branches: list[Any], path: tuple[str, ...]) -> None:
+def _check_one_of(branches: list[Any], path: tuple[str, ...], root: Any) -> None:
     """oneOf is generated as anyOf, which is exact only when no value can match two branches:
-    branches of disjoint types, or objects told apart by a required ``const`` property."""
+    branches of disjoint types, or objects told apart by a required ``const`` property (as in
+    pydantic's discriminated unions, whose branches are references)."""
+    branches = [_resolve(root, b) for b in branches]
     kinds = [_types(b) for b in branches]
     if all(k is not None for k in kinds):
         seen: set[str] = set()
@@ -150,7 +171,7 @@ def _check_values(node: dict[str, Any], path: tuple[str, ...]) -> None:
                                       "remove the value or the conflicting keyword")
 
 
-def _check_node(node: dict[str, Any], path: tuple[str, ...]) -> None:
+def _check_node(node: dict[str, Any], path: tuple[str, ...], root: Any) -> None:
     """One schema object's own keywords (its subschemas are checked by the walk)."""
     for key, why in UNSUPPORTED.items():
         if key in node:
@@ -165,7 +186,7 @@ def _check_node(node: dict[str, Any], path: tuple[str, ...]) -> None:
         raise _fail((*path, "allOf"), "has several schemas, which structured outputs cannot combine; merge them "
                                       "into one")
     if isinstance(node.get("oneOf"), list) and len(node["oneOf"]) > 1:
-        _check_one_of(node["oneOf"], (*path, "oneOf"))
+        _check_one_of(node["oneOf"], (*path, "oneOf"), root)
     for fixed in ("pattern", "format"):
         if fixed in node and ("minLength" in node or "maxLength" in node):
             fix = ("put the length into the pattern (e.g. ^[a-z]{2,8}$)" if fixed == "pattern" else
@@ -200,5 +221,5 @@ def check_schema(schema: Any) -> None:
         node, path = stack.pop()
         if isinstance(node, bool) or not isinstance(node, dict):
             continue
-        _check_node(node, path)
+        _check_node(node, path, schema)
         stack.extend(_subschemas(node, path))

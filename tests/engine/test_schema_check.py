@@ -51,6 +51,11 @@ def test_schema_the_grammar_would_not_enforce_is_refused_by_keyword(
     {"oneOf": [{"type": "object", "properties": {"k": {"const": "a"}}, "required": ["k"]},
                {"type": "object", "properties": {"k": {"const": "b"}, "x": INT}, "required": ["k"]}]},
     {"allOf": [{"type": "integer", "minimum": 3}]},
+    {"$defs": {"Cat": {"type": "object", "properties": {"kind": {"const": "cat"}, "lives": INT},  # pydantic's
+                       "required": ["kind", "lives"]},  # discriminated union: a oneOf of references
+               "Dog": {"type": "object", "properties": {"kind": {"const": "dog"}}, "required": ["kind"]}},
+     "type": "object", "required": ["pet"], "properties": {"pet": {
+         "discriminator": {"propertyName": "kind"}, "oneOf": [{"$ref": "#/$defs/Cat"}, {"$ref": "#/$defs/Dog"}]}}},
     {"type": "object", "properties": {"a": INT}, "required": ["a"], "title": "T", "x-vendor": {"not": 1}},
     {"type": "string", "pattern": "^[a-z]{2,8}$"},
     {"type": "integer", "multipleOf": 3},
