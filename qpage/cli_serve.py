@@ -12,6 +12,7 @@ import urllib.error
 import urllib.request
 from typing import Any
 
+from qpage.config import parse_size
 from qpage.plan import DEFAULT_OVERHEAD, bundled_configs
 
 COMMANDS = ("serve", "plan", "doctor")
@@ -46,6 +47,13 @@ def add_parsers(sub: Any, engine_args: Any) -> None:
                    help="read special-token strings in chat messages (e.g. <|im_start|>) as control tokens; "
                         "only for trusted clients, who could otherwise write turns of other roles (default: "
                         "they are plain text)")
+    s.add_argument("--grammar-compile-timeout", type=_positive_seconds, default=10.0,
+                   help="seconds one structured-output grammar may take to compile; past it the compile "
+                        "process is killed and the request gets 400 (default: 10)")
+    s.add_argument("--grammar-compile-memory", default="1GiB",
+                   help="memory the grammar compile process may allocate (default: 1GiB)")
+    s.add_argument("--grammar-cache-memory", default="256MiB",
+                   help="compiled grammars kept for reuse, least recently used dropped first (default: 256MiB)")
     s.add_argument("--log-interval", type=float, default=5.0, help="seconds between stats log lines")
     s.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True)
 
@@ -107,7 +115,10 @@ def _serve(args: argparse.Namespace, build_engine_config: Any) -> int:
             template = f.read()
     aengine = AsyncEngine(engine, args.max_waiting, args.log_interval)
     app = build_app(aengine, ServerSettings(names, args.api_key, args.max_request_bytes, template, args.max_n,
-                                            args.read_timeout, args.special_tokens_in_content))
+                                            args.read_timeout, args.special_tokens_in_content,
+                                            args.grammar_compile_timeout,
+                                            parse_size(args.grammar_compile_memory, "--grammar-compile-memory"),
+                                            parse_size(args.grammar_cache_memory, "--grammar-cache-memory")))
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         logging.getLogger("qpage.server").warning(
             "serving on %s without --api-key: anyone who can reach this port can use the model", args.host)

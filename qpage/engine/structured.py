@@ -7,10 +7,11 @@ grammar once against the tokenizer's vocabulary, then tells, per step, which tok
 next as a bitmask of ``ceil(vocab / 32)`` int32 words.
 
 Compiling: ``GrammarCompiler.compile`` is thread-safe and caches compiled grammars by their
-text. The server compiles a request's grammar on a worker thread and hands the result to
-``LLMEngine.add_request``, so the step loop never compiles; the offline API compiles when a
-request is added. Constraints past ``MAX_CONSTRAINT_CHARS``, ``MAX_SCHEMA_DEPTH`` or
-``MAX_REPEAT`` are refused, since their compile time grows without bound.
+text. The server compiles a request's grammar in a child process (``grammar_worker``), from a
+thread of its own, and hands the result to ``LLMEngine.add_request``, so the step loop never
+compiles; the offline API compiles in its own process when a request is added. Constraints
+past ``MAX_CONSTRAINT_CHARS``, ``MAX_SCHEMA_DEPTH`` or ``MAX_REPEAT`` are refused, since
+their compile time grows without bound.
 
 Matching: each sequence gets a ``Guide`` (its matcher). Before a step the engine writes every
 constrained sampling row's allowed tokens (``token_masks``) into the scheduler's output; the
@@ -21,16 +22,20 @@ recomputes the cache), so its matcher stays where it is: nothing to roll back.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import importlib
 import json
 import math
 import re
 import threading
 import time
+from collections import OrderedDict
 from typing import Any
 
 import torch
 
+from qpage.engine.grammar_worker import CompileStopped, CompileWorker, compile_source
 from qpage.engine.schema_check import check_regex, check_schema
 from qpage.sampling_params import StructuredOutputsParams
 
@@ -54,6 +59,23 @@ MAX_REPEAT = 1000
 repeat is compiled out)."""
 _REPEAT = re.compile(r"\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")
 _CPP_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")
+
+
+def _trim_heap() -> None:
+    """Give freed heap pages back to the system (glibc's ``malloc_trim``; nothing elsewhere):
+    grammars read back from the compile process leave their freed pages in the reading
+    thread's malloc arena, where resident memory would stay at its high-water mark."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+def _resident_bytes() -> int:
+    """This process's resident memory (0 where /proc is not there)."""
+    with contextlib.suppress(OSError), open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
 
 
 def _xgrammar() -> Any:
@@ -115,56 +137,115 @@ def choice_grammar(choices: list[str]) -> str:
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
-class GrammarCompiler:
-    """Compiles constraints against one tokenizer; built on first use (reading the
-    vocabulary takes a fraction of a second, which an engine that never sees a constraint
-    should not pay). One compile thread, so compiling never takes the cores the step loop
-    decodes on."""
+def grammar_source(spec: StructuredOutputsParams) -> tuple[str, str, dict[str, Any]]:
+    """(kind, text, options) that XGrammar compiles for ``spec`` (``grammar_worker.compile_source``):
+    schemas compile strict, so properties a schema does not name are not generated (any
+    object for json_object, whose schema names none); choices become an EBNF grammar."""
+    kind = spec.kind
+    if kind in ("json", "json_object"):
+        options = {"strict_mode": kind == "json", "any_whitespace": not spec.disable_any_whitespace,
+                   "max_whitespace_cnt": MAX_JSON_WHITESPACE}
+        return "json", json.dumps(spec.json if kind == "json" else {"type": "object"}), options
+    if kind == "regex":
+        return "regex", spec.regex or "", {}
+    return "grammar", choice_grammar(spec.choice or []) if kind == "choice" else spec.grammar or "", {}
 
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: set[int]) -> None:
+
+class GrammarCompiler:
+    """Compiles constraints against one tokenizer, in this process or, once ``use_worker`` is
+    called (the server), in a child process with a time and memory limit. Built on first use
+    (reading the vocabulary takes a fraction of a second, which an engine that never sees a
+    constraint should not pay).
+
+    Compiled grammars are kept in a cache of our own, least recently used first out past
+    ``cache_bytes`` of the grammars' memory: XGrammar's own cache keeps far more resident
+    memory than it counts, while a compiled grammar's ``memory_size_bytes`` matches what the
+    process holds for it (docs/structured-outputs.md has the curve)."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: set[int],
+                 cache_bytes: int = GRAMMAR_CACHE_BYTES) -> None:
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size
+        self.cache_bytes = cache_bytes
         self._stop = sorted(stop_token_ids)
+        self._info: Any = None
         self._compiler: Any = None
+        self.worker: CompileWorker | None = None
+        self._cache: OrderedDict[tuple[str, str, str], Any] = OrderedDict()
+        self.cached_bytes = 0
+        self._base_rss = 0
         self._lock = threading.Lock()
 
-    def _get(self) -> Any:
+    def _tokenizer_info(self) -> Any:
         xgr = _xgrammar()
         with self._lock:
-            if self._compiler is None:
+            if self._info is None:
                 try:
-                    info = xgr.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self.vocab_size,
-                                                              stop_token_ids=self._stop)
+                    self._info = xgr.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self.vocab_size,
+                                                                    stop_token_ids=self._stop)
                 except Exception as e:
                     raise ValueError(f"structured outputs are not available for this model's tokenizer ({e})") from e
-                self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=True,
-                                                     cache_limit_bytes=GRAMMAR_CACHE_BYTES)
-            return self._compiler
+                self._compiler = xgr.GrammarCompiler(self._info, max_threads=1, cache_enabled=False)
+            return self._info
 
-    def compile(self, spec: StructuredOutputsParams) -> Any:
-        """The compiled grammar of ``spec``; ValueError naming the constraint and the problem."""
-        check_constraint(spec)
-        comp = self._get()
-        kind = spec.kind
+    def use_worker(self, time_limit_s: float, memory_bytes: int) -> None:
+        """Compile in a child process from now on (``grammar_worker``), under these limits.
+        Nothing changes for a tokenizer XGrammar cannot read: each compile says so."""
         try:
-            if kind in ("json", "json_object"):
-                # strict: properties a schema does not name are not generated (any object
-                # for json_object, whose schema names none)
-                compiled = comp.compile_json_schema(
-                    json.dumps(spec.json if kind == "json" else {"type": "object"}), strict_mode=kind == "json",
-                    any_whitespace=not spec.disable_any_whitespace, max_whitespace_cnt=MAX_JSON_WHITESPACE)
-            elif kind == "regex":
-                compiled = comp.compile_regex(spec.regex)
-            elif kind == "choice":
-                compiled = comp.compile_grammar(choice_grammar(spec.choice or []))
+            info = self._tokenizer_info()
+        except ValueError:
+            return
+        self.worker = CompileWorker(info.serialize_json(), time_limit_s, memory_bytes)
+
+    def _cached(self, key: tuple[str, str, str]) -> Any:
+        with self._lock:
+            compiled = self._cache.get(key)
+            if compiled is not None:
+                self._cache.move_to_end(key)
+            return compiled
+
+    def _keep(self, key: tuple[str, str, str], compiled: Any) -> None:
+        """Cache ``compiled``; drop the least recently used grammars while the cache is past
+        its bound by either count: the grammars' own sizes, or the process's resident memory
+        measured against what it was when the cache was last empty (grammars read back from
+        the compile process hold more than their stated size)."""
+        with self._lock:
+            if not self._cache:
+                self._base_rss = _resident_bytes() - compiled.memory_size_bytes
+            if key not in self._cache:
+                self._cache[key] = compiled
+                self.cached_bytes += compiled.memory_size_bytes
+            grown = _resident_bytes() - self._base_rss
+            while len(self._cache) > 1 and (self.cached_bytes > self.cache_bytes or grown > self.cache_bytes):
+                self.cached_bytes -= self._cache.popitem(last=False)[1].memory_size_bytes
+                _trim_heap()
+                grown = _resident_bytes() - self._base_rss
+
+    def compile(self, spec: StructuredOutputsParams, cancel: threading.Event | None = None) -> Any:
+        """The compiled grammar of ``spec``; ValueError naming the constraint and the problem
+        (``grammar_worker.CompileStopped`` when the worker ended it: time limit, ``cancel``)."""
+        check_constraint(spec)
+        info = self._tokenizer_info()
+        kind, text, options = grammar_source(spec)
+        key = (kind, text, json.dumps(options, sort_keys=True))
+        compiled = self._cached(key)
+        if compiled is not None:
+            return compiled
+        try:
+            if self.worker is not None:
+                compiled = _xgrammar().CompiledGrammar.deserialize_json(
+                    self.worker.compile(kind, text, options, cancel), info)
             else:
-                compiled = comp.compile_grammar(spec.grammar)
+                compiled = compile_source(self._compiler, kind, text, options)
+        except CompileStopped as e:
+            raise CompileStopped(f"the {spec.kind} constraint was not compiled: {e}") from None
         except Exception as e:  # the library's errors (RuntimeError mostly) are about the input
             why = _CPP_PREFIX.sub("", str(e).strip())
-            raise ValueError(f"invalid {kind}: {why}") from None
+            raise ValueError(f"invalid {spec.kind}: {why}") from None
         if not Guide(compiled).allows_any():
-            raise ValueError(f"the {kind} constraint matches no text (not even an empty one); check it for a rule "
-                             "that never ends or a character class that excludes everything")
+            raise ValueError(f"the {spec.kind} constraint matches no text (not even an empty one); check it for a "
+                             "rule that never ends or a character class that excludes everything")
+        self._keep(key, compiled)
         return compiled
 
     def guide(self, spec: StructuredOutputsParams) -> Guide:

@@ -51,6 +51,12 @@ class ServerSettings:
     """Seconds a client has to send a request's head, and again its body (408 past it)."""
     special_tokens_in_content: bool = False
     """Let special-token strings in chat messages act as control tokens (trusted clients only)."""
+    grammar_compile_timeout: float = 10.0
+    """Seconds one grammar may take to compile (its compile process is killed past it: a 400)."""
+    grammar_compile_memory: int = 1 << 30
+    """Bytes the compile process may allocate (restarted when it holds half of it)."""
+    grammar_cache_memory: int = 256 << 20
+    """Bytes of compiled grammars kept for reuse, least recently used dropped first."""
 
 
 def error_response(err: APIError, close: bool = False, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -153,6 +159,8 @@ def _add_info_routes(app: FastAPI, aengine: AsyncEngine, pre: Preprocessor, serv
 
 def build_app(aengine: AsyncEngine, settings: ServerSettings) -> Any:
     engine: LLMEngine = aengine.engine
+    engine.grammars.cache_bytes = settings.grammar_cache_memory
+    engine.grammars.use_worker(settings.grammar_compile_timeout, settings.grammar_compile_memory)
     pre = Preprocessor(engine.tokenizer, engine.max_model_len, engine.arch.vocab_size, settings.chat_template,
                        engine.grammars, settings.special_tokens_in_content)
     serving = OpenAIServing(aengine, pre, settings.model_names, settings.max_n)
@@ -166,6 +174,8 @@ def build_app(aengine: AsyncEngine, settings: ServerSettings) -> Any:
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         aengine.start()
+        if pre.compiles is not None:
+            pre.compiles.start()
         yield
         aengine.shutdown()
         pre.shutdown()

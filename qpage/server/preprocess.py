@@ -3,9 +3,9 @@
 The server keeps its own copy of the tokenizer and runs it on one worker thread: prompts
 are tokenized, chat templates rendered and ``/tokenize`` and ``/detokenize`` answered there,
 so a large prompt neither stalls the engine's step loop (which every client shares) nor
-the event loop. Structured-output grammars are compiled on a second worker thread (into the
-engine's cache, so the engine thread never compiles one), so a schema that takes seconds to
-compile delays only other constrained requests. A prompt the engine would refuse
+the event loop. Structured-output grammars go through the compile queue (``compile_queue``:
+a compile process, clients in turn), so the engine thread never compiles one and a schema
+that takes seconds to compile delays only its own client's constrained requests. A prompt the engine would refuse
 (``check_prompt_ids``), or a ``max_tokens`` that does not fit beside it, is refused here
 with the field it concerns; the tokenizer work is one queue, in arrival order, for all clients.
 """
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -22,13 +22,12 @@ from qpage.engine.engine import check_prompt_ids
 from qpage.engine.structured import GrammarCompiler
 from qpage.sampling_params import StructuredOutputsParams
 from qpage.server.chat_tokens import ContentGuard
+from qpage.server.compile_queue import CompileQueue
 from qpage.server.protocol import APIError
 from qpage.server.tools import HERMES_OPEN
 
 T = TypeVar("T")
 Prompt = str | list[int]
-MAX_PENDING_COMPILES = 8
-"""Grammar compiles queued or running at once; past it a constrained request gets 503."""
 
 
 class Preprocessor:
@@ -36,17 +35,16 @@ class Preprocessor:
                  grammars: GrammarCompiler | None = None, special_tokens_in_content: bool = False) -> None:
         self.tokenizer = copy.deepcopy(tokenizer)  # not shared with the engine thread's detokenizers
         self.guard = None if special_tokens_in_content else ContentGuard(self.tokenizer)
-        self.grammars = grammars
+        self.compiles = CompileQueue(grammars) if grammars is not None else None
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.chat_template = chat_template
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qpage-tokenize")
-        self._grammar_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qpage-grammar")
-        self._pending = 0  # compiles queued or running (touched on the event loop only)
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
-        self._grammar_pool.shutdown(wait=False, cancel_futures=True)
+        if self.compiles is not None:
+            self.compiles.shutdown()
 
     async def _run(self, fn: Callable[..., T], *args: Any, pool: ThreadPoolExecutor | None = None) -> T:
         return await asyncio.get_running_loop().run_in_executor(pool or self._pool, fn, *args)
@@ -76,20 +74,13 @@ class Preprocessor:
         template = self.chat_template or getattr(self.tokenizer, "chat_template", None) or ""
         return HERMES_OPEN in str(template)
 
-    async def compile(self, spec: StructuredOutputsParams, param: str) -> Any:
-        """``spec`` compiled (for ``AsyncEngine.generate``); 400 naming ``param`` if it is
-        invalid, 503 while ``MAX_PENDING_COMPILES`` others wait for the compile thread."""
-        if self.grammars is None:
+    async def compile(self, spec: StructuredOutputsParams, param: str, client: str,
+                      disconnected: Callable[[], Awaitable[bool]]) -> Any:
+        """``spec`` compiled (for ``AsyncEngine.generate``) through the compile queue; 400
+        naming ``param`` if it is invalid, 503 while the queue is full (``CompileQueue``)."""
+        if self.compiles is None:
             raise APIError(400, "this server does not take structured outputs", param)
-        if self._pending >= MAX_PENDING_COMPILES:
-            raise APIError(503, f"{self._pending} grammars are waiting to compile; retry later", param, "server_busy")
-        self._pending += 1
-        try:
-            return await self._run(self.grammars.compile, spec, pool=self._grammar_pool)
-        except ValueError as e:
-            raise APIError(400, f"{param}: {e}", param) from None
-        finally:
-            self._pending -= 1
+        return await self.compiles.compile(spec, param, client, disconnected)
 
     async def prompts(self, prompts: list[Prompt], add_special_tokens: bool, max_tokens: int | None,
                       param: str) -> list[dict[str, Any]]:

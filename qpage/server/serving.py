@@ -11,7 +11,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from qpage.sampling_params import SamplingParams
+from qpage.sampling_params import SamplingParams, StructuredOutputsParams
 from qpage.server.async_engine import AsyncEngine, RequestFailedError, RequestStream, Snapshot
 from qpage.server.preprocess import Preprocessor, Prompt
 from qpage.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
@@ -45,13 +45,20 @@ class OpenAIServing:
         ready = await self.pre.prompts(prompts, add_special_tokens, max_tokens, param)
         return await self.aengine.generate(ready, params, rid, grammar=grammar)  # type: ignore[arg-type]
 
+    async def _compile(self, structured: tuple[StructuredOutputsParams, str] | None, request: Request) -> Any:
+        """The request's constraint compiled (None without one), queued as its client's."""
+        if structured is None:
+            return None
+        client = request.client.host if request.client is not None else ""
+        return await self.pre.compile(*structured, client, request.is_disconnected)
+
     # ------------------------------------------------------------------ completions
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         body.check(self.max_n)
         self.check_model(body.model)
         structured = body.structured()
         params = body.sampling_params(body.max_tokens, body.logprobs, structured and structured[0])
-        grammar = await self.pre.compile(*structured) if structured is not None else None
+        grammar = await self._compile(structured, request)
         rid = f"cmpl-{uuid.uuid4().hex}"
         explicit = body.max_tokens if "max_tokens" in body.model_fields_set else None
         streams = await self._start(body.prompts(), params, rid, True, explicit, "prompt", grammar)
@@ -100,7 +107,7 @@ class OpenAIServing:
                                structured[1])
             structured = (tc, "tools")
         params = body.sampling_params(body.requested_max_tokens(), body.logprobs_k(), structured and structured[0])
-        grammar = await self.pre.compile(*structured) if structured is not None else None
+        grammar = await self._compile(structured, request)
         prompt = await self.pre.chat_ids([m.as_template_dict() for m in body.messages],
                                          body.add_generation_prompt and not body.continue_final_message,
                                          body.continue_final_message, template_dicts(body))
