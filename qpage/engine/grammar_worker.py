@@ -48,9 +48,11 @@ def _status_bytes(pid: int | str, field: str) -> int:
     return 0
 
 
-def _child(conn: Connection, tokenizer_info: str, memory_bytes: int) -> None:
-    """The child's loop: compile what arrives, answer with the serialized grammar (or the
-    error) and how far its resident memory has grown since it started."""
+def _child(conn: Connection, memory_bytes: int) -> None:
+    """The child's loop: read the tokenizer (the first message), then compile what arrives and
+    answer with the serialized grammar (or the error) and how far its resident memory has
+    grown since it started."""
+    tokenizer_info = conn.recv()
     import xgrammar as xgr
 
     info = xgr.TokenizerInfo.deserialize_json(tokenizer_info)
@@ -90,31 +92,42 @@ class CompileWorker:
 
     def _start(self) -> tuple[Any, Connection]:
         if self._proc is None or not self._proc.is_alive():
+            self.stop()
             ctx = multiprocessing.get_context("spawn")  # the server has threads: never fork it
             parent, child = ctx.Pipe()
-            self._proc = ctx.Process(target=_child, args=(child, self.tokenizer_info, self.memory_bytes),
-                                     daemon=True, name="qpage-grammar-compile")
-            self._proc.start()
-            child.close()
-            self._conn = parent
+            # the vocabulary goes over the pipe, not as an argument: spawn writes arguments to a
+            # pipe whose read end it holds itself, so a child killed while starting would block it
+            proc = ctx.Process(target=_child, args=(child, self.memory_bytes), daemon=True,
+                               name="qpage-grammar-compile")
+            try:
+                proc.start()
+            finally:
+                child.close()
+            self._proc, self._conn = proc, parent  # only a started child is kept
+            parent.send(self.tokenizer_info)
         assert self._conn is not None
         return self._proc, self._conn
 
     def stop(self) -> None:
-        """Kill the child (a new one starts on the next compile)."""
-        if self._proc is not None:
-            self._proc.kill()
-            self._proc.join(5)
-            self.restarts += 1
-        if self._conn is not None:
-            self._conn.close()
+        """Kill the child, if there is one (a new one starts on the next compile)."""
+        proc, conn = self._proc, self._conn
         self._proc, self._conn = None, None
+        if proc is not None:
+            proc.kill()
+            proc.join(5)
+            self.restarts += 1
+        if conn is not None:
+            conn.close()
 
     def compile(self, kind: str, text: str, options: dict[str, Any], cancel: threading.Event | None = None) -> str:
         """The serialized grammar; ValueError with the library's message, CompileStopped past the
         time limit, on ``cancel``, or if the child died."""
-        proc, conn = self._start()
-        conn.send((kind, text, options))
+        try:
+            proc, conn = self._start()
+            conn.send((kind, text, options))
+        except OSError as e:  # the child died as it started, or before it read the job
+            self.stop()
+            raise CompileStopped(f"the compile process died ({e}); retry") from None
         deadline = time.monotonic() + self.time_limit_s
         while not conn.poll(POLL_S):
             why = ("it took longer than the compile time limit of "
