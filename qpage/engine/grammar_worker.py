@@ -20,6 +20,8 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 POLL_S = 0.05
+STARTUP_S = 120
+"""Most seconds a new child may take to import the library and read the vocabulary."""
 
 
 class CompileStopped(ValueError):
@@ -60,6 +62,7 @@ def _child(conn: Connection, memory_bytes: int) -> None:
     limit = _status_bytes("self", "VmData") + memory_bytes
     resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
     base = _status_bytes("self", "VmRSS")
+    conn.send(("ready", "", 0))
     while True:
         try:
             kind, text, options = conn.recv()
@@ -105,6 +108,9 @@ class CompileWorker:
                 child.close()
             self._proc, self._conn = proc, parent  # only a started child is kept
             parent.send(self.tokenizer_info)
+            if not parent.poll(STARTUP_S):  # the time limit counts compiles, not the start
+                raise OSError(f"the compile process did not start within {STARTUP_S} s")
+            parent.recv()
         assert self._conn is not None
         return self._proc, self._conn
 
@@ -125,7 +131,7 @@ class CompileWorker:
         try:
             proc, conn = self._start()
             conn.send((kind, text, options))
-        except OSError as e:  # the child died as it started, or before it read the job
+        except (OSError, EOFError) as e:  # the child died as it started, or before it read the job
             self.stop()
             raise CompileStopped(f"the compile process died ({e}); retry") from None
         deadline = time.monotonic() + self.time_limit_s
