@@ -39,6 +39,10 @@ SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
 SUBSCHEMA_ONE = ("items", "additionalProperties", "propertyNames", "unevaluatedProperties", "unevaluatedItems")
 RANGES = (("minLength", "maxLength"), ("minItems", "maxItems"), ("minProperties", "maxProperties"),
           ("minimum", "maximum"))
+MAX_REPEAT = 1000
+"""Largest ``{n}`` / ``{n,m}`` count in a regex, a grammar or a schema's pattern (each repeat
+is compiled out, so compile time grows with it)."""
+_REPEAT = re.compile(r"\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")
 _ANCHOR = re.compile(r"\\.|\[(?:\\.|[^\]\\])*\]|[\^$]")
 
 
@@ -50,9 +54,20 @@ def _fail(path: tuple[str, ...], what: str) -> ValueError:
     return ValueError(f"the JSON schema at {_pointer(path)} {what}")
 
 
+def check_repeats(text: str, where: str) -> None:
+    """ValueError if a repetition count in ``text`` is over ``MAX_REPEAT``."""
+    for m in _REPEAT.finditer(text):
+        n = max(int(m.group(1)), int(m.group(2) or 0))
+        if n > MAX_REPEAT:
+            raise ValueError(f"the repetition count {n} in {m.group(0)!r} in {where} is over {MAX_REPEAT}; use + "
+                             "or * (and maxLength in a schema) instead")
+
+
 def check_regex(rx: str, where: str = "the regex") -> None:
-    """ValueError if ``rx`` has ``^`` or ``$`` anywhere but its two ends: the library drops
-    such anchors (the match is always whole), so ``a^b`` would match ``ab``."""
+    """ValueError if ``rx`` has ``^`` or ``$`` anywhere but its two ends (the library drops
+    such anchors: the match is always whole, so ``a^b`` would match ``ab``), or a repetition
+    count past ``MAX_REPEAT``."""
+    check_repeats(rx, where)
     for m in _ANCHOR.finditer(rx):
         tok, at = m.group(0), m.start()
         if (tok == "^" and at != 0) or (tok == "$" and at != len(rx) - 1):

@@ -10,7 +10,7 @@ Compiling: ``GrammarCompiler.compile`` is thread-safe and caches compiled gramma
 text. The server compiles a request's grammar in a child process (``grammar_worker``), from a
 thread of its own, and hands the result to ``LLMEngine.add_request``, so the step loop never
 compiles; the offline API compiles in its own process when a request is added. Constraints
-past ``MAX_CONSTRAINT_CHARS``, ``MAX_SCHEMA_DEPTH`` or ``MAX_REPEAT`` are refused, since
+past ``MAX_CONSTRAINT_CHARS``, ``MAX_SCHEMA_DEPTH`` or ``schema_check.MAX_REPEAT`` are refused, since
 their compile time grows without bound.
 
 Matching: each sequence gets a ``Guide`` (its matcher). Before a step the engine writes every
@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from qpage.engine.grammar_worker import CompileStopped, CompileWorker, compile_source
-from qpage.engine.schema_check import check_regex, check_schema
+from qpage.engine.schema_check import check_regex, check_repeats, check_schema
 from qpage.sampling_params import StructuredOutputsParams
 
 GRAMMAR_CACHE_BYTES = 256 * 2**20
@@ -54,10 +54,6 @@ MASK_STEP_SHARE = 0.25
 step (all its sequences together); past it the request is ended (``MaskBudget``)."""
 MASK_FLOOR_S = 0.005
 """The budget is never below this, so that fast steps (a GPU) leave room for ordinary grammars."""
-MAX_REPEAT = 1000
-"""Largest ``{n}`` / ``{n,m}`` count in a regex, a grammar or a schema's ``pattern`` (each
-repeat is compiled out)."""
-_REPEAT = re.compile(r"\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")
 _CPP_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")
 
 
@@ -88,16 +84,13 @@ def _xgrammar() -> Any:
                          "(or pip install 'qpage[structured]')") from None
 
 
-def _walk(node: Any, limit: int) -> tuple[int, list[str]]:
-    """(The nesting depth of objects and lists in ``node``, every ``pattern`` string in it),
-    without recursion (a schema may nest past Python's recursion limit); the walk stops once
-    the depth passes ``limit``."""
-    deepest, patterns, stack = 0, [], [(node, 1)]
+def _depth(node: Any, limit: int) -> int:
+    """The nesting depth of objects and lists in ``node``, without recursion (a schema may
+    nest past Python's recursion limit); the walk stops once the depth passes ``limit``."""
+    deepest, stack = 0, [(node, 1)]
     while stack:
         n, d = stack.pop()
         if isinstance(n, dict):
-            if isinstance(n.get("pattern"), str):
-                patterns.append(n["pattern"])
             children: Any = n.values()
         elif isinstance(n, list):
             children = n
@@ -107,29 +100,25 @@ def _walk(node: Any, limit: int) -> tuple[int, list[str]]:
         if deepest > limit:
             break
         stack.extend((c, d + 1) for c in children)
-    return deepest, patterns
+    return deepest
 
 
 def check_constraint(spec: StructuredOutputsParams) -> None:
     """ValueError if ``spec`` is past the size limits above, or says what the grammar would
-    not enforce (``schema_check``); the message names the limit or keyword."""
+    not enforce (``schema_check``: keywords, regex anchors, repetition counts); the message
+    names the limit or keyword."""
     kind = spec.kind
-    depth, patterns = _walk(spec.json, MAX_SCHEMA_DEPTH) if kind == "json" else (0, [])
-    if depth > MAX_SCHEMA_DEPTH:  # checked first: a deeper schema may not even serialise
+    if kind == "json" and _depth(spec.json, MAX_SCHEMA_DEPTH) > MAX_SCHEMA_DEPTH:  # first: it may not serialise
         raise ValueError(f"the JSON schema nests deeper than {MAX_SCHEMA_DEPTH} levels; flatten it")
     text = json.dumps(spec.json) if kind == "json" else "".join(spec.choice or []) or spec.regex or spec.grammar or ""
     if len(text) > MAX_CONSTRAINT_CHARS:
         raise ValueError(f"the {kind} constraint has {len(text)} characters; at most {MAX_CONSTRAINT_CHARS} are taken")
-    for rx in patterns if kind == "json" else [spec.regex or spec.grammar or ""]:
-        for m in _REPEAT.finditer(rx or ""):
-            n = max(int(m.group(1)), int(m.group(2) or 0))
-            if n > MAX_REPEAT:
-                raise ValueError(f"the repetition count {n} in {m.group(0)!r} is over {MAX_REPEAT}; use + or * "
-                                 "(and maxLength in a schema) instead")
     if kind == "json":
         check_schema(spec.json)
     elif kind == "regex":
         check_regex(spec.regex or "")
+    elif kind == "grammar":
+        check_repeats(spec.grammar or "", "the grammar")
 
 
 def choice_grammar(choices: list[str]) -> str:
