@@ -1,10 +1,13 @@
 """What one costly constrained request does to everyone else: an innocent greedy stream's
 inter-token gaps alone, while a client keeps sending an ambiguous grammar at ``n=8``
 (``root ::= s``, ``s ::= s s | "a" | "b" | "c"``: its matcher grows slower with every
-token), and, to tell the grammar's cost from the batch's, while a client keeps sending the
-same request without a grammar (``max_tokens`` 24). Rounds alternate the three conditions on
-one server; the table gives the innocent stream's median and largest gap per condition,
-their ratios to the stream alone, and what the other client got back (status, seconds).
+token; refused when it compiles), while a client keeps sending the same grammar behind 80
+digits (``late grammar``: it passes the compile-time walk and is ended by the per-step mask
+budget), and, to tell the grammar's cost from the batch's, while a client keeps sending the
+same request without a grammar (``max_tokens`` 24), each at most 4 requests a second.
+Rounds alternate the conditions on one server; the table gives the innocent stream's median
+and largest gap per condition, their ratios to the stream alone, and what the other client
+got back (status, seconds).
 Prints a table, writes JSON.
 
     python benchmarks/grammar_isolation.py [--rounds 3] [--tokens 64] [--url http://127.0.0.1:8000]
@@ -30,8 +33,9 @@ from common import write_json  # noqa: E402
 MODEL = "SmolLM2-135M-Instruct"
 HOSTILE = {"model": MODEL, "prompt": "x", "guided_grammar": 'root ::= s\ns ::= s s | "a" | "b" | "c"',
            "max_tokens": 400, "temperature": 1, "seed": 1, "n": 8}
+LATE = {**HOSTILE, "guided_grammar": 'root ::= [0-9]{80} s\ns ::= s s | "a" | "b" | "c"'}
 FREE = {"model": MODEL, "prompt": "x", "max_tokens": 24, "temperature": 1, "seed": 1, "n": 8, "ignore_eos": True}
-CONDITIONS = {"alone": None, "free n=8": FREE, "grammar n=8": HOSTILE}
+CONDITIONS = {"alone": None, "free n=8": FREE, "grammar n=8": HOSTILE, "late grammar n=8": LATE}
 
 
 Reply = tuple[http.client.HTTPResponse, http.client.HTTPConnection]
@@ -57,7 +61,8 @@ def innocent(port: int, tokens: int) -> list[float]:
 
 
 def other_loop(port: int, body: dict[str, Any], stop: threading.Event, seen: list[tuple[int, float]],
-               timeout: float) -> None:
+               timeout: float, interval: float) -> None:
+    """Send ``body`` again as each reply comes, at most one request per ``interval`` seconds."""
     while not stop.is_set():
         t0 = time.perf_counter()
         try:
@@ -67,6 +72,7 @@ def other_loop(port: int, body: dict[str, Any], stop: threading.Event, seen: lis
             conn.close()
         except TimeoutError:
             seen.append((-1, time.perf_counter() - t0))  # dropped by us: the server aborts it
+        stop.wait(max(0.0, interval - (time.perf_counter() - t0)))
 
 
 def main() -> None:
@@ -74,6 +80,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=64, help="tokens of the innocent stream")
     ap.add_argument("--hostile-timeout", type=float, default=60.0, help="seconds before a hostile request is dropped")
+    ap.add_argument("--interval", type=float, default=0.25,
+                    help="least seconds between the other client's requests (a refused grammar is answered at once; "
+                         "a flood of any cheap request is a matter for rate limits, not grammars)")
     ap.add_argument("--url", default=None, help="an already running server (default: start one)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "grammar_isolation.json"))
     args = ap.parse_args()
@@ -94,7 +103,8 @@ def main() -> None:
         for _ in range(args.rounds):
             for name, body in CONDITIONS.items():
                 stop = threading.Event()
-                t = threading.Thread(target=other_loop, args=(port, body, stop, seen[name], args.hostile_timeout))
+                t = threading.Thread(target=other_loop, args=(port, body, stop, seen[name], args.hostile_timeout,
+                                                                   args.interval))
                 if body is not None:
                     t.start()
                     time.sleep(0.5)  # the other request is in before the innocent one
@@ -116,12 +126,13 @@ def main() -> None:
     for r in rows.values():
         r["median_x"] = r["median_ms"] / rows["alone"]["median_ms"]
         r["max_x"] = r["max_ms"] / rows["alone"]["max_ms"]
-    head = f"{'innocent stream':<14} {'median gap ms':>14} {'x alone':>8} {'max gap ms':>11} {'x alone':>8}"
+    head = f"{'innocent stream':<17} {'median gap ms':>14} {'x alone':>8} {'max gap ms':>11} {'x alone':>8}"
     print(head + "  other client")
     for k, r in rows.items():
         other = "" if k == "alone" else f"{r['other_statuses']} in {r['other_median_s']:.2f} s (median)"
-        print(f"{k:<14} {r['median_ms']:>14.1f} {r['median_x']:>8.2f} {r['max_ms']:>11.1f} {r['max_x']:>8.2f}  {other}")
-    print("wrote", write_json({"rows": rows, "rounds": args.rounds, "tokens": args.tokens}, args.out))
+        print(f"{k:<17} {r['median_ms']:>14.1f} {r['median_x']:>8.2f} {r['max_ms']:>11.1f} {r['max_x']:>8.2f}  {other}")
+    print("wrote", write_json({"rows": rows, "rounds": args.rounds, "tokens": args.tokens,
+                              "interval_s": args.interval}, args.out))
 
 
 if __name__ == "__main__":

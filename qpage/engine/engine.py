@@ -324,18 +324,17 @@ class LLMEngine:
             self.update_gauges()
             return []
         guided = [s for s in sched.scheduled if s.samples and cast(Request, s.request).guide is not None]
-        over: dict[str, float] = {}  # parent id -> seconds its grammar took, past the budget
+        refused: dict[str, str] = {}  # parent id -> why its grammar ends it (the client's error)
         if guided:
             g_reqs = [cast(Request, s.request) for s in guided]
-            masks, over = token_masks([r.guide for r in g_reqs], self.arch.vocab_size,  # type: ignore[misc]
-                                      [r.parent_id for r in g_reqs], self.mask_budget.seconds)
+            masks, refused = token_masks([r.guide for r in g_reqs], self.arch.vocab_size,  # type: ignore[misc]
+                                         [r.parent_id for r in g_reqs], self.mask_budget)
             for j, s in enumerate(guided):
                 s.token_mask = masks[j]
         t0 = time.perf_counter()
         step = self._run_ranks(lambda: self.runner.execute(sched))
         self.mask_budget.observe(time.perf_counter() - t0)
-        # parent request id -> why it failed (it alone ends); a grammar past its budget is the request's fault
-        failed: dict[str, str] = {pid: self.mask_budget.refusal(spent) for pid, spent in over.items()}
+        failed = dict(refused)  # parent request id -> why it failed (it alone ends)
         for s in sched.scheduled:
             req = cast(Request, s.request)
             if req.request_id in step.prompt_logprobs:
@@ -364,7 +363,7 @@ class LLMEngine:
             if ended is not None:
                 self.scheduler.finish(req, ended)
         touched = {r.parent_id for r in reqs} - failed.keys()
-        return self._finish_step(self.outputs.snapshot(touched, failed), failed, set(over))
+        return self._finish_step(self.outputs.snapshot(touched, failed), failed, set(refused))
 
     def _finish_step(self, outs: list[RequestOutput], failed: dict[str, str],
                      refused: set[str]) -> list[RequestOutput]:

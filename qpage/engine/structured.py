@@ -42,6 +42,9 @@ from qpage.sampling_params import StructuredOutputsParams
 GRAMMAR_CACHE_BYTES = 256 * 2**20
 """Bound on the compiled grammars kept (least recently used ones are dropped past it), so a
 server that sees many distinct schemas does not grow without limit."""
+REFUSALS_KEPT = 64
+"""Constraints remembered as refused (with their error), so that a client repeating one does
+not cost a compile each time; a compile that was stopped (time limit, cancelled) is not kept."""
 MAX_JSON_WHITESPACE = 16
 """Most whitespace characters between two JSON tokens: enough for indented JSON, and it keeps
 a sampled model from filling max_tokens with blank lines."""
@@ -149,7 +152,8 @@ class GrammarCompiler:
     Compiled grammars are kept in a cache of our own, least recently used first out past
     ``cache_bytes`` of the grammars' memory: XGrammar's own cache keeps far more resident
     memory than it counts, while a compiled grammar's ``memory_size_bytes`` matches what the
-    process holds for it (docs/structured-outputs.md has the curve)."""
+    process holds for it (docs/structured-outputs.md has the curve). The last ``REFUSALS_KEPT``
+    refused constraints are kept with their errors."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: set[int],
                  cache_bytes: int = GRAMMAR_CACHE_BYTES) -> None:
@@ -162,6 +166,7 @@ class GrammarCompiler:
         self.worker: CompileWorker | None = None
         self._cache: OrderedDict[tuple[str, str, str], Any] = OrderedDict()
         self.cached_bytes = 0
+        self._refused: OrderedDict[tuple[str, str, str], str] = OrderedDict()
         self._base_rss = 0
         self._lock = threading.Lock()
 
@@ -220,6 +225,10 @@ class GrammarCompiler:
         compiled = self._cached(key)
         if compiled is not None:
             return compiled
+        with self._lock:
+            refused = self._refused.get(key)
+        if refused is not None:
+            raise ValueError(refused)
         try:
             if self.worker is not None:
                 compiled = _xgrammar().CompiledGrammar.deserialize_json(
@@ -229,11 +238,12 @@ class GrammarCompiler:
         except CompileStopped as e:
             raise CompileStopped(f"the {spec.kind} constraint was not compiled: {e}") from None
         except Exception as e:  # the library's errors (RuntimeError mostly) are about the input
-            why = _CPP_PREFIX.sub("", str(e).strip())
-            raise ValueError(f"invalid {spec.kind}: {why}") from None
-        if not Guide(compiled).allows_any():
-            raise ValueError(f"the {spec.kind} constraint matches no text (not even an empty one); check it for a "
-                             "rule that never ends or a character class that excludes everything")
+            why = f"invalid {spec.kind}: {_CPP_PREFIX.sub('', str(e).strip())}"
+            with self._lock:
+                self._refused[key] = why
+                while len(self._refused) > REFUSALS_KEPT:
+                    self._refused.popitem(last=False)
+            raise ValueError(why) from None
         self._keep(key, compiled)
         return compiled
 
@@ -247,17 +257,10 @@ class Guide:
 
     def __init__(self, compiled: Any) -> None:
         self.matcher = _xgrammar().GrammarMatcher(compiled)
-        self.vocab_size: int = compiled.tokenizer_info.vocab_size
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         """Write this sequence's allowed tokens into ``bitmask[row]``."""
         self.matcher.fill_next_token_bitmask(bitmask, row)
-
-    def allows_any(self) -> bool:
-        """Some token may come next (a grammar that matches nothing allows none at the start)."""
-        mask = torch.zeros((1, -(-self.vocab_size // 32)), dtype=torch.int32)
-        self.fill(mask, 0)
-        return bool(mask.any())
 
     def accept(self, token: int) -> bool:
         """Advance by ``token``; False if the grammar does not allow it (the state is unchanged)."""
@@ -270,25 +273,30 @@ class Guide:
 
 
 def token_masks(guides: list[Guide], vocab_size: int, owners: list[str] | None = None,
-                budget_s: float = math.inf) -> tuple[torch.Tensor, dict[str, float]]:
-    """([len(guides), ceil(vocab_size / 32)] int32, owners past the budget). Row j holds the
+                budget: MaskBudget | None = None) -> tuple[torch.Tensor, dict[str, str]]:
+    """([len(guides), ceil(vocab_size / 32)] int32, requests to end with why). Row j holds the
     tokens ``guides[j]`` allows next (bit k of word w = token 32w + k), for the sampler
-    (``runner.sampler.apply_bitmask``). ``owners[j]`` names the request of row j: once one
-    request's rows have taken more than ``budget_s`` together, its remaining rows are left
-    unfilled (all tokens allowed) and it is returned with the seconds it took, to be ended."""
+    (``runner.sampler.apply_bitmask``). ``owners[j]`` names the request of row j. A request
+    is ended, as its client's error, once its rows have taken more than ``budget`` together
+    (its remaining rows are left unfilled: all tokens allowed), or when a row allows no token:
+    the text so far can only go on with characters no token of the vocabulary produces."""
     bitmask = torch.full((len(guides), -(-vocab_size // 32)), -1, dtype=torch.int32)
+    bound = math.inf if budget is None else budget.seconds
     spent: dict[str, float] = {}
-    over: dict[str, float] = {}
+    ended: dict[str, str] = {}
     for j, g in enumerate(guides):
         owner = owners[j] if owners is not None else ""
-        if owner in over:
+        if owner in ended:
             continue
         t0 = time.perf_counter()
         g.fill(bitmask, j)
         spent[owner] = spent.get(owner, 0.0) + time.perf_counter() - t0
-        if spent[owner] > budget_s:
-            over[owner] = spent[owner]
-    return bitmask, over
+        if spent[owner] > bound:
+            ended[owner] = budget.refusal(spent[owner])  # type: ignore[union-attr]
+        elif not bitmask[j].any():
+            ended[owner] = ("its constraint allows no token after the text so far: it goes on only with "
+                            "characters that no token of this model's vocabulary produces; remove them from it")
+    return bitmask, ended
 
 
 class MaskBudget:

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from qpage.engine import structured
 from qpage.engine.structured import GrammarCompiler
 from qpage.sampling_params import StructuredOutputsParams
 
@@ -69,13 +70,37 @@ def test_schemas_the_grammar_enforces_compile(grammars: GrammarCompiler, schema:
     (dict(regex="a$b"), "anchor '$' at position 1"),
     (dict(regex=r"[^\s\S]"), "matches no text"),
     (dict(grammar='root ::= a\na ::= a "x"'), "matches no text"),
+    (dict(grammar='root ::= s\ns ::= s s | "a" | "b" | "c"'), "too ambiguous to follow; rewrite"),
+    (dict(choice=["\U00044a48"]), "matches no text"),  # a character no token of the vocabulary produces
+    (dict(choice=["x\u00e2\U00044a48"]), "only characters that no token of this model's vocabulary produces"),
 ])
-def test_regex_anchors_and_constraints_matching_nothing_are_refused(
+def test_regex_anchors_and_constraints_matching_nothing_or_too_costly_are_refused(
         grammars: GrammarCompiler, so: dict[str, Any], words: str) -> None:
     with pytest.raises(ValueError, match=words.replace("$", r"\$").replace("^", r"\^")):
         grammars.compile(StructuredOutputsParams(**so))
 
 
+@pytest.mark.parametrize("grammar", [
+    'root ::= s\ns ::= "a" s | "b" s | "c"',  # the right-recursive form the refusal suggests
+    'root ::= s\ns ::= s "+" s | [a-z]+',  # ambiguous, but its masks stay cheap
+    'root ::= e\ne ::= e "+" t | t\nt ::= t "*" f | f\nf ::= [0-9]+ | "(" e ")"',  # left-recursive
+])
+def test_grammars_whose_masks_stay_cheap_compile(grammars: GrammarCompiler, grammar: str) -> None:
+    grammars.compile(StructuredOutputsParams(grammar=grammar))
+
+
 @pytest.mark.parametrize("rx", ["^ab$", "[$^]x", r"\^a\$", "a|b"])
 def test_anchors_at_the_ends_or_escaped_are_fine(grammars: GrammarCompiler, rx: str) -> None:
     grammars.compile(StructuredOutputsParams(regex=rx))
+
+
+def test_a_refused_constraint_is_remembered(grammars: GrammarCompiler, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A client repeating a refused grammar gets the same error without another compile."""
+    so = StructuredOutputsParams(grammar='root ::= s\ns ::= s s | "a"')
+    with pytest.raises(ValueError, match="too ambiguous") as first:
+        grammars.compile(so)
+    calls = []
+    monkeypatch.setattr(structured, "compile_source", lambda *a: calls.append(a))
+    with pytest.raises(ValueError) as again:
+        grammars.compile(so)
+    assert str(again.value) == str(first.value) and not calls

@@ -90,19 +90,33 @@ def test_stop_strings_and_tokens_do_not_cut_a_constrained_output(llm: Any, token
     assert free[0].outputs[0].stop_reason == '"'  # unconstrained, stop strings still apply
 
 
-AMBIGUOUS = StructuredOutputsParams(grammar='root ::= s\ns ::= s s | "a" | "b" | "c"')
+LATE_AMBIGUOUS = StructuredOutputsParams(grammar='root ::= [0-9]{80} s\ns ::= s s | "a" | "b" | "c"')
+"""Ambiguous past 80 digits: it passes the compile-time walk (64 tokens), so the per-step budget ends it."""
 
 
 def test_a_grammar_too_costly_to_follow_ends_alone(llm: Any) -> None:
-    """The ambiguous grammar's matcher grows slower with every token; past its share of a step
-    the request is ended as the client's error, within tens of tokens (not its 400), and a
+    """Past its digits the grammar's matcher grows slower with every token; past its share of a
+    step the request is ended as the client's error, within tens of tokens (not its 400), and a
     free neighbour goes on with the tokens it gets alone."""
     free = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     alone = llm.generate("The history of printing", free, use_tqdm=False)[0].outputs[0].token_ids
-    hostile = SamplingParams(n=8, temperature=1.0, seed=1, max_tokens=400, structured_outputs=AMBIGUOUS)
+    hostile = SamplingParams(n=8, temperature=1.0, seed=1, max_tokens=400, structured_outputs=LATE_AMBIGUOUS)
     bad, good = llm.generate(["x", "The history of printing"], [hostile, free], use_tqdm=False)
     assert bad.client_error and "too ambiguous to follow in bounded time" in (bad.error or "")
     assert all(c.finish_reason == "error" and len(c.token_ids) < 200 for c in bad.outputs)
+    assert good.error is None and good.outputs[0].token_ids == alone
+
+
+def test_a_constraint_that_runs_into_characters_the_vocabulary_lacks_ends_alone(llm: Any) -> None:
+    """Past its digits the regex needs U+44A48, whose first byte no token of the vocabulary
+    holds: the request ends as the client's error when its mask allows no token, and a free
+    neighbour goes on with the tokens it gets alone."""
+    free = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    alone = llm.generate("The history of printing", free, use_tqdm=False)[0].outputs[0].token_ids
+    dead = SamplingParams(temperature=0, max_tokens=120, structured_outputs=StructuredOutputsParams(
+        regex="[0-9]{80}\u00e2\U00044a48"))
+    bad, good = llm.generate(["x", "The history of printing"], [dead, free], use_tqdm=False)
+    assert bad.client_error and "no token of this model's vocabulary produces" in (bad.error or "")
     assert good.error is None and good.outputs[0].token_ids == alone
 
 
@@ -188,8 +202,8 @@ def test_token_masks_applied_as_xgrammar_applies_them(vocab: int) -> None:
     masks[1] &= torch.randint(0, 2, (words,), generator=g, dtype=torch.int32) * -1  # sparse rows as in JSON
     logits = torch.randn(5, vocab, generator=g)
     ours = logits.clone()
-    rows, over = token_masks([_FixedGuide(m) for m in masks], vocab)  # type: ignore[misc]
-    assert torch.equal(rows, masks) and not over
+    rows, ended = token_masks([_FixedGuide(m) for m in masks], vocab)  # type: ignore[misc]
+    assert torch.equal(rows, masks) and not ended
     apply_bitmask(ours, rows, [0, 2, 3])
     ref = logits.clone()
     full = torch.full((5, words), -1, dtype=torch.int32)

@@ -2,23 +2,29 @@
 bodies and field values (extreme numbers, NaN and infinities, wrong types, odd Unicode,
 huge lists, broken JSON) sent while two innocent greedy streams run. No response is ever
 a 5xx, the innocent streams always finish with the text they give alone, and no KV block
-is held afterwards."""
+is held afterwards. Then fuzzed constraints in every field that takes one: each is refused
+by name or each finished output is valid."""
 
 from __future__ import annotations
 
 import http.client
 import json
+import re
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
+from qpage.engine.schema_check import UNSUPPORTED
+from tests.constraint_strategies import SOMETIMES_UNSUPPORTED, TREES, render
 from tests.server.conftest import API_KEY, MODEL, Server, start_server, stop_server
+from tests.server.http import raw
 from tests.server.test_faults import wait_idle
 
 pytestmark = pytest.mark.slow
@@ -186,3 +192,109 @@ def test_fuzzed_requests_never_5xx_and_spare_innocent_streams(fuzz_server: Serve
     after = wait_idle(fuzz_server, timeout=60)
     assert after["qpage:kv_cache_usage_perc"] == 0 and after["qpage:num_requests_running"] == 0
     assert "Traceback" not in fuzz_server.log_text()
+
+
+Check = Callable[[str], None]
+
+
+def _json_check(schema: dict[str, Any]) -> Check:
+    def check(text: str) -> None:
+        jsonschema.validate(json.loads(text), schema, format_checker=jsonschema.FormatChecker())
+    return check
+
+
+def _regex_check(rx: str) -> Check:
+    def check(text: str) -> None:
+        assert re.fullmatch(rx, text), (rx, text)
+    return check
+
+
+def _object_check(text: str) -> None:
+    assert isinstance(json.loads(text), dict), text
+
+
+@st.composite
+def constrained(draw: st.DrawFn) -> tuple[str, dict[str, Any], Check, dict[str, Any] | None]:
+    """(path, body, check of a finished output, the schema when the constraint is one) for a
+    request in one of the API's constraint fields, or a chat tool call with a fuzzed schema."""
+    form = draw(st.sampled_from(["guided_json", "response_format", "structured_outputs", "json_object",
+                                 "guided_regex", "guided_grammar", "guided_choice", "tool"]))
+    chat = form == "tool" or draw(st.booleans())
+    body: dict[str, Any] = {"model": MODEL, "max_tokens": 40, "temperature": 1.0, "n": draw(st.integers(1, 2)),
+                            "seed": draw(st.integers(0, 1000))}
+    if chat:
+        body["messages"] = [{"role": "user", "content": "Reply with a short JSON value."}]
+    else:
+        body["prompt"] = "A short JSON value:"
+    schema = draw(SOMETIMES_UNSUPPORTED) if form in ("guided_json", "response_format", "structured_outputs",
+                                                     "tool") else None
+    tree = draw(TREES)
+    check: Check = _json_check(schema) if schema is not None else _regex_check(render(tree, "regex"))
+    if form == "guided_json":
+        body["guided_json"] = schema
+    elif form == "response_format":
+        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "out", "schema": schema}}
+    elif form == "structured_outputs":
+        body["structured_outputs"] = {"json": schema}
+    elif form == "json_object":
+        body["response_format"], check = {"type": "json_object"}, _object_check
+    elif form == "guided_regex":
+        body["guided_regex"] = render(tree, "regex")
+    elif form == "guided_grammar":
+        body["guided_grammar"] = f"root ::= {render(tree, 'ebnf')}"
+    elif form == "guided_choice":
+        choices = draw(st.lists(st.text(st.characters(codec="utf-8"), min_size=1, max_size=6), min_size=1,
+                                max_size=3))
+        body["guided_choice"], check = choices, _regex_check("|".join(map(re.escape, choices)))
+    else:
+        body["tools"] = [{"type": "function", "function": {"name": "f", "parameters": schema}}]
+        body["tool_choice"] = draw(st.sampled_from(["required", {"type": "function", "function": {"name": "f"}}]))
+    return ("/v1/chat/completions" if chat else "/v1/completions"), body, check, schema
+
+
+def _outputs(path: str, reply: dict[str, Any]) -> list[tuple[str, str]]:
+    """(finish_reason, text to check) of each finished output: the text, the message's
+    content, or each tool call's arguments."""
+    outs = []
+    for c in reply["choices"]:
+        if path == "/v1/completions":
+            outs.append((c["finish_reason"], c["text"]))
+        elif c["message"].get("tool_calls"):
+            outs += [(c["finish_reason"], call["function"]["arguments"]) for call in c["message"]["tool_calls"]]
+        else:
+            outs.append((c["finish_reason"], c["message"]["content"]))
+    return outs
+
+
+def test_fuzzed_constraints_refused_by_name_or_every_finished_output_valid(fuzz_server: Server) -> None:
+    """Random schemas (in guided_json, response_format, structured_outputs and tool
+    parameters), regexes, grammars and choices over HTTP: a schema with a keyword the grammar
+    cannot enforce is a 400 naming it; every output that ends as its constraint ends
+    ("stop", or "tool_calls") is valid (``jsonschema`` with its format checker, or
+    ``re.fullmatch`` for regexes, grammars and choices)."""
+    counts = {"valid": 0, "refused": 0, "cut": 0}
+
+    @settings(max_examples=60, deadline=None, derandomize=True, database=None, phases=[Phase.generate],
+              suppress_health_check=list(HealthCheck))
+    @given(case=constrained())
+    def one(case: tuple[str, dict[str, Any], Check, dict[str, Any] | None]) -> None:
+        path, body, check, schema = case
+        status, reply = raw(fuzz_server.url, path, body)
+        unsupported = [k for k in UNSUPPORTED if schema is not None and k in schema]
+        if status == 400:
+            assert isinstance(reply, dict) and "error" in reply, reply
+            message = reply["error"]["message"]
+            assert not unsupported or any(f"`{k}`" in message for k in unsupported), (body, message)
+            counts["refused"] += 1
+            return
+        assert status == 200 and not unsupported, (status, body, reply)
+        for finish, text in _outputs(path, reply):
+            if finish in ("stop", "tool_calls"):
+                check(text)
+                counts["valid"] += 1
+            else:
+                counts["cut"] += 1
+
+    one()
+    print(f"fuzzed constraints: {counts}")
+    assert counts["valid"] >= 10 and counts["refused"] >= 1, counts
