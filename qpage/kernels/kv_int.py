@@ -100,3 +100,18 @@ def hadamard(head_dim: int) -> tuple[torch.Tensor, int]:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
     h = torch.block_diag(*[h / math.sqrt(block)] * (head_dim // block))
     return h.float(), block
+
+
+def walsh_hadamard(x: torch.Tensor, block: int) -> torch.Tensor:
+    """x [..., D] times ``hadamard(D)[0]`` (block-diagonal, ``block`` a power of two dividing D),
+    as log2(block) butterfly steps (a + b, a - b) and one scaling: every output element comes
+    from the same additions in the same order whatever the shape of x around it."""
+    shape = x.shape
+    y = x.reshape(-1, shape[-1] // block, block)
+    h = 1
+    while h < block:
+        pairs = y.view(y.shape[0], y.shape[1], block // (2 * h), 2, h)
+        a, b = pairs[..., 0, :], pairs[..., 1, :]
+        y = torch.stack((a + b, a - b), dim=-2).view(y.shape)
+        h *= 2
+    return (y * (1.0 / math.sqrt(block))).view(shape)

@@ -131,28 +131,14 @@ def test_decode_matches_torch(kv_bits: tuple[int, int], kvh: int, group: int, hd
 
 
 @native
-@pytest.mark.parametrize("bits", BITS)
-def test_block_reader_matches_reference(bits: int) -> None:
-    from qpage.kernels.cpu.attention.native_int import read_blocks_int
-
-    cache, table, _ = _filled_cache((bits, bits), 3, 64, [40, 7], 5)
-    ids = table[:, :3].flatten()
-    for codes, params in ((cache.k, cache.k_scale), (cache.v, cache.v_scale)):
-        want = dequantize_ref(codes[ids], params[ids], bits)
-        assert rel_err(read_blocks_int(codes, params, bits, ids, 64), want) < 1e-6
-
-
-@native
 def test_bad_tables_and_slots_raise() -> None:
-    from qpage.kernels.cpu.attention.native_int import paged_decode_int, read_blocks_int, write_int
+    from qpage.kernels.cpu.attention.native_int import paged_decode_int, write_int
 
     cache = make_layer_kv(KVCacheSpec(torch.float32, int_bits=4), 4, 2, 64, torch.device("cpu"))
     q = torch.randn(1, 2, 64)
     with pytest.raises(ValueError, match="block id outside"):
         paged_decode_int(q, cache.k, cache.v, cache.k_scale, cache.v_scale, 4, 4, torch.tensor([[9]]),
                          torch.tensor([3]), 0.125)
-    with pytest.raises(ValueError, match="block id outside"):
-        read_blocks_int(cache.k, cache.k_scale, 4, torch.tensor([4]), 64)
     k = torch.randn(1, 2, 64)
     with pytest.raises(ValueError, match="slot outside"):
         write_int(k, cache.k, cache.k_scale, torch.tensor([64]), 4)

@@ -120,10 +120,12 @@ def load() -> ctypes.CDLL | None:
         try:
             lib = ctypes.CDLL(str(_build(cc)))
             lib.qp_paged_decode_f32.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _ptr, _ptr,
-                                                _int, _int, _int, _int, _int, _float, _i64]
+                                                _int, _int, _int, _int, _int, _float, _i64, _int]
             lib.qp_paged_decode_f32.restype = _int
             lib.qp_write_kv_f32.argtypes = [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _int, _i64, _i64]
             lib.qp_write_kv_f32.restype = _int
+            lib.qp_hadamard_f32.argtypes = [_ptr, _i64, _ptr, _int, _int, _int, _int]
+            lib.qp_hadamard_f32.restype = _int
             lib.qp_rms_norm_f32.argtypes = [_ptr, _i64, _ptr, _ptr, _int, _int, _float]
             lib.qp_rms_norm_f32.restype = None
             lib.qp_add_rms_norm_f32.argtypes = [_ptr, _ptr, _ptr, _int, _int, _float]
@@ -136,15 +138,14 @@ def load() -> ctypes.CDLL | None:
                                             _int, _int, _i64, _ptr, _int, _ptr, _int]
             lib.qp_write_kv_fp8.restype = _int
             lib.qp_paged_decode_fp8.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _float, _float, _ptr, _int, _ptr,
-                                                _i64, _i64, _ptr, _ptr, _int, _int, _int, _int, _int, _float, _i64]
+                                                _i64, _i64, _ptr, _ptr, _int, _int, _int, _int, _int, _float, _i64,
+                                                _int]
             lib.qp_paged_decode_fp8.restype = _int
             lib.qp_write_int.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _int, _int, _int, _i64, _int]
             lib.qp_write_int.restype = _int
             lib.qp_paged_decode_int.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _int, _int, _ptr, _i64, _i64,
-                                                _ptr, _ptr, _int, _int, _int, _int, _int, _float, _i64]
+                                                _ptr, _ptr, _int, _int, _int, _int, _int, _float, _i64, _int]
             lib.qp_paged_decode_int.restype = _int
-            lib.qp_read_blocks_int.argtypes = [_ptr, _ptr, _int, _ptr, _i64, _int, _int, _int, _i64, _ptr]
-            lib.qp_read_blocks_int.restype = _int
             lib.qp_quantize_act.argtypes = [_ptr, _i64, _int, _int, _ptr, _ptr, _ptr, _int]
             lib.qp_quantize_act.restype = None
             lib.qp_gguf_repack.argtypes = [_int, _ptr, _i64, _int, _ptr, _i64, _int]
@@ -201,6 +202,16 @@ def check_decode(rc: int, name: str, num_blocks: int) -> None:
         raise ValueError(f"{name}: a seq_len < 1 or a block id outside [0, {num_blocks}) in the block table")
     if rc != 0:
         raise MemoryError(f"{name}: could not allocate the score scratch")
+
+
+def num_threads() -> int:
+    """The cores this process may run on (the matmuls split their rows across them, attention
+    a prompt chunk's rows). Passed to each call: the OpenMP runtime is torch's, whose thread
+    count is set to 1 for torch's own ops on this path (``layers.ops``)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # pragma: no cover - not Linux
+        return max(1, os.cpu_count() or 1)
 
 
 def as_i64(t: torch.Tensor) -> torch.Tensor:

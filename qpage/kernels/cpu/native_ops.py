@@ -1,5 +1,6 @@
-"""The small fp32 ops in C (``csrc/cpu_ops.c``): RMSNorm with the residual add, SiLU-and-mul
-and rotary embedding, each one call where torch runs several small allocating ops."""
+"""The small fp32 ops in C (``csrc/cpu_ops.c``): RMSNorm with the residual add, SiLU-and-mul,
+rotary embedding and the integer cache's Hadamard rotation, each one call where torch runs
+several small allocating ops."""
 
 from __future__ import annotations
 
@@ -60,3 +61,17 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, heads: i
           and signed_sin.is_contiguous() and cos.dtype == signed_sin.dtype == torch.float32)
     if not ok or lib.qp_rope_f32(x.data_ptr(), x.stride(0), cos.data_ptr(), signed_sin.data_ptr(), t, heads, hd):
         raise ValueError(f"rope_: unsupported input {tuple(x.shape)}/{x.stride()} with cos {tuple(cos.shape)}")
+
+
+def hadamard(x: torch.Tensor, block: int) -> torch.Tensor | None:
+    """``kv_int.walsh_hadamard(x, block)`` bit for bit, for fp32 x [T, H, D] on CPU with heads
+    contiguous (token rows may be strided); None where it cannot run (another layout, no C)."""
+    lib = load()
+    if (lib is None or x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 3 or x.stride(2) != 1
+            or x.stride(1) != x.shape[2]):
+        return None
+    t, h, d = x.shape
+    out = torch.empty(t, h, d, dtype=torch.float32)
+    if lib.qp_hadamard_f32(x.data_ptr(), x.stride(0), out.data_ptr(), t, h, d, block) != 0:
+        return None
+    return out

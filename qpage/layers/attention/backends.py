@@ -167,11 +167,15 @@ class CpuBlasPagedAttention(TorchPagedAttention):
 
 
 class CpuNativePagedAttention(CpuBlasPagedAttention):
-    """fp32 on CPU: decode attention and the cache write in C, reading and writing the cache
-    blocks in place (``kernels.cpu.native`` for an fp32 cache, ``native_fp8`` for FP8 codes,
-    ``native_int`` for int8/int4 codes); prefill as ``CpuBlasPagedAttention``, with an integer
-    cache's context dequantized by ``native_int``. The functions are bound to the cache format
-    once, here."""
+    """fp32 on CPU: attention and the cache write in C, reading and writing the cache blocks in
+    place (``kernels.cpu.native`` for an fp32 cache, ``native_fp8`` for FP8 codes,
+    ``native_int`` for int8/int4 codes). The functions are bound to the cache format once, here.
+
+    Every row, a decode's or a prefill chunk's, goes through the one-query kernel over its own
+    context (a prompt row at position p sees positions 0..p, read from the cache), so a row's
+    result depends on its context alone: not on how its prompt was chunked, what else is in the
+    batch, or whether its cache came from a prefix hit, a decode step or a recompute after
+    preemption (docs/design.md, batch invariance)."""
 
     name = "cpu-native"
 
@@ -179,17 +183,28 @@ class CpuNativePagedAttention(CpuBlasPagedAttention):
         super().__init__(spec)
         if spec.kv_bits is not None:
             self.write_cache = _write_int  # type: ignore[method-assign]
-            self._decode = _decode_int  # type: ignore[method-assign]
-            self._gather = _gather_int  # type: ignore[method-assign]
+            self._rows = _rows_int
         elif spec.fp8_format is not None:
             self.write_cache = _write_fp8  # type: ignore[method-assign]
-            self._decode = _decode_fp8  # type: ignore[method-assign]
+            self._rows = _rows_fp8
         else:
             self.write_cache = _write_plain  # type: ignore[method-assign]
-            self._decode = _decode_plain  # type: ignore[method-assign]
+            self._rows = _rows_plain
 
     def build_metadata(self, batch: AttentionBatch, device: torch.device) -> AttentionMetadata:
-        return build_torch_metadata(batch, device)  # the C decode reads seq_lens, not a bias
+        return build_torch_metadata(batch, device)  # the C kernels read seq_lens, not a bias
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKV, meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """q: [T, H, D] (this step's K/V are already in the cache). Returns [T, H, D]."""
+        outs = [self._rows(q[d.start : d.end], cache, d.block_table, _seq_lens(d), scale) for d in meta.decode_groups]
+        for p in meta.prefills:
+            n = p.end - p.start
+            lens = torch.arange(p.context_len - n + 1, p.context_len + 1)
+            outs.append(self._rows(q[p.start : p.end], cache, p.block_ids[None], lens, scale))
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
 
 
 def _seq_lens(d: DecodeGroup) -> torch.Tensor:
@@ -200,17 +215,18 @@ def _write_plain(k: torch.Tensor, v: torch.Tensor, cache: LayerKV, slot_mapping:
     native_fp32.write_kv(k, v, cache.k, cache.v, slot_mapping)
 
 
-def _decode_plain(q: torch.Tensor, cache: LayerKV, d: DecodeGroup, scale: float) -> torch.Tensor:
-    return native_fp32.paged_decode(q, cache.k, cache.v, d.block_table, _seq_lens(d), scale)
+def _rows_plain(q: torch.Tensor, cache: LayerKV, table: torch.Tensor, lens: torch.Tensor,
+                scale: float) -> torch.Tensor:
+    return native_fp32.paged_decode(q, cache.k, cache.v, table, lens, scale)
 
 
 def _write_fp8(k: torch.Tensor, v: torch.Tensor, cache: Fp8KV, slot_mapping: torch.Tensor) -> None:
     native_fp8.write_kv_fp8(k, v, cache.k, cache.v, slot_mapping, cache.k_scale, cache.v_scale, cache.fp8_format)
 
 
-def _decode_fp8(q: torch.Tensor, cache: Fp8KV, d: DecodeGroup, scale: float) -> torch.Tensor:
+def _rows_fp8(q: torch.Tensor, cache: Fp8KV, table: torch.Tensor, lens: torch.Tensor, scale: float) -> torch.Tensor:
     return native_fp8.paged_decode_fp8(q, cache.k, cache.v, cache.k_scale, cache.v_scale, cache.fp8_format,
-                                       d.block_table, _seq_lens(d), scale)
+                                       table, lens, scale)
 
 
 def _write_int(k: torch.Tensor, v: torch.Tensor, cache: IntKV, slot_mapping: torch.Tensor) -> None:
@@ -218,15 +234,6 @@ def _write_int(k: torch.Tensor, v: torch.Tensor, cache: IntKV, slot_mapping: tor
     native_int.write_int(v, cache.v, cache.v_scale, slot_mapping, cache.v_bits)
 
 
-def _decode_int(q: torch.Tensor, cache: IntKV, d: DecodeGroup, scale: float) -> torch.Tensor:
+def _rows_int(q: torch.Tensor, cache: IntKV, table: torch.Tensor, lens: torch.Tensor, scale: float) -> torch.Tensor:
     return native_int.paged_decode_int(q, cache.k, cache.v, cache.k_scale, cache.v_scale, cache.k_bits,
-                                       cache.v_bits, d.block_table, _seq_lens(d), scale)
-
-
-def _gather_int(cache: IntKV, block_table: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of a prefill's context, dequantized in C."""
-    rows, hd, ids = block_table.shape[0], cache.head_dim, block_table.flatten()
-    keys = native_int.read_blocks_int(cache.k, cache.k_scale, cache.k_bits, ids, hd)
-    values = native_int.read_blocks_int(cache.v, cache.v_scale, cache.v_bits, ids, hd)
-    kvh = keys.shape[2]
-    return keys.view(rows, -1, kvh, hd)[:, :length], values.view(rows, -1, kvh, hd)[:, :length]
+                                       cache.v_bits, table, lens, scale)

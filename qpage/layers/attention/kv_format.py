@@ -32,8 +32,17 @@ from dataclasses import dataclass, field
 import torch
 
 from qpage.config import BLOCK_SIZE, INT_BITS, KV_CACHE_FORMATS
+from qpage.kernels.cpu import native_ops
 from qpage.kernels.fp8.codec import decode_fp8_ref
-from qpage.kernels.kv_int import PARAMS, code_width, dequantize_ref, hadamard, head_dim_of, write_int_cache_ref
+from qpage.kernels.kv_int import (
+    PARAMS,
+    code_width,
+    dequantize_ref,
+    hadamard,
+    head_dim_of,
+    walsh_hadamard,
+    write_int_cache_ref,
+)
 from qpage.kernels.kv_quant import write_kv_cache_ref
 
 KV_SCALE_MODES = ("per_token", "per_tensor")
@@ -141,9 +150,16 @@ class KVTransform:
 
     def _rotate(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., head_dim] times ``rotation``, in fp32 (1/sqrt(block) is not exact in fp16 or
-        bf16: there R.R would be off the identity by about 2e-4), rounded once to x's dtype."""
+        bf16: there R.R would be off the identity by about 2e-4), rounded once to x's dtype.
+        Computed as a fast Walsh-Hadamard transform (``kv_int.walsh_hadamard``, in C where it
+        can run: ``native_ops.hadamard``, the same bits): elementwise steps, so each row's
+        result is the same however many rows share the call (a matmul's is not)."""
         assert self.rotation is not None
-        return x @ self.rotation if x.dtype == torch.float32 else (x.float() @ self.rotation).to(x.dtype)
+        block = hadamard(self.rotation.shape[0])[1]
+        y = native_ops.hadamard(x, block)
+        if y is None:
+            y = walsh_hadamard(x.float(), block)
+        return y if x.dtype == torch.float32 else y.to(x.dtype)
 
 
 @dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from qpage.kernels.cpu.native import as_i64, check_decode, load
+from qpage.kernels.cpu.native import as_i64, check_decode, load, num_threads
 
 
 def paged_decode(
@@ -15,7 +15,8 @@ def paged_decode(
     """Decode attention, as ``TorchPagedAttention._decode`` computes it.
 
     q: fp32 [n, H, hd] (heads contiguous; sequences may be strided); k_cache/v_cache: fp32
-    [num_blocks, block, kvh, hd] contiguous; block_table: int64 [n, >= blocks used];
+    [num_blocks, block, kvh, hd] contiguous; block_table: int64 [n or 1, >= blocks used]
+    (one row: the queries are one prompt chunk's, sharing it);
     seq_lens: int64 [n], each >= 1. Returns fp32 [n, H, hd].
     """
     lib = load()
@@ -24,14 +25,15 @@ def paged_decode(
     nb, bs, kvh, hd_c = k_cache.shape
     if (q.device.type != "cpu" or q.dtype != torch.float32 or k_cache.dtype != torch.float32
             or q.stride(2) != 1 or q.stride(1) != hd or hd_c != hd or h % kvh or k_cache.shape != v_cache.shape
-            or block_table.shape[0] != n or not (k_cache.is_contiguous() and v_cache.is_contiguous())):
+            or block_table.shape[0] not in (1, n) or not (k_cache.is_contiguous() and v_cache.is_contiguous())):
         raise ValueError(f"paged_decode: unsupported layout q {tuple(q.shape)}/{q.stride()} {q.dtype}, "
                          f"cache {tuple(k_cache.shape)} {k_cache.dtype}")
     bt, lens = as_i64(block_table), as_i64(seq_lens)
+    table_stride = bt.stride(0) if bt.shape[0] == n else 0  # one table row: all queries share it
     out = torch.empty(n, h, hd, dtype=torch.float32)
     rc = lib.qp_paged_decode_f32(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), bt.data_ptr(),
-                                 bt.stride(0), bt.shape[1], lens.data_ptr(), out.data_ptr(), n, h, kvh, hd, bs, scale,
-                                 nb)
+                                 table_stride, bt.shape[1], lens.data_ptr(), out.data_ptr(), n, h, kvh, hd, bs, scale,
+                                 nb, num_threads())
     check_decode(rc, "paged_decode", nb)
     return out
 

@@ -13,7 +13,7 @@ import functools
 
 import torch
 
-from qpage.kernels.cpu.native import as_i64, check_decode, load
+from qpage.kernels.cpu.native import as_i64, check_decode, load, num_threads
 from qpage.kernels.fp8.codec import decode_fp8_ref
 from qpage.kernels.kv_quant import scale_multipliers
 
@@ -75,21 +75,24 @@ def paged_decode_fp8(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor,
     fmt: str, block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
 ) -> torch.Tensor:
-    """Decode attention over FP8 codes; q fp32 [n, H, hd] (heads contiguous), returns fp32 [n, H, hd]."""
+    """Decode attention over FP8 codes; q fp32 [n, H, hd] (heads contiguous), returns fp32 [n, H, hd];
+    block_table int64 [n or 1, >= blocks used] (one row: one prompt chunk's queries share it)."""
     lib = load()
     assert lib is not None, "paged_decode_fp8 needs the native kernels; check load() first"
     _check_codes(k_cache, v_cache, fmt)
     n, h, hd = q.shape
     nb, bs, kvh, hd_c = k_cache.shape
     if (q.device.type != "cpu" or q.dtype != torch.float32 or q.stride(2) != 1 or q.stride(1) != hd or hd_c != hd
-            or h % kvh or block_table.shape[0] != n or hd > 256):
+            or h % kvh or block_table.shape[0] not in (1, n) or hd > 256):
         raise ValueError(f"paged_decode_fp8: unsupported layout q {tuple(q.shape)}/{q.stride()} {q.dtype}, "
                          f"cache {tuple(k_cache.shape)}")
     kp, vp, k_mul, v_mul = _scales(k_scale, v_scale, nb, bs, kvh)
     bt, lens = as_i64(block_table), as_i64(seq_lens)
+    table_stride = bt.stride(0) if bt.shape[0] == n else 0  # one table row: all queries share it
     out = torch.empty(n, h, hd, dtype=torch.float32)
     rc = lib.qp_paged_decode_fp8(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), kp, vp, k_mul,
-                                 v_mul, code_values(fmt).data_ptr(), int(fmt == "e5m2"), bt.data_ptr(), bt.stride(0),
-                                 bt.shape[1], lens.data_ptr(), out.data_ptr(), n, h, kvh, hd, bs, scale, nb)
+                                 v_mul, code_values(fmt).data_ptr(), int(fmt == "e5m2"), bt.data_ptr(), table_stride,
+                                 bt.shape[1], lens.data_ptr(), out.data_ptr(), n, h, kvh, hd, bs, scale, nb,
+                                 num_threads())
     check_decode(rc, "paged_decode_fp8", nb)
     return out

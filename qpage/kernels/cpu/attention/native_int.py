@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from qpage.kernels.cpu.native import as_i64, check_decode, load
+from qpage.kernels.cpu.native import as_i64, check_decode, load, num_threads
 from qpage.kernels.kv_int import PARAMS, code_width
 
 
@@ -44,7 +44,8 @@ def paged_decode_int(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_params: torch.Tensor, v_params: torch.Tensor,
     k_bits: int, v_bits: int, block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
 ) -> torch.Tensor:
-    """Decode attention over integer codes; q fp32 [n, H, hd] (heads contiguous) -> fp32 [n, H, hd]."""
+    """Decode attention over integer codes; q fp32 [n, H, hd] (heads contiguous) -> fp32 [n, H, hd];
+    block_table int64 [n or 1, >= blocks used] (one row: one prompt chunk's queries share it)."""
     lib = load()
     assert lib is not None, "paged_decode_int needs the native kernels; check load() first"
     n, h, hd = q.shape
@@ -52,30 +53,15 @@ def paged_decode_int(
     _check_cache(v_cache, v_params, v_bits, hd)
     nb, bs, kvh = k_cache.shape[:3]
     if (q.device.type != "cpu" or q.dtype != torch.float32 or q.stride(2) != 1 or q.stride(1) != hd or h % kvh
-            or block_table.shape[0] != n or v_cache.shape[:3] != k_cache.shape[:3]):
+            or block_table.shape[0] not in (1, n) or v_cache.shape[:3] != k_cache.shape[:3]):
         raise ValueError(f"paged_decode_int: unsupported layout q {tuple(q.shape)}/{q.stride()} {q.dtype}, "
                          f"cache {tuple(k_cache.shape)}")
     bt, lens = as_i64(block_table), as_i64(seq_lens)
+    table_stride = bt.stride(0) if bt.shape[0] == n else 0  # one table row: all queries share it
     out = torch.empty(n, h, hd, dtype=torch.float32)
     rc = lib.qp_paged_decode_int(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
                                  k_params.data_ptr(), v_params.data_ptr(), k_bits, v_bits, bt.data_ptr(),
-                                 bt.stride(0), bt.shape[1], lens.data_ptr(), out.data_ptr(), n, h, kvh, hd, bs, scale,
-                                 nb)
+                                 table_stride, bt.shape[1], lens.data_ptr(), out.data_ptr(), n, h, kvh, hd, bs, scale,
+                                 nb, num_threads())
     check_decode(rc, "paged_decode_int", nb)
-    return out
-
-
-def read_blocks_int(cache: torch.Tensor, params: torch.Tensor, bits: int, block_ids: torch.Tensor,
-                    head_dim: int) -> torch.Tensor:
-    """fp32 [len(block_ids), BLOCK, kvh, head_dim]: whole blocks dequantized (``kv_int.dequantize_ref``
-    up to the rounding of a fused multiply-add)."""
-    lib = load()
-    assert lib is not None, "read_blocks_int needs the native kernels; check load() first"
-    _check_cache(cache, params, bits, head_dim)
-    nb, bs, kvh = cache.shape[:3]
-    ids = as_i64(block_ids)
-    out = torch.empty(ids.numel(), bs, kvh, head_dim, dtype=torch.float32)
-    if lib.qp_read_blocks_int(cache.data_ptr(), params.data_ptr(), bits, ids.data_ptr(), ids.numel(), bs, kvh,
-                              head_dim, nb, out.data_ptr()) != 0:
-        raise ValueError(f"read_blocks_int: a block id outside [0, {nb})")
     return out

@@ -7,9 +7,11 @@
  * Why C: a decode step reads each sequence's K and V once and does ~3 FMAs per element
  * read, so it is bound by memory. In torch it costs a gather of the blocks (a copy of all
  * of K and V) and several dispatches per layer; this reads the blocks where they are, in
- * one call per layer. Single-threaded on purpose: qpage's fp32 matmuls run on NumPy's
- * OpenBLAS threads, which spin between calls, and a second thread pool here would fight
- * them for the cores (see qpage/layers/ops.py).
+ * one call per layer. A decode step's rows run on one thread on purpose: qpage's fp32 matmuls
+ * run on NumPy's OpenBLAS threads, which spin between calls, and a second thread pool here
+ * would fight them for the cores (see qpage/layers/ops.py). A prompt chunk's rows (each a
+ * query over its own context, the decode arithmetic) are spread over OpenMP's threads
+ * (qp_attention_threads).
  */
 #include <math.h>
 #include <stdint.h>
@@ -24,78 +26,114 @@ static inline void prefetch_row(const float *p, int64_t n) {
     for (int64_t i = 0; i < n; i += 16) __builtin_prefetch(p + i);
 }
 
-/* One sequence, all heads, one cache block at a time (a block's K or V is one contiguous
- * run of memory, read once for all heads).
- * q: [num_heads, head_dim] rows head_dim apart; out likewise; scores: scratch [num_heads, seq_len];
- * m: scratch [num_heads]. */
-static inline __attribute__((always_inline)) void attend_seq(
-    const float *q, const float *k_cache, const float *v_cache, const int64_t *blocks, int64_t seq_len,
-    int num_heads, int num_kv_heads, int head_dim, int block_size, float scale, float *scores, float *m, float *out) {
+/* Rows of one prompt chunk attended together, a tile at a time, so each cache block is read
+ * from memory once for the tile; a row's arithmetic is the same whatever the tile. */
+#define QP_TILE_ROWS 8
+
+/* `rows` queries over one block table (one sequence, or one prompt chunk's rows), all heads,
+ * one cache block at a time: a block's K or V is one contiguous run of memory, read once for
+ * every row and head. Row r's operations, in their order, depend on seq_lens[r] alone.
+ * q: row r's [num_heads, head_dim] at q + r * q_stride; out: [rows, num_heads, head_dim];
+ * scores: scratch [rows * num_heads, longest]; m: scratch [rows * num_heads]; prefetch:
+ * request the next block ahead (off for a prompt chunk, whose context is in cache already). */
+static inline __attribute__((always_inline)) void attend_rows(
+    const float *q, int64_t q_stride, int rows, const float *k_cache, const float *v_cache, const int64_t *blocks,
+    const int64_t *seq_lens, int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,
+    float *scores, float *m, float *out, int prefetch) {
     const int group = num_heads / num_kv_heads;
     const int64_t tok_stride = (int64_t)num_kv_heads * head_dim, block_stride = block_size * tok_stride;
-    for (int h = 0; h < num_heads; h++) m[h] = -INFINITY;
-    /* Pass 1: scores, and each head's maximum. */
-    for (int64_t b0 = 0; b0 < seq_len; b0 += block_size) {
+    int64_t longest = 0;
+    for (int r = 0; r < rows; r++) longest = seq_lens[r] > longest ? seq_lens[r] : longest;
+    for (int i = 0; i < rows * num_heads; i++) m[i] = -INFINITY;
+    /* Pass 1: scores, and each row and head's maximum. */
+    for (int64_t b0 = 0; b0 < longest; b0 += block_size) {
         const float *kb = k_cache + blocks[b0 / block_size] * block_stride;
-        const int64_t count = seq_len - b0 < block_size ? seq_len - b0 : block_size;
-        const float *next = b0 + block_size < seq_len ? k_cache + blocks[b0 / block_size + 1] * block_stride : NULL;
-        for (int64_t t = 0; t < count; t++) {
-            if (next) prefetch_row(next + t * tok_stride, tok_stride);
+        if (prefetch && b0 + block_size < longest)
+            prefetch_row(k_cache + blocks[b0 / block_size + 1] * block_stride, block_size * tok_stride);
+        for (int r = 0; r < rows; r++) {
+            if (seq_lens[r] <= b0) continue;
+            const int64_t count = seq_lens[r] - b0 < block_size ? seq_lens[r] - b0 : block_size;
             for (int h = 0; h < num_heads; h++) {
-                const float s = dot(q + (int64_t)h * head_dim, kb + t * tok_stride + (int64_t)(h / group) * head_dim,
-                                    head_dim) * scale;
-                scores[(int64_t)h * seq_len + b0 + t] = s;
-                m[h] = s > m[h] ? s : m[h];
+                const int64_t at = (int64_t)r * num_heads + h;
+                float *row = scores + at * longest + b0;
+                block_dots(q + r * q_stride + (int64_t)h * head_dim, kb + (int64_t)(h / group) * head_dim, tok_stride,
+                           count, block_size, head_dim, row);
+                float mx = m[at]; /* in a register: m and row share one allocation */
+                for (int64_t t = 0; t < count; t++) {
+                    row[t] *= scale;
+                    mx = row[t] > mx ? row[t] : mx;
+                }
+                m[at] = mx;
             }
         }
     }
-    /* Softmax numerators in place; m[h] becomes 1 / denominator. */
-    qp_softmax_numerators(scores, m, num_heads, seq_len);
-    memset(out, 0, sizeof(float) * (size_t)num_heads * head_dim);
+    /* Softmax numerators in place; m becomes 1 / denominator. */
+    for (int r = 0; r < rows; r++)
+        qp_softmax_numerators(scores + (int64_t)r * num_heads * longest, longest, m + (int64_t)r * num_heads,
+                              num_heads, seq_lens[r]);
+    memset(out, 0, sizeof(float) * (size_t)rows * num_heads * head_dim);
     /* Pass 2: weighted sum of V. */
-    for (int64_t b0 = 0; b0 < seq_len; b0 += block_size) {
+    for (int64_t b0 = 0; b0 < longest; b0 += block_size) {
         const float *vb = v_cache + blocks[b0 / block_size] * block_stride;
-        const int64_t count = seq_len - b0 < block_size ? seq_len - b0 : block_size;
-        if (b0 + block_size < seq_len) prefetch_row(v_cache + blocks[b0 / block_size + 1] * block_stride,
-                                                    count * tok_stride);
-        for (int h = 0; h < num_heads; h++)
-            weighted_rows(out + (int64_t)h * head_dim, scores + (int64_t)h * seq_len + b0,
-                          vb + (int64_t)(h / group) * head_dim, tok_stride, count, head_dim);
+        if (prefetch && b0 + block_size < longest)
+            prefetch_row(v_cache + blocks[b0 / block_size + 1] * block_stride, block_size * tok_stride);
+        for (int r = 0; r < rows; r++) {
+            if (seq_lens[r] <= b0) continue;
+            const int64_t count = seq_lens[r] - b0 < block_size ? seq_lens[r] - b0 : block_size;
+            for (int h = 0; h < num_heads; h++) {
+                const int64_t at = (int64_t)r * num_heads + h;
+                weighted_rows(out + at * head_dim, scores + at * longest + b0, vb + (int64_t)(h / group) * head_dim,
+                              tok_stride, count, head_dim);
+            }
+        }
     }
-    qp_scale_rows(out, m, num_heads, head_dim);
+    qp_scale_rows(out, m, rows * num_heads, head_dim);
 }
 
-/* Decode attention: one query token per sequence over its paged context.
+/* Decode attention: one query token per row over its paged context.
  * q: [num_seqs, num_heads, head_dim], rows q_seq_stride floats apart (heads contiguous);
- * block_table: int64 [num_seqs, table_cols], rows table_stride apart; seq_lens: int64 [num_seqs]
- * (>= 1, this step's token included); out: [num_seqs, num_heads, head_dim] contiguous.
- * Returns 0; -1 when the scratch cannot be allocated; -2 when a seq_len is < 1 or a block id
- * it reaches is outside [0, num_blocks) (nothing is read then). */
+ * block_table: int64 [num_seqs, table_cols], rows table_stride apart; table_stride 0: one
+ * table for all, the rows of one prompt chunk, attended QP_TILE_ROWS at a time;
+ * seq_lens: int64 [num_seqs] (>= 1, this row's token included); out: [num_seqs, num_heads,
+ * head_dim] contiguous. Returns 0; -1 when the scratch cannot be allocated; -2 when a seq_len
+ * is < 1 or a block id it reaches is outside [0, num_blocks) (nothing is read then). */
 int qp_paged_decode_f32(const float *q, int64_t q_seq_stride, const float *k_cache, const float *v_cache,
                         const int64_t *block_table, int64_t table_stride, int64_t table_cols,
                         const int64_t *seq_lens, float *out, int num_seqs, int num_heads, int num_kv_heads,
-                        int head_dim, int block_size, float scale, int64_t num_blocks) {
+                        int head_dim, int block_size, float scale, int64_t num_blocks, int threads) {
     const int64_t longest =
         qp_check_decode_tables(block_table, table_stride, table_cols, seq_lens, num_seqs, block_size, num_blocks);
-    float *m = NULL, *scores = longest < 0 ? NULL : qp_score_scratch(num_heads, longest, &m);
-    if (!scores) return longest < 0 ? -2 : -1;
-    for (int s = 0; s < num_seqs; s++) {
-        const float *qs = q + s * q_seq_stride;
-        const int64_t *bt = block_table + s * table_stride;
-        float *os = out + (int64_t)s * num_heads * head_dim;
-        /* A constant head_dim lets the compiler unroll the dot products fully. */
-        if (head_dim == 64)
-            attend_seq(qs, k_cache, v_cache, bt, seq_lens[s], num_heads, num_kv_heads, 64, block_size, scale,
-                       scores, m, os);
-        else if (head_dim == 128)
-            attend_seq(qs, k_cache, v_cache, bt, seq_lens[s], num_heads, num_kv_heads, 128, block_size, scale,
-                       scores, m, os);
-        else
-            attend_seq(qs, k_cache, v_cache, bt, seq_lens[s], num_heads, num_kv_heads, head_dim, block_size, scale,
-                       scores, m, os);
+    if (longest < 0) return -2;
+    const int tile = table_stride == 0 ? QP_TILE_ROWS : 1, tiles = (num_seqs + tile - 1) / tile;
+    int failed = 0;
+#pragma omp parallel num_threads(qp_attention_threads(seq_lens, num_seqs, num_heads, head_dim, threads))
+    {
+        float *m = NULL, *scores = qp_score_scratch(tile, num_heads, longest, &m);
+        if (!scores) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int i = 0; i < tiles; i++) {
+            if (!scores) continue;
+            const int s = i * tile, rows = num_seqs - s < tile ? num_seqs - s : tile;
+            const float *qs = q + s * q_seq_stride;
+            const int64_t *bt = block_table + s * table_stride;
+            float *os = out + (int64_t)s * num_heads * head_dim;
+            /* A constant head_dim lets the compiler unroll the dot products fully. */
+            if (head_dim == 64)
+                attend_rows(qs, q_seq_stride, rows, k_cache, v_cache, bt, seq_lens + s, num_heads, num_kv_heads, 64,
+                            block_size, scale, scores, m, os, table_stride != 0);
+            else if (head_dim == 128)
+                attend_rows(qs, q_seq_stride, rows, k_cache, v_cache, bt, seq_lens + s, num_heads, num_kv_heads, 128,
+                            block_size, scale, scores, m, os, table_stride != 0);
+            else
+                attend_rows(qs, q_seq_stride, rows, k_cache, v_cache, bt, seq_lens + s, num_heads, num_kv_heads,
+                            head_dim, block_size, scale, scores, m, os, table_stride != 0);
+        }
+        free(scores);
     }
-    free(scores);
-    return 0;
+    return failed ? -1 : 0;
 }
 
 /* Cache write: token i's K and V rows ([kv_heads * head_dim] floats, contiguous within the

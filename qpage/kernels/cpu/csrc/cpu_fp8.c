@@ -170,14 +170,17 @@ static inline __attribute__((always_inline)) void attend_seq_fp8(
             decode_block(buf, w, k_cache, ks, k_mul, scale, lut, e5m2, first, count, kh, num_kv_heads, head_dim);
             for (int h = kh * group; h < (kh + 1) * group; h++) {
                 float *row = scores + (int64_t)h * seq_len + b0;
+                block_dots(q + (int64_t)h * head_dim, buf, head_dim, count, block_size, head_dim, row);
+                float mx = m[h]; /* in a register (m and row share one allocation) */
                 for (int64_t t = 0; t < count; t++) {
-                    row[t] = dot(q + (int64_t)h * head_dim, buf + t * head_dim, head_dim) * w[t];
-                    m[h] = row[t] > m[h] ? row[t] : m[h];
+                    row[t] *= w[t];
+                    mx = row[t] > mx ? row[t] : mx;
                 }
+                m[h] = mx;
             }
         }
     }
-    qp_softmax_numerators(scores, m, num_heads, seq_len);
+    qp_softmax_numerators(scores, seq_len, m, num_heads, seq_len);
     memset(out, 0, sizeof(float) * (size_t)num_heads * head_dim);
     float *pw = w + block_size;
     for (int64_t b0 = 0; b0 < seq_len; b0 += block_size) {
@@ -203,31 +206,37 @@ int qp_paged_decode_fp8(const float *q, int64_t q_seq_stride, const uint8_t *k_c
                         const uint16_t *k_scale, const uint16_t *v_scale, float k_mul, float v_mul, const float *lut,
                         int e5m2, const int64_t *block_table, int64_t table_stride, int64_t table_cols,
                         const int64_t *seq_lens, float *out, int num_seqs, int num_heads, int num_kv_heads,
-                        int head_dim, int block_size, float scale, int64_t num_blocks) {
+                        int head_dim, int block_size, float scale, int64_t num_blocks, int threads) {
     if (head_dim > QP_MAX_HEAD_DIM) return -3;
     const int64_t longest =
         qp_check_decode_tables(block_table, table_stride, table_cols, seq_lens, num_seqs, block_size, num_blocks);
-    float *m = NULL, *scores = longest < 0 ? NULL : qp_score_scratch(num_heads, longest, &m);
-    if (!scores) return longest < 0 ? -2 : -1;
-    float *buf = malloc(sizeof(float) * (size_t)block_size * (size_t)(head_dim + 2));
-    if (!buf) {
+    if (longest < 0) return -2;
+    int failed = 0;
+#pragma omp parallel num_threads(qp_attention_threads(seq_lens, num_seqs, num_heads, head_dim, threads))
+    {
+        float *m = NULL, *scores = qp_score_scratch(1, num_heads, longest, &m);
+        float *buf = malloc(sizeof(float) * (size_t)block_size * (size_t)(head_dim + 2));
+        if (!scores || !buf) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        float *w = buf ? buf + (size_t)block_size * head_dim : NULL;
+#pragma omp for schedule(dynamic, 1)
+        for (int s = 0; s < num_seqs; s++) {
+            if (!scores || !buf) continue;
+            const float *qs = q + s * q_seq_stride;
+            float *os = out + (int64_t)s * num_heads * head_dim;
+            if (head_dim == 64)
+                attend_seq_fp8(qs, k_cache, v_cache, k_scale, v_scale, k_mul, v_mul, lut, e5m2,
+                               block_table + s * table_stride, seq_lens[s], num_heads, num_kv_heads, 64, block_size,
+                               scale, scores, m, buf, w, os);
+            else
+                attend_seq_fp8(qs, k_cache, v_cache, k_scale, v_scale, k_mul, v_mul, lut, e5m2,
+                               block_table + s * table_stride, seq_lens[s], num_heads, num_kv_heads, head_dim,
+                               block_size, scale, scores, m, buf, w, os);
+        }
+        free(buf);
         free(scores);
-        return -1;
     }
-    float *w = buf + (size_t)block_size * head_dim;
-    for (int s = 0; s < num_seqs; s++) {
-        const float *qs = q + s * q_seq_stride;
-        float *os = out + (int64_t)s * num_heads * head_dim;
-        if (head_dim == 64)
-            attend_seq_fp8(qs, k_cache, v_cache, k_scale, v_scale, k_mul, v_mul, lut, e5m2,
-                           block_table + s * table_stride, seq_lens[s], num_heads, num_kv_heads, 64, block_size,
-                           scale, scores, m, buf, w, os);
-        else
-            attend_seq_fp8(qs, k_cache, v_cache, k_scale, v_scale, k_mul, v_mul, lut, e5m2,
-                           block_table + s * table_stride, seq_lens[s], num_heads, num_kv_heads, head_dim, block_size,
-                           scale, scores, m, buf, w, os);
-    }
-    free(buf);
-    free(scores);
-    return 0;
+    return failed ? -1 : 0;
 }

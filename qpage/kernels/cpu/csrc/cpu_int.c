@@ -173,14 +173,17 @@ static inline __attribute__((always_inline)) void attend_seq_int(
             for (int h = kh * group; h < (kh + 1) * group; h++) {
                 float *row = scores + (int64_t)h * seq_len + b0;
                 const float qs = zs[h];
+                block_dots(q + (int64_t)h * head_dim, buf, head_dim, count, block_size, head_dim, row);
+                float mx = m[h]; /* in a register (m and row share one allocation) */
                 for (int64_t t = 0; t < count; t++) {
-                    row[t] = (dot(q + (int64_t)h * head_dim, buf + t * head_dim, head_dim) * s[t] + z[t] * qs) * scale;
-                    m[h] = row[t] > m[h] ? row[t] : m[h];
+                    row[t] = (row[t] * s[t] + z[t] * qs) * scale;
+                    mx = row[t] > mx ? row[t] : mx;
                 }
+                m[h] = mx;
             }
         }
     }
-    qp_softmax_numerators(scores, m, num_heads, seq_len);
+    qp_softmax_numerators(scores, seq_len, m, num_heads, seq_len);
     memset(out, 0, sizeof(float) * (size_t)num_heads * head_dim);
     memset(zs, 0, sizeof(float) * (size_t)num_heads); /* now sum_t p_t z_t per head */
     for (int64_t b0 = 0; b0 < seq_len; b0 += block_size) {
@@ -216,50 +219,37 @@ int qp_paged_decode_int(const float *q, int64_t q_seq_stride, const uint8_t *k_c
                         const int64_t *block_table,
                         int64_t table_stride, int64_t table_cols, const int64_t *seq_lens, float *out, int num_seqs,
                         int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,
-                        int64_t num_blocks) {
+                        int64_t num_blocks, int threads) {
     if (head_dim % 2 && (k_bits == 4 || v_bits == 4)) return -3;
     const int64_t longest =
         qp_check_decode_tables(block_table, table_stride, table_cols, seq_lens, num_seqs, block_size, num_blocks);
-    float *m = NULL, *scores = longest < 0 ? NULL : qp_score_scratch(num_heads, longest, &m);
-    if (!scores) return longest < 0 ? -2 : -1;
-    float *buf = malloc(sizeof(float) * ((size_t)block_size * (size_t)(head_dim + 3) + (size_t)num_heads));
-    if (!buf) {
+    if (longest < 0) return -2;
+    int failed = 0;
+#pragma omp parallel num_threads(qp_attention_threads(seq_lens, num_seqs, num_heads, head_dim, threads))
+    {
+        float *m = NULL, *scores = qp_score_scratch(1, num_heads, longest, &m);
+        float *buf = malloc(sizeof(float) * ((size_t)block_size * (size_t)(head_dim + 3) + (size_t)num_heads));
+        if (!scores || !buf) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        float *w = buf ? buf + (size_t)block_size * head_dim : NULL, *zs = w ? w + 3 * (size_t)block_size : NULL;
+#pragma omp for schedule(dynamic, 1)
+        for (int sq = 0; sq < num_seqs; sq++) {
+            if (!scores || !buf) continue;
+            const float *qs = q + sq * q_seq_stride;
+            float *os = out + (int64_t)sq * num_heads * head_dim;
+            const int64_t *bt = block_table + sq * table_stride;
+            if (head_dim == 64)
+                attend_seq_int(qs, k_cache, v_cache, k_params, v_params, k_bits, v_bits, bt, seq_lens[sq], num_heads,
+                               num_kv_heads, 64, block_size, scale, scores, m, buf, w, zs, os);
+            else
+                attend_seq_int(qs, k_cache, v_cache, k_params, v_params, k_bits, v_bits, bt, seq_lens[sq], num_heads,
+                               num_kv_heads, head_dim, block_size, scale, scores, m, buf, w, zs, os);
+        }
+        free(buf);
         free(scores);
-        return -1;
     }
-    float *w = buf + (size_t)block_size * head_dim, *zs = w + 3 * (size_t)block_size;
-    for (int sq = 0; sq < num_seqs; sq++) {
-        const float *qs = q + sq * q_seq_stride;
-        float *os = out + (int64_t)sq * num_heads * head_dim;
-        const int64_t *bt = block_table + sq * table_stride;
-        if (head_dim == 64)
-            attend_seq_int(qs, k_cache, v_cache, k_params, v_params, k_bits, v_bits, bt, seq_lens[sq], num_heads,
-                           num_kv_heads, 64, block_size, scale, scores, m, buf, w, zs, os);
-        else
-            attend_seq_int(qs, k_cache, v_cache, k_params, v_params, k_bits, v_bits, bt, seq_lens[sq], num_heads,
-                           num_kv_heads, head_dim, block_size, scale, scores, m, buf, w, zs, os);
-    }
-    free(buf);
-    free(scores);
-    return 0;
+    return failed ? -1 : 0;
 }
 
-/* Dequantize whole blocks (for prefill over the paged context): out fp32 [n, block_size,
- * kv_heads, head_dim] from blocks ids[0..n). Returns 0, or -2 for a block id outside
- * [0, num_blocks). */
-int qp_read_blocks_int(const uint8_t *cache, const uint16_t *params, int bits, const int64_t *ids, int64_t n,
-                       int block_size, int kv_heads, int head_dim, int64_t num_blocks, float *out) {
-    for (int64_t i = 0; i < n; i++)
-        if (ids[i] < 0 || ids[i] >= num_blocks) return -2;
-    const int width = code_width(bits, head_dim), np = num_params(bits);
-    for (int64_t i = 0; i < n; i++) {
-        for (int64_t r = 0; r < (int64_t)block_size * kv_heads; r++) {
-            const int64_t at = ids[i] * block_size * kv_heads + r;
-            float *row = out + (i * block_size * kv_heads + r) * head_dim;
-            codes_to_float(row, cache + at * width, head_dim, bits);
-            const float s = half_to_f32(params[at * np]), z = np == 2 ? half_to_f32(params[at * np + 1]) : 0.0f;
-            for (int d = 0; d < head_dim; d++) row[d] = row[d] * s + z;
-        }
-    }
-    return 0;
-}

@@ -65,3 +65,57 @@ int qp_rope_f32(float *x, int64_t x_stride, const float *cos, const float *sin, 
     }
     return 0;
 }
+
+/* One 16-float vector's butterfly step with partner distance h < 16: lane i with bit h clear
+ * becomes x[i] + x[i + h], lane i with it set x[i - h] - x[i]. */
+#define QP_SWAP(v, h)                                                                                              \
+    __builtin_shufflevector(v, v, 0 ^ h, 1 ^ h, 2 ^ h, 3 ^ h, 4 ^ h, 5 ^ h, 6 ^ h, 7 ^ h, 8 ^ h, 9 ^ h, 10 ^ h,       \
+                            11 ^ h, 12 ^ h, 13 ^ h, 14 ^ h, 15 ^ h)
+#define QP_PICK(i, h) ((i) & (h) ? 16 + (i) : (i))
+#define QP_BUTTERFLY(v, h)                                                                                         \
+    do {                                                                                                           \
+        const qp_v16 sw = QP_SWAP(v, h), sum_ = v + sw, diff_ = sw - v;                                            \
+        v = __builtin_shufflevector(sum_, diff_, QP_PICK(0, h), QP_PICK(1, h), QP_PICK(2, h), QP_PICK(3, h),         \
+                                    QP_PICK(4, h), QP_PICK(5, h), QP_PICK(6, h), QP_PICK(7, h), QP_PICK(8, h),       \
+                                    QP_PICK(9, h), QP_PICK(10, h), QP_PICK(11, h), QP_PICK(12, h), QP_PICK(13, h),   \
+                                    QP_PICK(14, h), QP_PICK(15, h));                                               \
+    } while (0)
+
+/* y = x times the block-diagonal Walsh-Hadamard matrix of `block` (a power of two dividing n),
+ * scaled by `s`: butterfly steps (a + b, a - b) at distances 1, 2, 4, ... < block, then one
+ * multiply, as qpage/kernels/kv_int.py's walsh_hadamard, bit for bit. */
+static void hadamard_row(const float *x, float *y, int n, int block, float s) {
+    for (int i = 0; i < n; i++) y[i] = x[i];
+    int h = 1;
+    if (block >= 16 && n % 16 == 0) {
+        for (int i = 0; i < n; i += 16) {
+            qp_v16 v = load16(y + i);
+            QP_BUTTERFLY(v, 1);
+            QP_BUTTERFLY(v, 2);
+            QP_BUTTERFLY(v, 4);
+            QP_BUTTERFLY(v, 8);
+            __builtin_memcpy(y + i, &v, sizeof v);
+        }
+        h = 16;
+    }
+    for (; h < block; h *= 2)
+        for (int i = 0; i < n; i += 2 * h)
+            for (int j = i; j < i + h; j++) {
+                const float a = y[j], b = y[j + h];
+                y[j] = a + b;
+                y[j + h] = a - b;
+            }
+    for (int i = 0; i < n; i++) y[i] *= s;
+}
+
+/* out [rows, heads, n] contiguous = each head row of x [rows, heads, n] (rows x_stride floats
+ * apart, heads contiguous) through hadamard_row. Returns 0, or -1 when block is not a power
+ * of two dividing n. */
+int qp_hadamard_f32(const float *x, int64_t x_stride, float *out, int rows, int heads, int n, int block) {
+    if (block < 1 || block & (block - 1) || n % block) return -1;
+    const float s = (float)(1.0 / sqrt((double)block)); /* as Python computes it */
+    for (int t = 0; t < rows; t++)
+        for (int h = 0; h < heads; h++)
+            hadamard_row(x + t * x_stride + (int64_t)h * n, out + ((int64_t)t * heads + h) * n, n, block, s);
+    return 0;
+}

@@ -60,6 +60,46 @@ static inline float dot(const float *a, const float *b, int n) {
     return s;
 }
 
+/* hsum16 of 16 vectors at once: lane t of the result is hsum16(v[t]), bit for bit (the same
+ * pairs are added, in the same tree), with 45 vector operations instead of 16 reductions of 7. */
+static inline qp_v16 hsum16x16(const qp_v16 *v) {
+    qp_v16 r[8], s[4], u[2];
+    for (int i = 0; i < 8; i++)
+        r[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+               __builtin_shufflevector(v[2 * i], v[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29,
+                                       30, 31);
+    for (int i = 0; i < 4; i++)
+        s[i] = __builtin_shufflevector(r[2 * i], r[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26,
+                                       27) +
+               __builtin_shufflevector(r[2 * i], r[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30,
+                                       31);
+    for (int i = 0; i < 2; i++)
+        u[i] = __builtin_shufflevector(s[2 * i], s[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28,
+                                       29) +
+               __builtin_shufflevector(s[2 * i], s[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30,
+                                       31);
+    return __builtin_shufflevector(u[0], u[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+           __builtin_shufflevector(u[0], u[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+/* dst[t] = dot(q, x + t * stride, n) for t < count, bit for bit: a cache block's scores
+ * against one query. With n % 16 == 0, n <= 128 and 16 rows readable at x (readable >= 16 >=
+ * count; rows past count are computed and dropped), all 16 reductions run at once. */
+static inline void block_dots(const float *q, const float *x, int64_t stride, int64_t count, int64_t readable, int n,
+                              float *dst) {
+    if (n % 16 || n > 128 || count > 16 || readable < 16) {
+        for (int64_t t = 0; t < count; t++) dst[t] = dot(q, x + t * stride, n);
+        return;
+    }
+    qp_v16 acc[16];
+    for (int t = 0; t < 16; t++) {
+        acc[t] = (qp_v16){0};
+        for (int i = 0; i < n; i += 16) acc[t] += load16(q + i) * load16(x + t * stride + i);
+    }
+    const qp_v16 r = hsum16x16(acc);
+    __builtin_memcpy(dst, &r, sizeof(float) * (size_t)count);
+}
+
 static inline float sum(const float *a, int64_t n) {
     qp_v16 acc = {0};
     int64_t i = 0;
@@ -87,11 +127,12 @@ static inline void weighted_rows(float *y, const float *p, const float *x, int64
         for (int d = 0; d < n; d++) y[d] += p[t] * x[t * stride + d];
 }
 
-/* Row-wise softmax numerators in place over scores [num_rows, len] with the rows' maxima in
- * m; m[r] becomes 1 / the row's denominator (applied later by qp_scale_rows). */
-static inline void qp_softmax_numerators(float *scores, float *m, int num_rows, int64_t len) {
+/* Row-wise softmax numerators in place over scores [num_rows, len] (rows stride floats apart)
+ * with the rows' maxima in m; m[r] becomes 1 / the row's denominator (applied later by
+ * qp_scale_rows). */
+static inline void qp_softmax_numerators(float *scores, int64_t stride, float *m, int num_rows, int64_t len) {
     for (int r = 0; r < num_rows; r++) {
-        float *row = scores + (int64_t)r * len;
+        float *row = scores + (int64_t)r * stride;
         for (int64_t t = 0; t < len; t++) row[t] = exp_nonpos(row[t] - m[r]);
         m[r] = 1.0f / sum(row, len);
     }
@@ -122,10 +163,23 @@ static inline int64_t qp_check_decode_tables(const int64_t *block_table, int64_t
     return longest;
 }
 
-/* Decode scratch: scores [num_heads, longest] followed by m [num_heads]; NULL on failure. */
-static inline float *qp_score_scratch(int num_heads, int64_t longest, float **m) {
-    float *scores = malloc(sizeof(float) * (size_t)num_heads * (size_t)(longest + 1));
-    if (scores) *m = scores + (size_t)num_heads * (size_t)longest;
+/* Threads for attention over num_seqs query rows: one for a decode step's few rows (bound by
+ * memory; a second thread pool would fight the matmuls' for the cores), `threads` when the
+ * rows' work is large (a prompt chunk's rows, each over its own context). Each row is
+ * computed by one thread in one order, so the count changes no result. */
+static inline int qp_attention_threads(const int64_t *seq_lens, int num_seqs, int num_heads, int head_dim,
+                                       int threads) {
+    int64_t work = 0;
+    for (int s = 0; s < num_seqs; s++) work += seq_lens[s];
+    return num_seqs > 1 && threads > 1 && work * num_heads * head_dim >= ((int64_t)1 << 21) ? threads : 1;
+}
+
+/* Attention scratch for `rows` queries: scores [rows * num_heads, longest] followed by m
+ * [rows * num_heads]; NULL on failure. */
+static inline float *qp_score_scratch(int rows, int num_heads, int64_t longest, float **m) {
+    const size_t n = (size_t)rows * (size_t)num_heads;
+    float *scores = malloc(sizeof(float) * n * (size_t)(longest + 1));
+    if (scores) *m = scores + n * (size_t)longest;
     return scores;
 }
 

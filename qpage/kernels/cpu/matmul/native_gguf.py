@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 import threading
 from dataclasses import dataclass
 from itertools import pairwise
@@ -26,7 +25,7 @@ import torch
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from qpage.kernels.cpu.matmul import block_rewrite
-from qpage.kernels.cpu.native import as_i64, load
+from qpage.kernels.cpu.native import as_i64, load, num_threads
 
 BLOCK = 32
 ROWS = 16
@@ -71,14 +70,6 @@ def block_types() -> dict[int, BlockType]:
         target = out[runs_as]
         out[t] = BlockType(weights, nbytes, target.packed_bytes * weights // target.weights)
     return out
-
-
-def num_threads() -> int:
-    """The cores this process may run on (the matmuls split their rows across them)."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # pragma: no cover - not Linux
-        return max(1, os.cpu_count() or 1)
 
 
 def isa_supported(isa: str) -> bool:
