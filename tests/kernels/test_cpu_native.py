@@ -153,3 +153,21 @@ def test_unavailable_compiler_falls_back() -> None:
                           env={**os.environ, **env}, check=True)
     reason, backend = proc.stdout.strip().splitlines()
     assert "no C compiler" in reason and backend == "cpu-blas"
+
+
+@pytest.mark.skipif(cpu_native.no_compiler_or_disabled(), reason="native CPU kernels unavailable")
+@pytest.mark.parametrize("hd", [64, 96])
+def test_prompt_rows_equal_single_rows_bit_for_bit(hd: int) -> None:
+    """A prompt chunk's rows attended together (one shared table: the 8-row tiles, several
+    threads) give each row the bits of that row attended alone (the one-row decode path)."""
+    from qpage.kernels.cpu.attention.native_fp32 import paged_decode
+
+    g = torch.Generator().manual_seed(0)
+    kvh, h, n, start = 2, 6, 45, 30
+    k, v = (torch.randn(9, BLOCK_SIZE, kvh, hd, generator=g) for _ in range(2))
+    table = torch.randperm(9, generator=g)[None]
+    q = torch.randn(n, h, hd, generator=g)
+    lens = torch.arange(start + 1, start + n + 1)
+    together = paged_decode(q, k, v, table, lens, 0.125)
+    for i in range(n):
+        assert torch.equal(together[i : i + 1], paged_decode(q[i : i + 1], k, v, table, lens[i : i + 1], 0.125)), i

@@ -62,7 +62,7 @@ static inline float dot(const float *a, const float *b, int n) {
 
 /* hsum16 of 16 vectors at once: lane t of the result is hsum16(v[t]), bit for bit (the same
  * pairs are added, in the same tree), with 45 vector operations instead of 16 reductions of 7. */
-static inline qp_v16 hsum16x16(const qp_v16 *v) {
+static inline __attribute__((always_inline)) qp_v16 hsum16x16(const qp_v16 *v) {
     qp_v16 r[8], s[4], u[2];
     for (int i = 0; i < 8; i++)
         r[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
@@ -85,8 +85,8 @@ static inline qp_v16 hsum16x16(const qp_v16 *v) {
 /* dst[t] = dot(q, x + t * stride, n) for t < count, bit for bit: a cache block's scores
  * against one query. With n % 16 == 0, n <= 128 and 16 rows readable at x (readable >= 16 >=
  * count; rows past count are computed and dropped), all 16 reductions run at once. */
-static inline void block_dots(const float *q, const float *x, int64_t stride, int64_t count, int64_t readable, int n,
-                              float *dst) {
+static inline __attribute__((always_inline)) void block_dots(const float *q, const float *x, int64_t stride,
+                                                             int64_t count, int64_t readable, int n, float *dst) {
     if (n % 16 || n > 128 || count > 16 || readable < 16) {
         for (int64_t t = 0; t < count; t++) dst[t] = dot(q, x + t * stride, n);
         return;
