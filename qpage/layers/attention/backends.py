@@ -11,6 +11,7 @@ they dequantize what they gather. ``AttentionBackend`` is the seam: the Triton b
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -181,6 +182,8 @@ class CpuNativePagedAttention(CpuBlasPagedAttention):
 
     def __init__(self, spec: KVCacheSpec) -> None:
         super().__init__(spec)
+        self._rows: Callable[..., torch.Tensor]
+        """(q rows, cache, block table [rows or 1, blocks], context lengths, scale) -> attention."""
         if spec.kv_bits is not None:
             self.write_cache = _write_int  # type: ignore[method-assign]
             self._rows = _rows_int
