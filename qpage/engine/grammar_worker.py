@@ -8,93 +8,28 @@ pipe; the child answers ``("ok", serialized grammar)`` or ``("error", message)``
 waits in short polls, so that a time limit or a cancelled request kills the child at once; a
 new child is started on the next compile. The child's data segment is capped (RLIMIT_DATA),
 and it is restarted when its resident memory passes the same cap between compiles.
-
-Every new grammar is tried before it is accepted (``compile_source``), in the child too, so
-under its limits: one that allows no token at the start matches no text, and one whose masks
-grow slow along a random walk of allowed tokens (ambiguous rules such as ``s ::= s s``, whose
-mask time grows with the output to hundreds of milliseconds per token) is refused before it
-joins a batch. The engine's per-step mask budget (``structured.MaskBudget``) stays the bound
-for grammars that turn slow only past the walk.
+The child compiles with ``grammar_compile.compile_source``, so a new grammar's trial walk
+runs under the same limits.
 """
 
 from __future__ import annotations
 
-import importlib
 import multiprocessing
 import resource
-import statistics
 import threading
 import time
 from multiprocessing.connection import Connection
 from typing import Any
 
-import torch
+from qpage.engine.grammar_compile import compile_source
 
 POLL_S = 0.05
 STARTUP_S = 120
 """Most seconds a new child may take to import the library and read the vocabulary."""
-PROBE_TOKENS = 64
-"""Length of the seeded random walk of allowed tokens each new grammar is tried on."""
-PROBE_MASK_S = 0.0025
-"""Most seconds one mask may take at the walk's end (the median of its last ``PROBE_LAST``): half
-the engine's per-step floor (``structured.MASK_FLOOR_S``). Ordinary grammars stay far below
-(tens of microseconds); one that grows to this within 64 tokens passes the floor soon after."""
-PROBE_LAST = 8
 
 
 class CompileStopped(ValueError):
     """The compile was ended: past its time limit, cancelled, or the child died (its message says which)."""
-
-
-def compile_source(compiler: Any, kind: str, text: str, options: dict[str, Any]) -> Any:
-    """One XGrammar compile, tried (``refusal``): ``kind`` json (a schema's text; ``options``
-    are the compiler's keyword arguments), regex or grammar (EBNF). ValueError if refused."""
-    if kind == "json":
-        compiled = compiler.compile_json_schema(text, **options)
-    elif kind == "regex":
-        compiled = compiler.compile_regex(text)
-    else:
-        compiled = compiler.compile_grammar(text)
-    why = refusal(compiled)
-    if why is not None:
-        raise ValueError(why)
-    return compiled
-
-
-def refusal(compiled: Any, tokens: int = PROBE_TOKENS, seed: int = 0) -> str | None:
-    """Why ``compiled`` cannot be followed, or None: it allows no token at the start, or, along
-    a seeded random walk of ``tokens`` allowed non-stop tokens, a step allows none (a dead end:
-    the vocabulary lacks the bytes that must follow) or the masks end slower than
-    ``PROBE_MASK_S``. A walk that reaches the grammar's end stops there."""
-    info = compiled.tokenizer_info
-    matcher = importlib.import_module("xgrammar").GrammarMatcher(compiled)
-    mask = torch.zeros((1, -(-info.vocab_size // 32)), dtype=torch.int32)
-    bits = torch.arange(32, dtype=torch.int32)
-    stops = torch.tensor(list(info.stop_token_ids), dtype=torch.long)
-    rng = torch.Generator().manual_seed(seed)
-    times: list[float] = []
-    for _ in range(tokens):
-        t0 = time.perf_counter()
-        matcher.fill_next_token_bitmask(mask)
-        times.append(time.perf_counter() - t0)
-        allowed = ((mask[0].unsqueeze(1) >> bits) & 1).flatten()[:info.vocab_size].bool()
-        if len(times) > 1 and not allowed.any():
-            return ("its text can reach a point where only characters that no token of this model's vocabulary "
-                    f"produces may follow (after {len(times) - 1} tokens of a random walk); remove them from it")
-        if not allowed.any():
-            return ("it matches no text (not even an empty one); check it for a rule that never ends, "
-                    "a character class that excludes everything, or characters that no token of this model's "
-                    "vocabulary produces")
-        allowed[stops] = False
-        ids = allowed.nonzero().flatten()
-        if not len(ids) or not matcher.accept_token(int(ids[torch.randint(len(ids), (1,), generator=rng)])):
-            break
-    cost = statistics.median(times[-PROBE_LAST:])
-    if len(times) > PROBE_LAST and cost > PROBE_MASK_S:
-        return (f"its allowed tokens took {cost * 1e3:.1f} ms to compute after {len(times)} tokens of output "
-                f"(the bound is {PROBE_MASK_S * 1e3:g} ms) and grow slower with every token: the grammar is "
-                "too ambiguous to follow; rewrite rules such as s ::= s s as right-recursive ones (s ::= x s | x)")
-    return None
 
 
 def _status_bytes(pid: int | str, field: str) -> int:

@@ -35,7 +35,8 @@ from typing import Any
 
 import torch
 
-from qpage.engine.grammar_worker import CompileStopped, CompileWorker, compile_source
+from qpage.engine.grammar_compile import compile_source
+from qpage.engine.grammar_worker import CompileStopped, CompileWorker
 from qpage.engine.schema_check import check_regex, check_repeats, check_schema
 from qpage.sampling_params import StructuredOutputsParams
 
@@ -130,7 +131,7 @@ def choice_grammar(choices: list[str]) -> str:
 
 
 def grammar_source(spec: StructuredOutputsParams) -> tuple[str, str, dict[str, Any]]:
-    """(kind, text, options) that XGrammar compiles for ``spec`` (``grammar_worker.compile_source``):
+    """(kind, text, options) that XGrammar compiles for ``spec`` (``grammar_compile.compile_source``):
     schemas compile strict, so properties a schema does not name are not generated (any
     object for json_object, whose schema names none); choices become an EBNF grammar."""
     kind = spec.kind

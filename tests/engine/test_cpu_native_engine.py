@@ -52,15 +52,29 @@ def test_native_path_matches_torch_path(llm_factory: Any, monkeypatch: pytest.Mo
     # prompt logprobs within 0.028, generated ones up to 0.112 apart (mean 0.013), and one greedy
     # choice between two tokens 0.05-0.08 apart in logprob went the other way at step 19. So the
     # sequences are compared by the shared rule (tests.helpers.assert_greedy_agrees) and, up to
-    # where they part, logprob by logprob. Prompt rows go through the same C attention as
-    # generated ones (a query over its own context), so their logprobs are held to the same
-    # bounds (measured with the FP8 cache: prompt logprobs up to 0.075 apart).
+    # where they part, logprob by logprob. Prompt logprobs with a quantized cache: prompt rows
+    # run the C attention (a query over its own context) where the torch path runs BLAS, and
+    # the code flips that follow are the cache's own quantization noise; so the two paths may
+    # differ by no more than the torch path's own distance from its fp32-cache run (largest
+    # and mean difference), a bound measured in the same test rather than chosen.
     bounds = (2e-4, 2e-4) if kv_cache_dtype == "auto" else (0.2, 0.03)
-    for a, b in zip(out_native, plain.generate(PROMPTS, p, use_tqdm=False), strict=True):
-        lp_a = [next(iter(d.values())).logprob for d in a.prompt_logprobs[1:]]
-        lp_b = [next(iter(d.values())).logprob for d in b.prompt_logprobs[1:]]
-        _assert_close([abs(x - y) for x, y in zip(lp_a, lp_b, strict=True)], *bounds)
+    plain_out = plain.generate(PROMPTS, p, use_tqdm=False)
+    exact = kv_cache_dtype == "auto"
+    ref_out = plain_out if exact else LLM(**{**kw, "kv_cache_dtype": "auto"}, log_stats=False).generate(
+        PROMPTS, p, use_tqdm=False)
+    for a, b, r in zip(out_native, plain_out, ref_out, strict=True):
+        lp_a, lp_b, lp_r = (_prompt_logprobs(x) for x in (a, b, r))
+        diffs = [abs(x - y) for x, y in zip(lp_a, lp_b, strict=True)]
+        noise = [abs(x - y) for x, y in zip(lp_b, lp_r, strict=True)]
+        if exact:
+            _assert_close(diffs, *bounds)
+        else:
+            assert max(diffs) <= max(noise) and sum(diffs) <= sum(noise), (diffs, noise)
         _assert_logprobs_close(a.outputs[0], b.outputs[0], *bounds)
+
+
+def _prompt_logprobs(out: Any) -> list[float]:
+    return [next(iter(d.values())).logprob for d in out.prompt_logprobs[1:]]
 
 
 def _assert_logprobs_close(a: Any, b: Any, max_diff: float, mean_diff: float) -> None:

@@ -204,9 +204,8 @@ class CpuNativePagedAttention(CpuBlasPagedAttention):
         """q: [T, H, D] (this step's K/V are already in the cache). Returns [T, H, D]."""
         outs = [self._rows(q[d.start : d.end], cache, d.block_table, _seq_lens(d), scale) for d in meta.decode_groups]
         for p in meta.prefills:
-            n = p.end - p.start
-            lens = torch.arange(p.context_len - n + 1, p.context_len + 1)
-            outs.append(self._rows(q[p.start : p.end], cache, p.block_ids[None], lens, scale))
+            assert p.row_lens is not None, "build_torch_metadata sets each prompt row's context length"
+            outs.append(self._rows(q[p.start : p.end], cache, p.block_ids[None], p.row_lens, scale))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
 
 

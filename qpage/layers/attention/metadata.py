@@ -59,6 +59,8 @@ class PrefillSeq:
     """Its block table, long [>= ceil(context_len / BLOCK_SIZE)]."""
     mask: torch.Tensor | None
     """Bool [chunk, context_len], True = attend; None when the chunk has no earlier context."""
+    row_lens: torch.Tensor | None = None
+    """Long [chunk]: each row's context length, itself included (the C attention's seq_lens)."""
 
 
 @dataclass(slots=True)
@@ -138,7 +140,8 @@ def build_torch_metadata(batch: AttentionBatch, device: torch.device, bias: bool
             # Row i (position start + i) sees context positions j <= start + i.
             pos = torch.arange(s.context_len - n, s.context_len)
             mask = (torch.arange(s.context_len)[None, :] <= pos[:, None]).to(device)
-        meta.prefills.append(PrefillSeq(s.start, s.end, s.context_len, blocks.to(device), mask))
+        meta.prefills.append(PrefillSeq(s.start, s.end, s.context_len, blocks.to(device), mask,
+                                        torch.arange(s.context_len - n + 1, s.context_len + 1)))
     return meta
 
 
