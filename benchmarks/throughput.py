@@ -6,10 +6,13 @@ through continuous batching; transformers runs static batches of ``--batch-size`
 (default: N) with left padding, each batch generating until its longest request is done
 (the tokens counted are the requested ones). Also batch-1 decode tokens/s of both.
 
-Each side runs in its own subprocess with the whole machine (same model, fp32, same
-cores), one after the other. Prints a table and writes JSON.
+Each side runs in its own subprocess with the whole machine (same weights, fp32 activations,
+same cores), one after the other: transformers the default model's weights as fp32
+safetensors, qpage the shipped Q4_1 GGUF on its block kernels, or with ``--qpage-weights dense``
+the same fp32 folder transformers runs (qpage's dense matmuls). Prints a table and writes JSON.
 
-    python benchmarks/throughput.py [--requests 64] [--out benchmarks/results/throughput.json]
+    python benchmarks/throughput.py [--requests 64] [--qpage-weights gguf|dense]
+                                    [--out benchmarks/results/throughput.json]
 """
 
 from __future__ import annotations
@@ -42,10 +45,11 @@ def workload(tokenizer: Any, n: int, seed: int) -> list[tuple[list[int], int]]:
     return out
 
 
-def run_qpage(work: list[tuple[list[int], int]], args: argparse.Namespace) -> dict[str, float]:
+def run_qpage(work: list[tuple[list[int], int]], args: argparse.Namespace, model_dir: Path) -> dict[str, float]:
     from qpage import LLM, SamplingParams
 
-    llm = LLM(kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.batch_size or len(work),
+    model = str(model_dir) if args.qpage_weights == "dense" else None  # None: the default GGUF
+    llm = LLM(model=model, kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.batch_size or len(work),
               max_num_batched_tokens=args.max_num_batched_tokens, log_stats=False)
     prompts = [{"prompt_token_ids": p} for p, _ in work]
     params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for _, o in work]
@@ -114,7 +118,7 @@ def child(args: argparse.Namespace) -> None:
 
     model_dir = resolve_hf_folder(None)  # transformers' copy: the default GGUF's weights, dequantized
     work = workload(AutoTokenizer.from_pretrained(model_dir), args.requests, args.seed)
-    res = run_qpage(work, args) if args.child == "qpage" else run_hf(work, args, model_dir)
+    res = run_qpage(work, args, model_dir) if args.child == "qpage" else run_hf(work, args, model_dir)
     import torch
 
     res["torch_threads"] = torch.get_num_threads()
@@ -130,6 +134,8 @@ def main() -> None:
     ap.add_argument("--kv-cache-memory", default="4GiB")
     ap.add_argument("--max-num-batched-tokens", type=int, default=1024)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "throughput.json"))
+    ap.add_argument("--qpage-weights", choices=["gguf", "dense"], default="gguf",
+                    help="qpage runs the shipped Q4_1 GGUF (default) or the fp32 folder transformers runs")
     ap.add_argument("--b1-only", action="store_true", help="measure only batch-1 decode (about a minute)")
     ap.add_argument("--b1-tokens", type=int, default=128, help="tokens decoded for the batch-1 figure")
     ap.add_argument("--child", choices=["qpage", "hf"], help=argparse.SUPPRESS)
@@ -137,7 +143,8 @@ def main() -> None:
     if args.child:
         child(args)
         return
-    results: dict[str, Any] = {"requests": args.requests, "seed": args.seed, "cpus": os.cpu_count()}
+    results: dict[str, Any] = {"requests": args.requests, "seed": args.seed, "cpus": os.cpu_count(),
+                               "qpage_weights": args.qpage_weights}
     for side in ("qpage", "hf"):
         cmd = [sys.executable, __file__, "--child", side, *sys.argv[1:]]
         print(f"running {side} ...", file=sys.stderr, flush=True)

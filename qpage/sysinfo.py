@@ -16,7 +16,8 @@ from qpage.kernels.cpu.matmul import native_gguf
 from qpage.kernels.triton_utils import HAS_TRITON, INSTALLED, triton, triton_unavailable_reason
 from qpage.layers.attention.kv_format import KVCacheSpec
 from qpage.layers.attention.selector import select_attention_backend
-from qpage.layers.linear.linear_kernels import LinearSpec, select_linear_kernel
+from qpage.layers.linear.kernel_spec import LinearSpec
+from qpage.layers.linear.linear_kernels import select_linear_kernel
 from qpage.layers.ops import select_ops
 from qpage.version import __version__
 

@@ -17,7 +17,6 @@ from qpage.formats import bnb
 from qpage.formats.detect import LinearConfig, linear_config
 from qpage.formats.gguf_model import GgufConfig, GgufTensor
 from qpage.formats.safetensors_io import LazyTensor
-from qpage.kernels.cpu.matmul.native_gguf import PiecewiseMatmul
 from qpage.kernels.cpu.native_decode import DecodeStack
 from qpage.layers.attention.backends import AttentionBackend
 from qpage.layers.attention.kv_format import LayerKV
@@ -182,10 +181,10 @@ class LlamaForCausalLM(nn.Module):
         self.decode_stack = build_decode_stack(self)
 
     def runs_own_threads(self) -> bool:
-        """Whether matmuls run on the block-format kernels, which split rows across the cores
-        themselves: NumPy's BLAS should then not keep a second pool of spinning threads (both
-        pools on the same cores slowed decode ~1.8x, even with a large matrix left on BLAS)."""
-        return any(isinstance(m.kernel_mm, PiecewiseMatmul) for m in self.quant_linears())
+        """Whether matmuls run on the C kernels, which split rows across the cores themselves:
+        NumPy's BLAS should then not keep a second pool of spinning threads (both pools on the
+        same cores slowed decode ~1.8x, even with a large matrix left on BLAS)."""
+        return any(m.own_threads for m in self.modules() if isinstance(m, (Linear, Embedding, *QUANT_LINEARS)))
 
     def quant_linears(self) -> list[QuantLinear]:
         """The model's quantized linear layers."""

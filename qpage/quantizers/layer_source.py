@@ -77,7 +77,7 @@ class LayerSource:
         if not self._prepared:  # the BLAS copies share storage with the weights: refills reach them
             for m in layer.modules():
                 if isinstance(m, Linear):
-                    m.prepare()
+                    m.prepare(in_place=True)
             self._prepared = True
         return layer
 

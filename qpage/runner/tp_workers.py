@@ -70,7 +70,7 @@ class RankReport:
 
 def weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of the weights this process holds: each linear's and the embedding's on its kernel
-    path (a tied head's BLAS copy of the embedding included), plus the norms."""
+    path (a tied head's packed copy of the embedding included), plus the norms."""
     total = 0
     for m in model.modules():
         if hasattr(m, "kernel_path"):

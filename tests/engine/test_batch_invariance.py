@@ -2,19 +2,25 @@
 however the engine runs it: alone, beside 15 sampled neighbours, with prompts chunked at 16,
 64 or 1024 tokens, preempted and recomputed under a tight KV budget, and over a prefix-cache
 hit (prompt logprobs are compared in every run but that one, since a request for them
-computes its whole prompt). Every KV cache format on the default model's GGUF (Q4_1 blocks),
-and other block formats on tiny llama.cpp fixtures. Dense fp32 weights go through BLAS, which
-is not invariant: docs/design.md states the scope."""
+computes its whole prompt). Every KV cache format on the default model's GGUF (Q4_1 blocks);
+other block formats on tiny llama.cpp fixtures, one dequantized (``dequantize_weights``); and
+a tiny random Llama with an untied head as fp32 safetensors and as qpage writes it in FP8,
+GPTQ INT4 act-order, INT8 and NF4 (every CPU weight path: dense panels, dequantized, integer
+and NF4 blocks). docs/design.md states the scope."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import transformers
 
 from qpage import LLM, SamplingParams
+from qpage.formats.scheme import QuantScheme
+from qpage.quantizers.pipeline import quantize_checkpoint
 
 pytestmark = pytest.mark.slow
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "gguf"
@@ -51,8 +57,8 @@ def _logprobs(entries: list[Any] | None) -> tuple[Any, ...] | None:
                                               for d in entries)
 
 
-def _check(model: str | None, kv: str) -> None:
-    base = {"model": model, "kv_cache_dtype": kv, "log_stats": False, "max_model_len": 256}
+def _check(model: str | None, kv: str, **extra: Any) -> None:
+    base = {"model": model, "kv_cache_dtype": kv, "log_stats": False, "max_model_len": 256, **extra}
     llm = LLM(enable_prefix_caching=False, max_num_batched_tokens=1024, **base)
     arch = llm.llm_engine.arch
     prompts, neighbours = _prompts(arch.vocab_size)
@@ -87,3 +93,37 @@ def test_default_gguf_every_kv_format(kv: str) -> None:
 @pytest.mark.parametrize("name", ["Q4_K_M", "Q6_K", "IQ4_XS", "Q8_0"])
 def test_block_formats(name: str) -> None:
     _check(str(FIXTURES / f"tiny-llama.{name}.gguf"), "auto")
+
+
+def test_block_format_dequantized() -> None:
+    _check(str(FIXTURES / "tiny-llama.Q4_K_M.gguf"), "auto", dequantize_weights=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoints(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A random 2-layer Llama on the default tokenizer's vocabulary (its files copied), untied,
+    fp32 safetensors; and qpage's quantizations of it."""
+    root = tmp_path_factory.mktemp("invariance")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                   tie_word_embeddings=False)
+    dense = root / "dense"
+    transformers.LlamaForCausalLM(cfg).save_pretrained(dense, safe_serialization=True)
+    for f in default_model_dir.iterdir():
+        if f.name.startswith("tokenizer") or f.name == "chat_template.jinja":
+            shutil.copy(f, dense / f.name)
+    g = torch.Generator().manual_seed(1)
+    calib = [torch.randint(3, 49152, (64,), generator=g).tolist() for _ in range(2)]
+    out = {"fp32": dense}
+    for name, scheme in {"fp8": QuantScheme.parse("fp8"), "nf4": QuantScheme.parse("nf4"),
+                         "gptq-int4-act-order": QuantScheme(4, 32, True, method="gptq", act_order=True),
+                         "int8": QuantScheme(8, None, True)}.items():
+        out[name] = root / name
+        quantize_checkpoint(dense, out[name], scheme, progress=False, calib=calib)
+    return out
+
+
+@pytest.mark.parametrize("name", ["fp32", "fp8", "nf4", "gptq-int4-act-order", "int8"])
+def test_checkpoint_formats(tiny_checkpoints: dict[str, Path], name: str) -> None:
+    _check(str(tiny_checkpoints[name]), "auto")

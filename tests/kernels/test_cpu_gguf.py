@@ -23,6 +23,7 @@ gguf = pytest.importorskip("gguf")
 from qpage.kernels.cpu import native as cpu_native  # noqa: E402
 from qpage.kernels.cpu.matmul import block_rewrite  # noqa: E402
 from qpage.kernels.cpu.matmul import native_gguf as ng  # noqa: E402
+from qpage.kernels.cpu.matmul.dense import DensePanels  # noqa: E402
 from tests.kernels.conftest import rel_err  # noqa: E402
 from tests.kernels.gguf_weights import RANDOM, TYPES, quantized_weight  # noqa: E402
 
@@ -141,7 +142,7 @@ def test_rows_dequantize_exactly(name: str) -> None:
 
 
 def test_pieces_of_mixed_formats_fill_their_columns() -> None:
-    """A fused projection whose parts are Q4_1, Q8_0 and fp32 (BLAS): one output, each part
+    """A fused projection whose parts are Q4_1, Q8_0 and fp32 (dense panels): one output, each part
     in its columns, activations quantized once."""
     k = 128
     parts = [("Q4_1", 48), ("Q8_0", 16), ("F32", 20)]  # k = 128: no K-quant part
@@ -152,7 +153,7 @@ def test_pieces_of_mixed_formats_fill_their_columns() -> None:
     for i, (name, n) in enumerate(parts):
         if name == "F32":
             w = torch.randn(n, k, generator=torch.Generator().manual_seed(i))
-            pieces.append((c0, c0 + n, w.t().contiguous().numpy()))
+            pieces.append((c0, c0 + n, DensePanels(w)))
             refs.append(x.double() @ w.double().t())
         else:
             rows, w = quantized_weight(name, n, k, seed=i)

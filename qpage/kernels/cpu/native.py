@@ -6,7 +6,8 @@ write for an fp32 cache (``cpu_attention.c``; ``attention.native_fp32``), the FP
 (``cpu_ops.c``; ``native_ops``); matmuls on weights in llama.cpp's block formats
 (``cpu_gguf.c``; their layouts in ``cpu_gguf_layout.c``, Q4_K/Q5_K, Q6_K and IQ4 in
 ``cpu_gguf_q4k.c``, ``cpu_gguf_q6k.c``, ``cpu_gguf_iq4.c``; ``matmul.native_gguf``); and a
-whole decode step over them (``cpu_decode.c``; ``native_decode``).
+whole decode step over them (``cpu_decode.c``; ``native_decode``); and dense fp32 matmuls on
+weights packed in panels (``cpu_dense.c``; ``matmul.dense``).
 
 Why: at batch 1 the torch path spends most of its attention time gathering the sequence's
 blocks into one tensor and dispatching ops, and each norm and activation is several small
@@ -42,7 +43,7 @@ logger = logging.getLogger("qpage")
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = (CSRC / "cpu_attention.c", CSRC / "cpu_ops.c", CSRC / "cpu_fp8.c", CSRC / "cpu_int.c", CSRC / "cpu_gguf.c",
            CSRC / "cpu_gguf_layout.c", CSRC / "cpu_gguf_q4k.c", CSRC / "cpu_gguf_q6k.c", CSRC / "cpu_gguf_iq4.c",
-           CSRC / "cpu_decode.c")
+           CSRC / "cpu_decode.c", CSRC / "cpu_dense.c")
 HEADERS = (CSRC / "qp_math.h", CSRC / "qp_half.h", CSRC / "qp_gguf.h")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-std=c11", "-shared", "-fPIC")
 OPENMP = "-fopenmp"
@@ -160,6 +161,10 @@ def load() -> ctypes.CDLL | None:
             lib.qp_gguf_isa_supported.restype = _int
             lib.qp_gguf_best_isa.argtypes = []
             lib.qp_gguf_best_isa.restype = _int
+            lib.qp_dense_pack.argtypes = [_ptr, _i64, _i64, _i64, _i64, _ptr]
+            lib.qp_dense_pack.restype = None
+            lib.qp_dense_matmul.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _i64, _int]
+            lib.qp_dense_matmul.restype = None
             _lib = lib
         except (OSError, RuntimeError, subprocess.SubprocessError) as e:
             _why_not = f"building the C kernels in {CSRC} failed: {e}"

@@ -62,7 +62,7 @@ def unfit_reason(mm: PiecewiseMatmul) -> str | None:
     """Why a projection cannot run inside the step (None: it can)."""
     if mm.input_perm is not None:
         return "its inputs are permuted (act-order)"
-    return "a part of it runs on BLAS (a float tensor)" if mm.dense_pieces() else None
+    return "a part of it is a float tensor" if mm.dense_pieces() else None
 
 
 class DecodeStack:

@@ -15,7 +15,7 @@ import torch
 from qpage.formats import bnb
 from qpage.formats.gguf_model import GgufConfig, GgufTensor
 from qpage.formats.gguf_reader import F32
-from qpage.layers.linear.linear_kernels import LinearSpec
+from qpage.layers.linear.kernel_spec import LinearSpec
 from qpage.layers.linear.quant_base import QuantLinearBase, Splitter
 
 Part = GgufTensor | torch.Tensor

@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 from qpage.layers.linear.block_linear import Part, check_shape, dequantized, ggml_type
-from qpage.layers.linear.linear_kernels import LinearSpec, Matmul, build_linear
+from qpage.layers.linear.kernel_spec import LinearSpec, Matmul
+from qpage.layers.linear.linear_kernels import build_linear
 from qpage.layers.linear.quant_base import Splitter
 
 
@@ -33,6 +34,8 @@ class Embedding(nn.Module):
         self.weight_bytes = 0
         self._rows: Matmul | None = None
         self._head: Matmul | None = None
+        self.own_threads = False
+        """Whether the tied head's matmul splits its rows across the cores itself."""
         self.register_buffer("anchor", torch.empty(0), persistent=False)  # follows the model's device
 
     @property
@@ -80,6 +83,7 @@ class Embedding(nn.Module):
         assert built.rows is not None, f"{kernel.name} looks up rows of a table"
         self._rows, self.kernel_path, self.weight_bytes = built.rows, kernel.name, built.weight_bytes
         self._head = built.mm if self.tied else None
+        self.own_threads = built.own_threads
         if not built.keeps_packed:
             self.value = None
 

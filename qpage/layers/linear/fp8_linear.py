@@ -16,7 +16,7 @@ import torch
 
 from qpage.formats.fp8 import Fp8Config, check_linear
 from qpage.formats.safetensors_io import LazyTensor
-from qpage.layers.linear.linear_kernels import LinearSpec
+from qpage.layers.linear.kernel_spec import LinearSpec
 from qpage.layers.linear.quant_base import QuantLinearBase, Splitter
 
 

@@ -12,17 +12,18 @@ Priority: the fused Triton kernels on CUDA (GGUF blocks: ``triton-blocks``); on 
 kernels (``cpu-blocks``) for GGUF and bitsandbytes 4-bit weights and for
 GPTQ/AWQ/compressed-tensors INT4/INT8 written as blocks, in every dtype; torch's packed
 INT4/INT8 kernels (fast only with bf16 activations) for integer weights that have no block
-form; else the weight dequantized once and multiplied on NumPy's BLAS (fp32) or by torch;
-anywhere else the dequantized torch fallback, which the doctor
-reports. ``dequantize_weights=True`` (``LinearSpec.dequantize``) skips every packed kernel.
+form; else the weight dequantized once and multiplied as a dense one (``dense_kernels``:
+fp32 on the C panels, else NumPy's BLAS or torch); anywhere else the dequantized torch
+fallback, which the doctor reports. ``dequantize_weights=True`` (``LinearSpec.dequantize``)
+skips every packed kernel. Unquantized weights: the C panels (``cpu-dense``) for fp32 on CPU,
+NumPy's BLAS without the C kernels or for a weight rewritten in place, else torch.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any, Protocol
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -32,106 +33,21 @@ from qpage.formats.gguf_model import GgufTensor
 from qpage.formats.gguf_reader import BF16, FLOAT_TYPES, type_name
 from qpage.kernels import block_matmul
 from qpage.kernels.cpu import native
-from qpage.kernels.cpu.matmul import blas, int_blocks, native_gguf, packed
+from qpage.kernels.cpu.matmul import int_blocks, native_gguf, packed
+from qpage.kernels.cpu.matmul.dense import DensePanels
 from qpage.kernels.fp8.matmul import fp8_matmul
 from qpage.kernels.int_matmul import int_matmul
 from qpage.kernels.packing import unpack_cols, unpack_rows
 from qpage.kernels.triton_utils import triton_unavailable_reason
+from qpage.layers.linear.dense_kernels import DenseBlas, DenseNative, DenseTorch, Dequantized
+from qpage.layers.linear.kernel_spec import DEQUANTIZE_ASKED, Built, LinearKernel, LinearSpec, Matmul
 
 logger = logging.getLogger("qpage")
-
-Matmul = Callable[[torch.Tensor], torch.Tensor]
-
-
-@dataclass(frozen=True)
-class LinearSpec:
-    """What a kernel must handle: the weight's scheme and shape, and the activations."""
-
-    scheme: str
-    """``dense``, ``int`` (GPTQ/AWQ/compressed-tensors INT4/INT8), ``fp8``, or ``blocks`` (a
-    block format of the CPU kernels: a GGUF file's tensors, bitsandbytes 4-bit written as
-    NF4/FP4 blocks at load)."""
-    device: torch.device
-    dtype: torch.dtype
-    """The activations' dtype."""
-    in_features: int
-    out_features: int
-    bits: int = 0
-    group_size: int = 0
-    g_idx: torch.Tensor | None = None
-    """Act-order row -> group map (INT), None without act-order."""
-    fp8_block_aligned: bool = True
-    """FP8 block scales: every fused projection starts on a scale block boundary."""
-    ggml_types: tuple[int, ...] = ()
-    """``blocks``: the format (ggml type id) of each part of the (possibly fused) weight."""
-    symmetric: bool = True
-    """INT: every zero point is 2^(bits - 1) (the codes are signed around it)."""
-    dequantize: bool = False
-    """The weight is to be dequantized once (``dequantize_weights``): no packed kernel runs it."""
-    table: bool = False
-    """The weight is also a table whose rows are looked up: a token embedding [vocab, hidden]
-    (``out_features`` = vocab), whose matmul is the tied LM head."""
-    multiplies: bool = True
-    """A table: whether its matmul runs too (a tied head), else only its rows are read."""
-
-
-@dataclass
-class Built:
-    mm: Matmul
-    weight_bytes: int
-    """Bytes the weight occupies on this path."""
-    keeps_packed: bool = False
-    """Whether ``mm`` reads the layer's packed tensors (else the layer drops them)."""
-    adds_bias: bool = False
-    """Whether ``mm`` adds the layer's bias itself (fused into the matmul)."""
-    kernel_mm: Matmul | None = None
-    """The kernel's own matmul, before ``build_linear`` adds the layer's bias to ``mm`` (the same
-    as ``mm`` when the kernel adds the bias itself)."""
-    rows: Callable[[torch.Tensor], torch.Tensor] | None = None
-    """A table (``LinearSpec.table``): token ids [T] -> their rows [T, hidden] in the spec's dtype."""
-
-
-class LinearKernel(Protocol):
-    name: str
-    schemes: tuple[str, ...]
-    looks_up: bool
-    """Whether it also reads rows of its weight (runs a ``LinearSpec.table``)."""
-
-    def can_implement(self, spec: LinearSpec) -> str | None: ...
-
-    def build(self, layer: Any, spec: LinearSpec) -> Built: ...
-
-
-def dense_matmul(w_in_out: torch.Tensor, dtype: torch.dtype) -> Built:
-    """A matmul on a dense weight [in, out]: NumPy's BLAS for fp32 on CPU (kept ``[in, out]``
-    contiguous, its fastest layout), else ``F.linear``."""
-    if blas.supports(dtype, w_in_out.device):
-        w_t: np.ndarray = w_in_out.to(dtype).contiguous().numpy()
-        return Built(lambda x: blas.matmul_wt(x, w_t), w_t.nbytes)
-    dense = w_in_out.t().to(dtype).contiguous()
-    return Built(lambda x: F.linear(x, dense), dense.numel() * dense.element_size())
-
-
-def dense_table(table: torch.Tensor, spec: LinearSpec, keeps_packed: bool = False) -> Built:
-    """A dense table [vocab, hidden] (``LinearSpec.table``): rows read in place; its matmul (a
-    tied head, when asked) on the BLAS path from a transposed copy, which costs its size in
-    memory but runs faster than reading the table in place, elsewhere ``F.linear`` on it."""
-    table = table.to(spec.dtype).contiguous()
-    nbytes = table.numel() * table.element_size()
-    mm: Matmul = lambda x: F.linear(x, table)  # noqa: E731
-    if spec.multiplies and blas.supports(spec.dtype, table.device):
-        built = dense_matmul(table.t(), spec.dtype)
-        mm, nbytes = built.mm, nbytes + built.weight_bytes
-    return Built(mm, nbytes, keeps_packed=keeps_packed, rows=lambda ids: F.embedding(ids, table))
-
 
 def _needs_triton(spec: LinearSpec) -> str | None:
     if spec.dequantize:
         return DEQUANTIZE_ASKED
     return triton_unavailable_reason("cuda") if spec.device.type == "cuda" else f"runs on cuda, not {spec.device.type}"
-
-
-DEQUANTIZE_ASKED = "dequantize_weights=True asks for the dequantized path"
 
 
 class TritonInt:
@@ -218,9 +134,9 @@ def blocks_reason(device: torch.device, ggml_types: tuple[int, ...], k: int) -> 
 
 class CpuBlockWeights:
     """Block-format weights kept packed on CPU (``kernels.cpu.matmul.native_gguf``): each run of
-    consecutive parts in one format is repacked into one weight; float parts run on BLAS. A
-    table (an embedding) in one block format dequantizes its rows from the same packed weight
-    its tied head multiplies with, so the table is held once."""
+    consecutive parts in one format is repacked into one weight; float parts go on the dense
+    panels. A table (an embedding) in one block format dequantizes its rows from the same
+    packed weight its tied head multiplies with, so the table is held once."""
 
     name, schemes, looks_up = "cpu-blocks", ("blocks",), True
 
@@ -242,10 +158,7 @@ class CpuBlockWeights:
                 runs.append((offset, t, [value]))
         pieces: list[native_gguf.Piece] = []
         for offset, t, values in runs:
-            if t == -1:
-                w = values[0].float().t().contiguous().numpy()
-            else:
-                w = native_gguf.repack([v.rows for v in values], t, k)
+            w = DensePanels(values[0].float()) if t == -1 else native_gguf.repack([v.rows for v in values], t, k)
             pieces.append((offset, offset + sum(v.shape[0] for v in values), w))
         mm = native_gguf.PiecewiseMatmul(pieces, k, spec.out_features)
         rows = None
@@ -253,7 +166,7 @@ class CpuBlockWeights:
             table = pieces[0][2]
             assert isinstance(table, native_gguf.PackedWeight)
             rows = lambda ids: native_gguf.dequantize_rows(table, ids).to(spec.dtype)  # noqa: E731
-        return Built(mm, mm.weight_bytes(), rows=rows)
+        return Built(mm, mm.weight_bytes(), rows=rows, own_threads=True)
 
 
 class TritonBlocks:
@@ -317,70 +230,13 @@ class CpuIntBlocks:
         w = native_gguf.repack(b.rows, b.ggml_type, spec.in_features)
         mm = native_gguf.PiecewiseMatmul([(0, spec.out_features, w)], spec.in_features, spec.out_features,
                                          input_perm=b.perm)
-        return Built(mm, mm.weight_bytes())
-
-
-class Dequantized:
-    """The weight dequantized once at ``prepare`` and multiplied like a dense layer: on CPU
-    for what no packed kernel runs, or on request (``dequantize_weights``), on BLAS in fp32;
-    elsewhere a slow fallback with dense memory, which the server's doctor reports."""
-
-    schemes, looks_up = ("int", "fp8", "blocks"), True
-
-    def __init__(self, name: str, devices: tuple[str, ...] | None) -> None:
-        self.name, self.devices = name, devices
-
-    def can_implement(self, spec: LinearSpec) -> str | None:
-        if self.devices is not None and spec.device.type not in self.devices:
-            return f"runs on {'/'.join(self.devices)}, not {spec.device.type}"
-        return None
-
-    def build(self, layer: Any, spec: LinearSpec) -> Built:
-        if spec.table:
-            return dense_table(layer.dequantized_in_out().t(), spec)
-        return dense_matmul(layer.dequantized_in_out(), spec.dtype)
-
-
-class DenseBlas:
-    """An unquantized fp32 weight on CPU, on NumPy's BLAS."""
-
-    name, schemes, looks_up = "cpu-blas", ("dense",), True
-
-    def can_implement(self, spec: LinearSpec) -> str | None:
-        return None if blas.supports(spec.dtype, spec.device) else "needs fp32 activations on cpu"
-
-    def build(self, layer: Any, spec: LinearSpec) -> Built:
-        if spec.table:
-            return dense_table(layer.weight.data, spec, keeps_packed=True)
-        # Store W transposed ([in, out] contiguous); ``weight`` stays an [out, in] view of it, so
-        # weights copied into it later (the quantizer's layer refills) reach the BLAS copy too.
-        w_t = layer.weight.data.t().contiguous()
-        layer.weight.data = w_t.t()
-        w_np: np.ndarray = w_t.numpy()
-        return Built(lambda x: blas.matmul_wt(x, w_np), w_np.nbytes, keeps_packed=True)
-
-
-class DenseTorch:
-    """An unquantized weight anywhere else: ``F.linear`` with the bias fused (one rounding in
-    half precision)."""
-
-    name, schemes, looks_up = "torch", ("dense",), True
-
-    def can_implement(self, spec: LinearSpec) -> str | None:
-        return None
-
-    def build(self, layer: Any, spec: LinearSpec) -> Built:
-        if spec.table:
-            return dense_table(layer.weight.data, spec, keeps_packed=True)
-        w = layer.weight.data
-        return Built(lambda x: F.linear(x, layer.weight, layer.bias), w.numel() * w.element_size(),
-                     keeps_packed=True, adds_bias=True)
+        return Built(mm, mm.weight_bytes(), own_threads=True)
 
 
 LINEAR_KERNELS: tuple[LinearKernel, ...] = (
     TritonInt(), TritonFp8(), TritonBlocks(), CpuBlockWeights(), CpuIntBlocks(), CpuPackedInt(4), CpuPackedInt(8),
     Dequantized("cpu-dequantized", ("cpu",)), Dequantized("dequantized-fallback", None),
-    DenseBlas(), DenseTorch(),
+    DenseNative(), DenseBlas(), DenseTorch(),
 )
 
 

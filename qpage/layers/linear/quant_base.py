@@ -9,7 +9,8 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from qpage.layers.linear.linear_kernels import LinearSpec, Matmul, build_linear
+from qpage.layers.linear.kernel_spec import LinearSpec, Matmul
+from qpage.layers.linear.linear_kernels import build_linear
 
 
 class Splitter(Protocol):
@@ -50,6 +51,8 @@ class QuantLinearBase(nn.Module):
         self.kernel_mm: Matmul | None = None
         """The chosen kernel's own matmul, before ``build_linear`` adds the bias to it (a kernel
         that fuses the bias adds it here too): what a fused caller runs itself."""
+        self.own_threads = False
+        """Whether the matmul splits its rows across the cores itself (``Built.own_threads``)."""
 
     def spec(self, dtype: torch.dtype) -> LinearSpec:
         """What the kernel must handle, for activations of ``dtype``."""
@@ -68,7 +71,7 @@ class QuantLinearBase(nn.Module):
         ``dequantize`` asks for the weight dequantized once rather than kept packed."""
         kernel, built = build_linear(self, replace(self.spec(dtype), dequantize=dequantize))
         self._mm, self.kernel_path, self.weight_bytes = built.mm, kernel.name, built.weight_bytes
-        self.kernel_mm = built.kernel_mm
+        self.kernel_mm, self.own_threads = built.kernel_mm, built.own_threads
         if not built.keeps_packed:
             self.drop_packed()
 

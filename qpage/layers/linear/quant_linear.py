@@ -18,7 +18,7 @@ from qpage.formats.compressed_tensors import CtIntConfig
 from qpage.formats.compressed_tensors import check_linear as ct_check_linear
 from qpage.formats.gptq import GptqConfig, check_linear
 from qpage.kernels.packing import dequantize_ref, unpack_cols
-from qpage.layers.linear.linear_kernels import LinearSpec
+from qpage.layers.linear.kernel_spec import LinearSpec
 from qpage.layers.linear.quant_base import QuantLinearBase, Splitter
 
 

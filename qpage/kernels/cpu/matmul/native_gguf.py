@@ -25,6 +25,7 @@ import torch
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from qpage.kernels.cpu.matmul import block_rewrite
+from qpage.kernels.cpu.matmul.dense import DensePanels
 from qpage.kernels.cpu.native import as_i64, load, num_threads
 
 BLOCK = 32
@@ -203,8 +204,8 @@ def dequantize_rows(w: PackedWeight, ids: torch.Tensor) -> torch.Tensor:
 _SCRATCH = threading.local()
 """Per thread: the quantized activations of the matmul running on it."""
 
-Piece = tuple[int, int, "PackedWeight | np.ndarray"]
-"""Output columns [c0, c1) of a matmul and their weight: packed, or fp32 [in, c1 - c0] for BLAS."""
+Piece = tuple[int, int, "PackedWeight | DensePanels"]
+"""Output columns [c0, c1) of a matmul and their weight: in a block format, or dense fp32."""
 
 
 class PiecewiseMatmul:
@@ -221,7 +222,7 @@ class PiecewiseMatmul:
         if not edges or edges[0][0] != 0 or edges[-1][1] != n or any(a[1] != b[0] for a, b in pairwise(edges)):
             raise ValueError(f"pieces {edges} do not tile the output columns [0, {n})")
         for c0, c1, w in pieces:
-            if isinstance(w, PackedWeight) and (w.k != k or w.n != c1 - c0):
+            if w.k != k or w.n != c1 - c0:
                 raise ValueError(f"piece [{c0}, {c1}) holds a [{w.n}, {w.k}] weight, expected [{c1 - c0}, {k}]")
         lib = load()
         assert lib is not None, "PiecewiseMatmul needs the native kernels; check load() first"
@@ -240,8 +241,8 @@ class PiecewiseMatmul:
         """(first column, ggml type, weight address, rows) of each packed piece."""
         return list(self._packed)
 
-    def dense_pieces(self) -> list[tuple[int, int, np.ndarray]]:
-        """(first column, end column, fp32 [k, columns]) of each piece that runs on BLAS."""
+    def dense_pieces(self) -> list[tuple[int, int, DensePanels]]:
+        """(first column, end column, weight) of each dense fp32 piece."""
         return list(self._dense)
 
     def _activation_buffers(self, m: int) -> tuple[torch.Tensor, int, int, int]:
@@ -274,5 +275,5 @@ class PiecewiseMatmul:
                     raise MemoryError("gguf matmul: no memory for its scratch") if rc == -2 else ValueError(
                         f"gguf matmul: ggml type {t} cannot run on this CPU")
         for c0, c1, w in self._dense:
-            out[:, c0:c1] = torch.from_numpy(np.matmul(x2.contiguous().numpy(), w))
+            w.into(x2, out[:, c0:c1])
         return out.reshape(*shape[:-1], self.n).to(dtype)
