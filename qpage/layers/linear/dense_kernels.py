@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from qpage.kernels.cpu.matmul import blas, dense
-from qpage.layers.linear.kernel_spec import Built, LinearSpec, Matmul
+from qpage.layers.linear.kernel_spec import Built, LinearSpec
 
 
 def dense_matmul(w_in_out: torch.Tensor, dtype: torch.dtype) -> Built:
@@ -41,13 +41,12 @@ def dense_table(table: torch.Tensor, spec: LinearSpec, keeps_packed: bool = Fals
     elsewhere ``F.linear`` on it."""
     table = table.to(spec.dtype).contiguous()
     nbytes = table.numel() * table.element_size()
-    mm: Matmul = lambda x: F.linear(x, table)  # noqa: E731
-    if spec.multiplies and table.device.type == "cpu" and spec.dtype == torch.float32:
-        built = dense_matmul(table.t(), spec.dtype)
-        mm, nbytes, own = built.mm, nbytes + built.weight_bytes, built.own_threads
-    else:
-        own = False
-    return Built(mm, nbytes, keeps_packed=keeps_packed, rows=lambda ids: F.embedding(ids, table), own_threads=own)
+    rows = lambda ids: F.embedding(ids, table)  # noqa: E731
+    if spec.multiplies and blas.supports(spec.dtype, table.device):  # where dense_matmul packs a copy
+        head = dense_matmul(table.t(), spec.dtype)
+        return Built(head.mm, nbytes + head.weight_bytes, keeps_packed=keeps_packed, rows=rows,
+                     own_threads=head.own_threads)
+    return Built(lambda x: F.linear(x, table), nbytes, keeps_packed=keeps_packed, rows=rows)
 
 
 class Dequantized:
