@@ -25,6 +25,11 @@ sandboxes, where its default build dies of SIGILL).
 
     python benchmarks/vs_llamacpp.py [--gguf F.gguf ...] [--rounds 3] [--out F.json]
     python benchmarks/vs_llamacpp.py --make-1b DIR   # write the ~1B random-weight files first
+    python benchmarks/vs_llamacpp.py --baseline DIR  # also qpage from another source tree
+
+With ``--baseline DIR`` (a checkout of another qpage revision, e.g. ``git worktree add``), each
+round also runs qpage imported from DIR, between the two, and the table adds the median of the
+per-round ratios qpage / baseline: a before-and-after comparison in one run.
 """
 
 from __future__ import annotations
@@ -169,10 +174,14 @@ def worker(args: argparse.Namespace) -> None:
 
 
 # ---------------------------------------------------------------- driver
-def one(engine: str, path: Path, context: int, requests: int) -> dict[str, Any]:
+def one(engine: str, path: Path, context: int, requests: int, tree: Path | None = None) -> dict[str, Any]:
+    """One worker process; ``tree`` puts another qpage source tree first on its import path."""
     cmd = [sys.executable, __file__, "--worker", engine, "--gguf", str(path), "--context", str(context),
            "--requests", str(requests)]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, check=False)
+    env = dict(os.environ)
+    if tree is not None:
+        env["PYTHONPATH"] = os.pathsep.join(x for x in (str(tree), env.get("PYTHONPATH", "")) if x)
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, check=False, env=env)
     line = next((ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")), None)
     if r.returncode != 0 or line is None:
         raise SystemExit(f"{engine} on {path.name} failed (exit {r.returncode}):\n{r.stderr[-3000:]}")
@@ -243,14 +252,18 @@ def make_1b(out_dir: Path) -> list[Path]:
 
 
 def summary(rows: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """Per measure: each engine's median, and the medians of the per-round ratios of qpage to
+    llama.cpp (``ratio``) and to the baseline tree (``vs_baseline``, when it ran)."""
     out: dict[str, Any] = {}
     for key, _, _ in MEASURES:
         if key == "weight_ratio":
             continue
+        v = {engine: statistics.median(r[key] for r in runs) for engine, runs in rows.items()}
         q = [r[key] for r in rows["qpage"]]
-        c = [r[key] for r in rows["llama.cpp"]]
-        out[key] = {"qpage": statistics.median(q), "llama.cpp": statistics.median(c),
-                    "ratio": statistics.median(a / b for a, b in zip(q, c, strict=True))}
+        for name, other in (("ratio", "llama.cpp"), ("vs_baseline", "baseline")):
+            if other in rows:
+                v[name] = statistics.median(a / b[key] for a, b in zip(q, rows[other], strict=True))
+        out[key] = v
     return out
 
 
@@ -261,6 +274,8 @@ def main() -> None:
     p.add_argument("--context", type=int, default=4096, help="KV capacity in tokens, both engines")
     p.add_argument("--requests", type=int, default=REQUESTS, help="requests in the mixed workload")
     p.add_argument("--make-1b", type=Path, default=None, help="write the ~1B random-weight files into this folder")
+    p.add_argument("--baseline", type=Path, default=None,
+                   help="another qpage source tree, run as a third engine in every round")
     p.add_argument("--out", default="benchmarks/results/vs_llamacpp.json")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -271,14 +286,18 @@ def main() -> None:
             print(f"wrote {f} ({f.stat().st_size / 2**20:,.0f} MiB)")
         return None
     files = [Path(f) for f in args.gguf] if args.gguf else [default_gguf()]
+    if args.baseline is not None and not (args.baseline / "qpage" / "__init__.py").is_file():
+        raise SystemExit(f"--baseline {args.baseline}: no qpage package there (give a checkout's root folder)")
+    engines = ("qpage", "baseline", "llama.cpp") if args.baseline else ("qpage", "llama.cpp")
     result: dict[str, Any] = {"threads": THREADS, "rounds": args.rounds, "context": args.context,
-                              "requests": args.requests, "files": {}}
+                              "requests": args.requests, "files": {},
+                              "baseline": str(args.baseline) if args.baseline else None}
     for path in files:
-        rows: dict[str, list[dict[str, Any]]] = {"qpage": [], "llama.cpp": []}
+        rows: dict[str, list[dict[str, Any]]] = {e: [] for e in engines}
         for r in range(args.rounds):
-            for engine in ("qpage", "llama.cpp"):
-                rows[engine].append(one("qpage" if engine == "qpage" else "llamacpp", path, args.context,
-                                        args.requests))
+            for engine in engines:
+                rows[engine].append(one("llamacpp" if engine == "llama.cpp" else "qpage", path, args.context,
+                                        args.requests, args.baseline if engine == "baseline" else None))
                 print(f"{path.name} round {r + 1} {engine}: " + ", ".join(
                     f"{k} {v:.3g}" for k, v in rows[engine][-1].items()), flush=True)
         s = summary(rows)
@@ -286,11 +305,17 @@ def main() -> None:
         s["weight_ratio"] = {e: statistics.median(x["weight_bytes"] for x in rows[e]) / tb for e in rows}
         result["files"][path.name] = {"summary": s, "rounds": rows, "tensor_bytes": tb}
         print(f"\n{path.name} ({tb / 2**20:,.1f} MiB of tensors; median of {args.rounds} rounds)")
-        print(f"{'measure':34} {'qpage':>10} {'llama.cpp':>10} {'ratio':>7}")
+        base = args.baseline is not None
+        print(f"{'measure':34} {'qpage':>10} {'llama.cpp':>10} {'ratio':>7}"
+              + (f" {'baseline':>10} {'vs base':>8}" if base else ""))
         for key, label, _ in MEASURES:
             v = s[key]
             ratio = v["ratio"] if "ratio" in v else v["qpage"] / v["llama.cpp"]
-            print(f"{label:34} {v['qpage']:10.3g} {v['llama.cpp']:10.3g} {ratio:7.2f}")
+            line = f"{label:34} {v['qpage']:10.3g} {v['llama.cpp']:10.3g} {ratio:7.2f}"
+            if base:
+                vb = v.get("vs_baseline", v["qpage"] / v["baseline"] if v.get("baseline") else float("nan"))
+                line += f" {v.get('baseline', float('nan')):10.3g} {vb:8.3f}"
+            print(line)
     print(f"wrote {write_json(result, args.out)}")
     return None
 
