@@ -86,6 +86,9 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, names: Sequen
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     for cls, names in ENGINE_FIELDS.items():
         add_dataclass_args(parser, cls, names)
+    parser.add_argument("--speculative-config", default=None, metavar="JSON",
+                        help='speculative decoding, as vLLM\'s speculative_config, e.g. \'{"method": "ngram", '
+                             '"num_speculative_tokens": 4}\' (default: off)')
 
 
 def build_engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -94,14 +97,15 @@ def build_engine_config(args: argparse.Namespace) -> EngineConfig:
 
     return EngineConfig(model=part(ModelConfig), cache=part(CacheConfig), scheduler=part(SchedulerConfig),
                         parallel=part(ParallelConfig), seed=args.seed,
-                        logprobs_mode=args.logprobs_mode)
+                        logprobs_mode=args.logprobs_mode,
+                        speculative_config=args.speculative_config)
 
 
 def build_llm(args: argparse.Namespace) -> Any:
     from qpage import LLM
 
     kwargs = {n: getattr(args, n) for names in ENGINE_FIELDS.values() for n in names}
-    return LLM(**kwargs)
+    return LLM(**kwargs, speculative_config=args.speculative_config)
 
 
 def sampling_from_args(args: argparse.Namespace) -> Any:

@@ -7,6 +7,7 @@ here changes everywhere.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 from dataclasses import dataclass, field
@@ -173,6 +174,66 @@ class ParallelConfig:
             raise ValueError(f"distributed_timeout={self.distributed_timeout} must be a positive number of seconds")
 
 
+SPECULATIVE_METHODS = ("ngram",)
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding, under vLLM's ``speculative_config`` names (docs/speculative.md)."""
+
+    method: str = "ngram"
+    """ngram: draft the tokens that followed the latest earlier occurrence of the context's last
+    n tokens (prompt lookup), for n from prompt_lookup_max down to prompt_lookup_min."""
+    num_speculative_tokens: int = 4
+    """Most draft tokens verified per request and step."""
+    prompt_lookup_min: int | None = None
+    """Shortest n-gram matched (ngram; default 2, or prompt_lookup_max when only that is given)."""
+    prompt_lookup_max: int | None = None
+    """Longest n-gram matched (ngram; default 4, or prompt_lookup_min when only that is given)."""
+
+    def __post_init__(self) -> None:
+        if self.method == "[ngram]":  # vLLM's older spelling
+            self.method = "ngram"
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config method={self.method!r} is not supported; choose one of "
+                             f"{', '.join(SPECULATIVE_METHODS)} (draft models are not supported yet)")
+        if not isinstance(self.num_speculative_tokens, int) or not 1 <= self.num_speculative_tokens <= 32:
+            raise ValueError(f"speculative_config num_speculative_tokens={self.num_speculative_tokens!r} must be "
+                             "an integer from 1 to 32")
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        if lo is None and hi is None:
+            lo, hi = 2, 4
+        lo, hi = (hi if lo is None else lo), (lo if hi is None else hi)
+        if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi <= 64):
+            raise ValueError(f"speculative_config prompt_lookup_min={lo!r} and prompt_lookup_max={hi!r} must be "
+                             "integers with 1 <= min <= max <= 64")
+        self.prompt_lookup_min, self.prompt_lookup_max = lo, hi
+
+    @classmethod
+    def parse(cls, value: SpeculativeConfig | dict[str, Any] | str | None) -> SpeculativeConfig | None:
+        """From vLLM's dict (or its JSON text, as ``--speculative-config`` takes it); unknown keys
+        are refused by name, so a misspelt option is never silently ignored."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not valid JSON ({e}): give e.g. "
+                                 '\'{"method": "ngram", "num_speculative_tokens": 4}\'') from e
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a dict (JSON object), got {type(value).__name__}")
+        if "model" in value:
+            raise ValueError("speculative_config: draft models ('model') are not supported yet; use "
+                             "{'method': 'ngram', 'num_speculative_tokens': k}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown key(s) {', '.join(unknown)}; "
+                             f"known: {', '.join(sorted(known))}")
+        return cls(**value)
+
+
 @dataclass
 class EngineConfig:
     """Everything an engine needs, passed down as one object."""
@@ -187,8 +248,11 @@ class EngineConfig:
     """raw_logprobs (the model's distribution, vLLM's default) or processed_logprobs (after penalties and masks)."""
     log_stats: bool = True
     """Print the KV capacity at start."""
+    speculative_config: SpeculativeConfig | None = None
+    """Speculative decoding (None: off); a dict or JSON text is parsed by ``SpeculativeConfig.parse``."""
 
     def __post_init__(self) -> None:
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode={self.logprobs_mode!r} is not supported; choose one of "
                              f"{', '.join(LOGPROBS_MODES)}")

@@ -8,6 +8,7 @@ import json
 import logging
 import time
 import weakref
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar, cast
@@ -22,6 +23,7 @@ from qpage.engine.output_processor import OutputProcessor, ParentState
 from qpage.engine.outputs import CompletionOutput, RequestOutput
 from qpage.engine.request import Request, RequestStatus
 from qpage.engine.scheduler import Scheduler
+from qpage.engine.speculative import NgramDrafter
 from qpage.engine.structured import GrammarCompiler, Guide, MaskBudget, token_masks
 from qpage.formats import gguf_model
 from qpage.formats.gguf_model import is_gguf
@@ -34,6 +36,7 @@ from qpage.models.arch import ArchConfig
 from qpage.models.loader import read_arch_config, resolve_dtype, resolve_model_dir
 from qpage.models.sharding import check_parallel, plan_shards
 from qpage.parallel.comm import Collectives, TensorParallelError
+from qpage.runner.batch import SchedulerOutput
 from qpage.runner.sampler import Sampler
 from qpage.runner.tp_workers import RankReport, RankSetup, Workers, build_rank, rank_device
 from qpage.sampling_params import SamplingParams
@@ -113,6 +116,8 @@ class LLMEngine:
         self.max_model_len = self._decide_max_model_len(num_blocks * BLOCK_SIZE, block_bytes)
         self.kv = KVCacheManager(num_blocks, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv)
+        spec = config.speculative_config
+        self.drafter = NgramDrafter(spec, self.max_model_len) if spec is not None else None
         self.workers: Workers | None = None
         self.rank_reports: list[RankReport] = []
         """With tensor parallelism: what each rank holds (weights, KV bytes and heads)."""
@@ -349,11 +354,13 @@ class LLMEngine:
         for req, t in zip(reqs, res.token_ids, strict=True):
             if req.guide is not None and req.parent_id not in failed and not req.guide.accept(t):
                 failed[req.parent_id] = f"the structured-output grammar refused the sampled token {t}"
-        self.scheduler.update(sched, {r.request_id: t for r, t in zip(reqs, res.token_ids, strict=True)})
+        emitted = Counter(r.request_id for r in reqs)
+        self.scheduler.update(sched, emitted)
         now = time.monotonic()
-        for i, req in enumerate(reqs):
-            if req.parent_id in failed:
+        for i, req in enumerate(reqs):  # a request's kept draft tokens come in order, one row each
+            if req.parent_id in failed or req.status.finished:
                 continue
+            req.append_token(res.token_ids[i])
             try:
                 stop_string = self.outputs.add_token(req, res, i, now)
             except Exception as e:
@@ -362,8 +369,25 @@ class LLMEngine:
             ended = req.stop_status(self.max_model_len, stop_string)
             if ended is not None:
                 self.scheduler.finish(req, ended)
+        if self.drafter is not None:
+            self._speculate(sched, emitted)
         touched = {r.parent_id for r in reqs} - failed.keys()
         return self._finish_step(self.outputs.snapshot(touched, failed), failed, set(refused))
+
+    def _speculate(self, sched: SchedulerOutput, emitted: Counter[str]) -> None:
+        """Count the step's verified drafts, then draft for every request about to decode."""
+        assert self.drafter is not None
+        for s in sched.scheduled:
+            if s.draft_token_ids:
+                req, k = cast(Request, s.request), len(s.draft_token_ids)
+                accepted = emitted[req.request_id] - 1
+                self.drafter.record(req, k, accepted)
+                self.metrics.inc("spec_decode_num_drafts")
+                self.metrics.inc("spec_decode_num_draft_tokens", k)
+                self.metrics.inc("spec_decode_num_accepted_tokens", accepted)
+        for req in self.scheduler.running:
+            if req.num_computed_tokens == req.num_tokens - 1:
+                req.draft_token_ids = self.drafter.propose(req)
 
     def _finish_step(self, outs: list[RequestOutput], failed: dict[str, str],
                      refused: set[str]) -> list[RequestOutput]:
@@ -390,6 +414,7 @@ class LLMEngine:
         g["kv_cache_usage_perc"] = self.kv.usage()
         self.metrics.counters["prefix_cache_queries"] = self.kv.prefix_queries
         self.metrics.counters["prefix_cache_hits"] = self.kv.prefix_hits
+        self.metrics.update_speculation()
 
     def kernel_paths(self) -> dict[str, Any]:
         """Which kernels run: the attention backend and quantized linears counted by path."""

@@ -39,6 +39,7 @@ class LLM:
         dequantize_weights: bool = field_default(ModelConfig, "dequantize_weights"),
         tensor_parallel_size: int = field_default(ParallelConfig, "tensor_parallel_size"),
         distributed_timeout: float = field_default(ParallelConfig, "distributed_timeout"),
+        speculative_config: dict[str, Any] | str | None = None,
     ) -> None:
         config = EngineConfig(
             model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len,
@@ -54,6 +55,7 @@ class LLM:
             seed=seed,
             logprobs_mode=logprobs_mode,
             log_stats=log_stats,
+            speculative_config=speculative_config,  # type: ignore[arg-type]  # parsed by EngineConfig
         )
         self.llm_engine = LLMEngine(config)
 

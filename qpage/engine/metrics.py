@@ -33,6 +33,15 @@ class Histogram:
         self.sum += value
         self.count += 1
 
+    def update_speculation(self) -> None:
+        """The speculative-decoding gauges from their counters, as vLLM defines them: accepted
+        over drafted tokens, and 1 + accepted tokens per verifying step (0 before any draft)."""
+        c = self.counters
+        drafts, tokens, accepted = (c["spec_decode_num_drafts"], c["spec_decode_num_draft_tokens"],
+                                    c["spec_decode_num_accepted_tokens"])
+        self.gauges["spec_decode_acceptance_rate"] = accepted / tokens if tokens else 0.0
+        self.gauges["spec_decode_mean_acceptance_length"] = 1.0 + accepted / drafts if drafts else 0.0
+
     def snapshot(self) -> dict[str, Any]:
         """Cumulative bucket counts keyed by upper bound, as Prometheus reports them."""
         cum, out = 0, {}
@@ -56,8 +65,12 @@ COUNTERS = (
     "generation_tokens_total",
     "request_success_total",
     "request_failure_total",
+    "spec_decode_num_drafts",
+    "spec_decode_num_draft_tokens",
+    "spec_decode_num_accepted_tokens",
 )
-GAUGES = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")
+GAUGES = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "spec_decode_acceptance_rate",
+          "spec_decode_mean_acceptance_length")
 
 
 class EngineMetrics:
@@ -71,6 +84,15 @@ class EngineMetrics:
 
     def inc(self, name: str, by: int = 1) -> None:
         self.counters[name] += by
+
+    def update_speculation(self) -> None:
+        """The speculative-decoding gauges from their counters, as vLLM defines them: accepted
+        over drafted tokens, and 1 + accepted tokens per verifying step (0 before any draft)."""
+        c = self.counters
+        drafts, tokens, accepted = (c["spec_decode_num_drafts"], c["spec_decode_num_draft_tokens"],
+                                    c["spec_decode_num_accepted_tokens"])
+        self.gauges["spec_decode_acceptance_rate"] = accepted / tokens if tokens else 0.0
+        self.gauges["spec_decode_mean_acceptance_length"] = 1.0 + accepted / drafts if drafts else 0.0
 
     def snapshot(self) -> dict[str, Any]:
         """Every metric by its full Prometheus name."""

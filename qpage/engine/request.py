@@ -68,6 +68,8 @@ class Request:
         self.num_preemptions = 0
         self.guide = guide
         """The structured-output matcher (None: unconstrained); it ends the request when complete."""
+        self.draft_token_ids: list[int] = []
+        """Speculative decoding: guessed next tokens, verified by the next step when it schedules them."""
         self._salt = (cache_salt or "").encode()
         self.block_hashes: list[bytes] = []
         self._update_block_hashes()

@@ -6,12 +6,17 @@ unfinished prompt), then admits waiting requests, all within ``max_num_batched_t
 ``max_num_seqs``. When a running request cannot get a block, the newest running request is
 preempted by recompute: its blocks are freed and it goes back to the front of the queue
 (its blocks usually come back as prefix-cache hits).
+
+Speculative decoding adds a decoding request's draft tokens (``Request.draft_token_ids``) after
+every running request has its own tokens, from the budget and free blocks left, so drafts never
+preempt anyone; after the step the rejected drafts' slots are simply not counted as computed.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
+from typing import cast
 
 from qpage.config import SchedulerConfig
 from qpage.engine.kv_cache import KVCacheManager
@@ -58,6 +63,7 @@ class Scheduler:
             out.scheduled.append(self._entry(req, n))
             budget -= n
             i += 1
+        budget = self._add_drafts(budget, out)
         if not out.preempted:
             budget = self._admit_waiting(budget, out)
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget
@@ -68,6 +74,19 @@ class Scheduler:
         the same step takes only requests scheduled after it, so its table holds)."""
         return ScheduledRequest(req, n, req.num_computed_tokens + n >= req.num_tokens,
                                 list(self.kv.block_ids(req.request_id)))
+
+    def _add_drafts(self, budget: int, out: SchedulerOutput) -> int:
+        """Extend each scheduled decode by its drafts where the budget and free blocks allow."""
+        for s in out.scheduled:
+            req = cast(Request, s.request)
+            drafts, req.draft_token_ids = req.draft_token_ids, []
+            k = min(len(drafts), budget)
+            if k and s.num_tokens == 1 and s.samples and self.kv.allocate_slots(req, 1 + k) is not None:
+                s.draft_token_ids = drafts[:k]
+                s.num_tokens += k
+                s.block_ids = list(self.kv.block_ids(req.request_id))
+                budget -= k
+        return budget
 
     def _allocate_or_preempt(self, req: Request, n: int, out: SchedulerOutput) -> bool:
         while self.kv.allocate_slots(req, n) is None:
@@ -81,6 +100,7 @@ class Scheduler:
         self.kv.free(req)
         req.status = RequestStatus.WAITING
         req.num_computed_tokens = 0
+        req.draft_token_ids = []
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
@@ -107,15 +127,11 @@ class Scheduler:
         return budget
 
     # ------------------------------------------------------------------ update
-    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Advance every scheduled request's progress after a model step and append its
-        sampled token; return the requests that got one (``Request.stop_status`` then says
-        whether each ends, and ``finish`` ends it)."""
-        grew = []
+    def update(self, out: SchedulerOutput, emitted: dict[str, int]) -> None:
+        """Advance every scheduled request's progress after a model step. ``emitted``: the
+        tokens each sampling request got (1, or with drafts the accepted ones plus one); only
+        the accepted drafts' K/V count as computed, the rest are overwritten later. The engine
+        appends the tokens (``Request.append_token``) and ends requests (``finish``)."""
         for s in out.scheduled:
-            req: Request = s.request  # type: ignore[assignment]  # the scheduler's own requests
-            req.num_computed_tokens += s.num_tokens
-            if s.samples:
-                req.append_token(sampled[req.request_id])
-                grew.append(req)
-        return grew
+            accepted = emitted.get(s.request.request_id, 1) - 1 if s.draft_token_ids else 0
+            s.request.num_computed_tokens += s.num_tokens - len(s.draft_token_ids) + accepted

@@ -32,6 +32,27 @@ class Sequence(Protocol):
 
 
 @dataclass(slots=True)
+class DraftedSequence:
+    """A sequence seen as if ``drafts`` had been appended: what its row for the token after
+    them is sampled with (penalties and min_tokens count the drafts as output)."""
+
+    request_id: str
+    params: SamplingParams
+    all_token_ids: list[int]
+    output_token_ids: list[int]
+    num_prompt_tokens: int
+    num_computed_tokens: int
+    eos_token_ids: set[int]
+    rng: random.Random | None
+
+
+def with_drafts(seq: Sequence, drafts: list[int]) -> Sequence:
+    """``seq`` with ``drafts`` appended as output (a view for sampling; ``seq`` is unchanged)."""
+    return DraftedSequence(seq.request_id, seq.params, seq.all_token_ids + drafts, seq.output_token_ids + drafts,
+                           seq.num_prompt_tokens, seq.num_computed_tokens + len(drafts), seq.eos_token_ids, seq.rng)
+
+
+@dataclass(slots=True)
 class ScheduledRequest:
     request: Sequence
     num_tokens: int
@@ -40,6 +61,9 @@ class ScheduledRequest:
     """True when the step reaches the end of its known tokens, so a new token is sampled."""
     block_ids: list[int] = field(default_factory=list)
     """Its block table for this step (every block its tokens up to the step's end use)."""
+    draft_token_ids: list[int] = field(default_factory=list)
+    """Speculative decoding: guessed tokens computed after the request's last one (counted in
+    ``num_tokens``); every row of the chunk is sampled and the longest agreeing prefix kept."""
     token_mask: torch.Tensor | None = None
     """Constrained sampling rows: the tokens its grammar allows next, int32 words (bit k of
     word w = token 32w + k), set by the engine before the step; None when unconstrained."""
@@ -89,7 +113,7 @@ class StepLogits:
     sample_requests: list[ScheduledRequest] = field(default_factory=list)
     """Entries that sample a token this step, in the row order of ``logits``."""
     logits: torch.Tensor | None = None
-    """[len(sample_requests), vocab]."""
+    """[rows, vocab]: per entry of ``sample_requests``, 1 + its draft tokens consecutive rows."""
     prompt_logits: dict[str, tuple[int, torch.Tensor]] = field(default_factory=dict)
     """request id -> (first prompt position, logits [rows, vocab]) for prompt_logprobs: row r
     predicts the prompt token at position first + r + 1."""
@@ -100,7 +124,8 @@ class StepResult:
     """What a step returns to the engine: sampled tokens and logprobs, never full logits."""
 
     sample_requests: list[Sequence] = field(default_factory=list)
-    """Sequences that sampled a token, in the row order of ``sampled``."""
+    """The sequence of each token in ``sampled``: one entry per token, a sequence's tokens
+    consecutive and in order (more than one when it kept draft tokens)."""
     sampled: SampleResult = field(default_factory=lambda: SampleResult([], [], []))
     failed_rows: dict[int, str] = field(default_factory=dict)
     """Row -> why sampling it failed (that request alone ends)."""

@@ -125,16 +125,17 @@ class ModelRunner:
                 first, lg = step.prompt_logits[s.request.request_id]
                 result.prompt_logprobs[s.request.request_id] = (first, prompt_logprobs(s, first, lg))
         if step.logits is not None:
-            result.sampled, result.failed_rows = self.sampler.sample(
-                step.logits, result.sample_requests, [s.token_mask for s in step.sample_requests])
+            result.sample_requests, result.sampled, result.failed_rows = self.sampler.verify(
+                step.logits, [s.request for s in step.sample_requests],
+                [s.draft_token_ids for s in step.sample_requests], [s.token_mask for s in step.sample_requests])
         return result
 
     @torch.inference_mode()
     def logits(self, out: SchedulerOutput) -> StepLogits:
         """Run one step; its logits (the sampling rows' and those asked for prompt logprobs)."""
-        decodes = sorted((s for s in out.scheduled if s.num_tokens == 1),
-                         key=lambda s: -s.request.num_computed_tokens)
-        prefills = [s for s in out.scheduled if s.num_tokens > 1]
+        decodes = sorted((s for s in out.scheduled if s.num_tokens == 1 or s.draft_token_ids),
+                         key=lambda s: -(s.request.num_computed_tokens + len(s.draft_token_ids)))
+        prefills = [s for s in out.scheduled if s.num_tokens > 1 and not s.draft_token_ids]
         batch = StepInputs()
         self._prepare_decodes(decodes, batch)
         self._prepare_prefills(prefills, batch)
@@ -166,20 +167,27 @@ class ModelRunner:
         return out
 
     def _prepare_decodes(self, decodes: list[ScheduledRequest], batch: StepInputs) -> None:
-        """Decodes are ordered longest context first (the caller keeps this order for the logits)."""
+        """Decodes are ordered longest context first (the caller keeps this order for the
+        logits); each row's block table holds the blocks its context uses. A request with draft
+        tokens is one decode row per token (its last, then each draft) at consecutive
+        positions: each row attends to its own context, which the rows before it in the step
+        extend (every row's K/V is written before attention), so the rows get the bits one-row
+        decodes would, and all-decode steps keep the fused decode path."""
         if not decodes:
             return
-        n = len(decodes)
-        pos = torch.tensor([s.request.num_computed_tokens for s in decodes], dtype=torch.long)
-        slots = torch.empty(n, dtype=torch.long)
-        for i, s in enumerate(decodes):
+        pos: list[int] = []
+        slots: list[int] = []
+        for s in decodes:
             p = s.request.num_computed_tokens
             table = s.block_ids
             batch.input_ids.append(s.request.all_token_ids[p])
-            slots[i] = table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
-            batch.decodes.append(SeqSpan(i, i + 1, p + 1, list(table)))
-        batch.positions.append(pos)
-        batch.slots.append(slots)
+            batch.input_ids.extend(s.draft_token_ids)
+            for q in range(p, p + 1 + len(s.draft_token_ids)):
+                batch.decodes.append(SeqSpan(len(pos), len(pos) + 1, q + 1, table[: q // BLOCK_SIZE + 1]))
+                pos.append(q)
+                slots.append(table[q // BLOCK_SIZE] * BLOCK_SIZE + q % BLOCK_SIZE)
+        batch.positions.append(torch.tensor(pos, dtype=torch.long))
+        batch.slots.append(torch.tensor(slots, dtype=torch.long))
 
     def _prepare_prefills(self, prefills: list[ScheduledRequest], batch: StepInputs) -> None:
         row = len(batch.input_ids)
@@ -211,8 +219,8 @@ class ModelRunner:
                 last = min(first + s.num_tokens, req.num_prompt_tokens - 1)
                 batch.logit_rows.append(torch.arange(row, row + last - first))
                 step.prompt_logits[req.request_id] = (first, torch.empty(0))
-            if s.samples:
-                rows.append(row + s.num_tokens - 1)
+            if s.samples:  # the last row, or with drafts the last known token's row and theirs
+                rows.extend(range(row + s.num_tokens - 1 - len(s.draft_token_ids), row + s.num_tokens))
                 step.sample_requests.append(s)
             row += s.num_tokens
         if rows:

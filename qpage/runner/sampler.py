@@ -9,6 +9,14 @@ uniform number taken from the request's own random stream when it has a seed, so
 reproduces its output whatever else shares the batch. ``sample`` keeps one row's failure its
 own: the uniforms are drawn once, before anything can fail, and a batch that raises is sampled
 again row by row with the same ones.
+
+``verify`` samples a speculating request's rows (its last known token's, then one per draft
+token) as if they came one at a time, each seeing the drafts before it as output (so penalties
+and min_tokens apply as they would), and keeps tokens up to the first one that differs from the
+draft. A draft that is a single guessed token (n-gram lookup) makes this exact rejection
+sampling: a draft token survives with the model's probability of it, and the first differing
+token is a draw from the model's distribution. A seeded request's stream is rewound to the
+uniforms of the rows it kept, so seeded outputs equal those without speculation.
 """
 
 from __future__ import annotations
@@ -18,7 +26,7 @@ import random
 
 import torch
 
-from qpage.runner.batch import Logprob, SampleResult, Sequence
+from qpage.runner.batch import Logprob, SampleResult, Sequence, with_drafts
 
 log = logging.getLogger("qpage.engine")
 
@@ -58,6 +66,43 @@ class Sampler:
                 failed[i] = f"sampling failed: {type(e).__name__}: {e}"
                 parts.append(SampleResult([0], [None], [None]))
         return SampleResult.concat(parts), failed
+
+    def verify(self, logits: torch.Tensor, reqs: list[Sequence], drafts: list[list[int]],
+               masks: Masks | None = None) -> tuple[list[Sequence], SampleResult, dict[int, str]]:
+        """Sample each request's rows (1 + len(drafts[i]) consecutive rows of ``logits``) and keep
+        its tokens up to the first that is not its draft: (one request entry per kept token,
+        their sample results, {kept row: error}). A row that fails keeps that token alone."""
+        masks = masks or [None] * len(reqs)
+        rows: list[Sequence] = []
+        row_masks: Masks = []
+        states = []
+        for r, d, m in zip(reqs, drafts, masks, strict=True):
+            rows.extend(with_drafts(r, d[:j]) if j else r for j in range(len(d) + 1))
+            row_masks.extend([m] * (len(d) + 1))
+            states.append(r.rng.getstate() if d and r.rng is not None and not r.params.greedy else None)
+        res, failed = self.sample(logits, rows, row_masks)
+        kept_reqs: list[Sequence] = []
+        keep: list[int] = []
+        kept_failed: dict[int, str] = {}
+        row = 0
+        for r, d, state in zip(reqs, drafts, states, strict=True):
+            n = 0
+            while True:
+                if row + n in failed:
+                    kept_failed[len(keep)] = failed[row + n]
+                keep.append(row + n)
+                kept_reqs.append(r)
+                n += 1
+                if n > len(d) or row + n - 1 in failed or res.token_ids[row + n - 1] != d[n - 1]:
+                    break
+            if state is not None and n <= len(d):  # rows past the first differing one drew for nothing
+                r.rng.setstate(state)  # type: ignore[union-attr]
+                for _ in range(n):
+                    r.rng.random()  # type: ignore[union-attr]
+            row += len(d) + 1
+        kept = SampleResult([res.token_ids[i] for i in keep], [res.logprobs[i] for i in keep],
+                            [res.top_logprobs[i] for i in keep])
+        return kept_reqs, kept, kept_failed
 
     def __call__(self, logits: torch.Tensor, reqs: list[Sequence],
                  uniforms: list[float | None] | None = None, masks: Masks | None = None) -> SampleResult:

@@ -57,7 +57,7 @@ def diagnose(before: dict[str, Any], after: dict[str, Any], seconds: float, info
     """Findings from two metric snapshots ``seconds`` apart; ``info`` holds the engine config
     (``max_num_seqs``, ``max_num_batched_tokens``, ``kv_cache_dtype``, ``device``), the attention
     backend and the quantized-linear counts by kernel path."""
-    checks = (_kv_pressure, _queue_growth, _prefill_stalls, _kernel_paths)
+    checks = (_kv_pressure, _queue_growth, _prefill_stalls, _kernel_paths, _speculation)
     found = [f for check in checks if (f := check(before, after, seconds, info)) is not None]
     if not any(f.status == "warn" for f in found):
         running, waiting = after[PREFIX + "num_requests_running"], after[PREFIX + "num_requests_waiting"]
@@ -84,6 +84,25 @@ def _kv_pressure(before: Snap, after: Snap, seconds: float, info: Snap) -> Findi
         "weight memory for KV (`qpage plan` shows the capacity), or lower --max-num-seqs "
         f"(now {info.get('max_num_seqs', '?')}) so fewer requests share the cache",
     )
+
+
+def _speculation(before: Snap, after: Snap, seconds: float, info: Snap) -> Finding | None:
+    """Speculative decoding's acceptance over the window: a warning when most drafts are rejected."""
+    def delta(name: str) -> float:
+        return after.get(PREFIX + name, 0.0) - before.get(PREFIX + name, 0.0)
+
+    drafts, tokens, accepted = delta("spec_decode_num_drafts"), delta("spec_decode_num_draft_tokens"), \
+        delta("spec_decode_num_accepted_tokens")
+    if tokens <= 0:
+        return None
+    rate, length = accepted / tokens, 1 + accepted / max(drafts, 1)
+    evidence = (f"speculative decoding verified {tokens:.0f} draft tokens in {seconds:.0f}s: acceptance "
+                f"{100 * rate:.0f}%, mean accepted length {length:.2f} tokens per step")
+    if rate >= 0.2:
+        return Finding("speculative_decoding", "ok", evidence)
+    return Finding("speculative_decoding", "warn", evidence + " (most drafts are thrown away)",
+                   "this traffic does not repeat its input: lower num_speculative_tokens in --speculative-config, "
+                   "or serve without it (docs/speculative.md says when n-gram drafts pay)")
 
 
 def _smaller_kv_dtype(current: str) -> str:

@@ -18,11 +18,17 @@ def req(rid: str, n: int, max_tokens: int = 50) -> Request:
 MAX_MODEL_LEN = 4096
 
 
-def advance(s: Scheduler, out: SchedulerOutput) -> list[Request]:
-    """What the engine does after a step: append each sampled token (7 here), end the
-    requests whose stop decision says so; return those."""
+def advance(s: Scheduler, out: SchedulerOutput, kept: dict[str, list[int]] | None = None) -> list[Request]:
+    """What the engine does after a step: append each sampling request's tokens (``kept``, else
+    one 7), end the requests whose stop decision says so; return those."""
     ended = []
-    for r in s.update(out, {x.request.request_id: 7 for x in out.scheduled if x.samples}):
+    sampled = [x.request for x in out.scheduled if x.samples]
+    tokens = {r.request_id: (kept or {}).get(r.request_id, [7]) for r in sampled}
+    s.update(out, {rid: len(t) for rid, t in tokens.items()})
+    for r in sampled:
+        assert isinstance(r, Request)
+        for t in tokens[r.request_id]:
+            r.append_token(t)
         status = r.stop_status(MAX_MODEL_LEN)
         if status is not None:
             s.finish(r, status)
@@ -88,3 +94,27 @@ def test_finish_frees_blocks_of_waiting_and_running() -> None:
     s.finish(a, RequestStatus.FINISHED_ABORTED)
     s.finish(b, RequestStatus.FINISHED_ABORTED)
     assert not s.has_unfinished() and kv.pool.num_free_blocks == 8
+
+
+def test_drafts_use_only_what_is_left_and_count_only_kept_tokens() -> None:
+    # 5 blocks of 16 tokens: r1 (30 prompt tokens) and r2 (31) hold 2 each and decode in them.
+    s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64), KVCacheManager(5, enable_caching=False))
+    s.add_request(req("r1", 30))
+    s.add_request(req("r2", 31))
+    run_step(s)  # both prompts; each samples its first token
+    r1, r2 = s.running
+    r1.draft_token_ids, r2.draft_token_ids = [1, 2, 3], [4, 5]
+    out = s.schedule()
+    # r1's drafts take the free block; r2's would need one more: it decodes alone, and nobody is preempted.
+    assert {x.request.request_id: (x.num_tokens, x.draft_token_ids) for x in out.scheduled} == {
+        "r1": (4, [1, 2, 3]), "r2": (1, [])}
+    assert not out.preempted and r1.draft_token_ids == [] and r2.draft_token_ids == []
+    advance(s, out, {"r1": [1, 9], "r2": [8]})  # r1 kept one draft and a token of its own
+    assert (r1.num_computed_tokens, r1.num_tokens) == (32, 33)
+    assert (r2.num_computed_tokens, r2.num_tokens) == (32, 33)
+    # The budget left after every running request's own token caps the drafts.
+    s2 = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=3), KVCacheManager(8))
+    s2.add_request(req("r1", 3))
+    run_step(s2)
+    s2.running[0].draft_token_ids = [1, 2, 3, 4]
+    assert [(x.num_tokens, x.draft_token_ids) for x in s2.schedule().scheduled] == [(3, [1, 2])]

@@ -107,3 +107,21 @@ def test_metrics_text_round_trip() -> None:
     assert info["quantized_linears"] == {"triton-fused": 210.0}
     assert info["max_num_seqs"] == 8 and info["kv_cache_dtype"] == "fp8" and info["attention_backend"] == "triton"
     assert PREFIX + "num_preemptions_total" in parsed
+
+
+def test_speculation_acceptance() -> None:
+    m, before = snapshots()
+    m.inc("spec_decode_num_drafts", 100)
+    m.inc("spec_decode_num_draft_tokens", 400)
+    m.inc("spec_decode_num_accepted_tokens", 40)
+    f = checks(diagnose(before, m.snapshot(), 10, INFO))["speculative_decoding"]
+    assert f.status == "warn" and "acceptance 10%" in f.evidence and "1.40 tokens" in f.evidence
+    assert "num_speculative_tokens" in f.fix
+    m.inc("spec_decode_num_drafts", 100)
+    m.inc("spec_decode_num_draft_tokens", 400)
+    m.inc("spec_decode_num_accepted_tokens", 360)  # 50% over the window
+    m.update_speculation()
+    f = checks(diagnose(before, m.snapshot(), 10, INFO))["speculative_decoding"]
+    assert f.status == "ok" and "acceptance 50%" in f.evidence
+    assert m.gauges["spec_decode_acceptance_rate"] == 0.5 and m.gauges["spec_decode_mean_acceptance_length"] == 3.0
+    assert "speculative_decoding" not in checks(diagnose(before, before, 10, INFO))

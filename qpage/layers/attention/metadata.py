@@ -119,7 +119,7 @@ def build_torch_metadata(batch: AttentionBatch, device: torch.device, bias: bool
     meta = AttentionMetadata(batch.slot_mapping)
     for a, b in decode_groups(batch.decodes):
         spans = batch.decodes[a:b]
-        width = len(spans[0].block_ids)
+        width = max(len(s.block_ids) for s in spans)
         table = torch.zeros(len(spans), width, dtype=torch.long)
         for i, s in enumerate(spans):
             table[i, : len(s.block_ids)] = torch.tensor(s.block_ids)

@@ -1,0 +1,174 @@
+"""Speculative decoding (n-gram drafts): outputs are exactly those without it.
+
+Greedy requests give the same tokens and logprobs (the CPU kernels are batch-invariant, so a
+draft row's logits are the bits a one-row decode gives), on the default model packed and
+dequantized, for a batch of mixed prompts and under a KV budget that forces preemption;
+seeded sampled requests give the same tokens too (the sampler rewinds their streams); unseeded
+sampling keeps the model's distribution (a chi-square fit to transformers' exact distribution,
+on a tiny model)."""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from qpage import LLM, SamplingParams
+from qpage.config import SpeculativeConfig
+from qpage.engine import scheduler as scheduler_module
+from qpage.engine.speculative import ngram_lookup
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4}
+CODE = inspect.getsource(scheduler_module)[:1200]
+
+
+def test_ngram_lookup_takes_the_latest_longest_match() -> None:
+    t = np.array([1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 2, 3], dtype=np.int64)
+    assert ngram_lookup(t, 1, 3, 2) == [7, 8]  # "2 3" last seen before "7 8" (n=2; no 3-gram "5 2 3")
+    assert ngram_lookup(t, 3, 3, 2) == []
+    assert ngram_lookup(np.array([4, 4, 4], dtype=np.int64), 1, 2, 5) == [4]  # n=2: only [4 4] at 0, then 4
+    assert ngram_lookup(np.array([6], dtype=np.int64), 1, 4, 3) == []
+
+
+def test_config_names_its_errors() -> None:
+    assert SpeculativeConfig.parse('{"method": "ngram", "prompt_lookup_max": 3}') == SpeculativeConfig(
+        "ngram", 4, 3, 3)
+    for bad, words in (({"num_speculative_token": 4}, "unknown key(s) num_speculative_token"),
+                       ({"model": "x.gguf"}, "draft models"), ("{4}", "not valid JSON"),
+                       ({"prompt_lookup_min": 4, "prompt_lookup_max": 2}, "1 <= min <= max"),
+                       ({"method": "eagle"}, "method='eagle' is not supported")):
+        with pytest.raises(ValueError, match=words.replace("(", r"\(").replace(")", r"\)")):
+            SpeculativeConfig.parse(bad)
+
+
+def _mixed(tokenizer: Any) -> tuple[list[str], list[SamplingParams]]:
+    """Eight prompts: some the output quotes (drafts accepted), ordinary ones, a stop string,
+    a repetition penalty with logprobs, min_tokens, n=2."""
+    g = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, logprobs=1)
+    prompts = [f"Copy this code:\n{CODE}\n", f"Repeat after me: {CODE[:400]}", "Count from 1 to 30: 1, 2, 3,",
+               "What is a cat?", f"Summarise this code:\n{CODE[:600]}", "Name three rivers.",
+               "Say 'a b a b a b' ten times:", f"Copy:\n{CODE[200:800]}"]
+    params = [g, g, SamplingParams(temperature=0, max_tokens=48, stop=[", 20"]), g,
+              SamplingParams(temperature=0, max_tokens=40, repetition_penalty=1.2, logprobs=2),
+              SamplingParams(temperature=0, max_tokens=30, min_tokens=30), g,
+              SamplingParams(temperature=0, max_tokens=32, n=2, ignore_eos=True)]
+    return prompts, params
+
+
+def _tokens(outs: list[Any]) -> list[Any]:
+    return [[(tuple(c.token_ids), c.text, c.finish_reason,
+              None if c.logprobs is None else [{k: v.logprob for k, v in d.items()} for d in c.logprobs])
+             for c in o.outputs] for o in outs]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dequantize", [False, True], ids=["packed", "dequantized"])
+def test_greedy_outputs_equal_without_speculation(dequantize: bool, tokenizer: Any) -> None:
+    prompts, params = _mixed(tokenizer)
+    base = {"log_stats": False, "dequantize_weights": dequantize, "max_model_len": 512}
+    want = _tokens(LLM(**base).generate(prompts, params, use_tqdm=False))
+    for kv in ("1GiB", "24MiB"):  # roomy, and tight enough to preempt
+        llm = LLM(**base, kv_cache_memory=kv, speculative_config=NGRAM)
+        got = _tokens(llm.generate(prompts, params, use_tqdm=False))
+        m = llm.get_metrics()
+        for i, (w, o) in enumerate(zip(want, got, strict=True)):
+            assert o == w, f"kv {kv}: prompt {i} differs with speculation"
+        assert m["qpage:spec_decode_num_accepted_tokens"] > 20, m
+        assert m["qpage:spec_decode_num_draft_tokens"] > m["qpage:spec_decode_num_accepted_tokens"], m
+        if kv == "24MiB":
+            assert m["qpage:num_preemptions_total"] > 0
+
+
+@pytest.mark.slow
+def test_seeded_sampling_equals_without_speculation(llm_factory: Any) -> None:
+    prompts = [f"Copy this code:\n{CODE}\n", "Tell me a story about a dog."]
+    params = [SamplingParams(temperature=0.7, top_p=0.95, seed=s, max_tokens=40, ignore_eos=True) for s in (1, 2)]
+    want = _tokens(llm_factory(model=None, log_stats=False).generate(prompts, params, use_tqdm=False))
+    llm = LLM(log_stats=False, speculative_config=NGRAM)
+    assert _tokens(llm.generate(prompts, params, use_tqdm=False)) == want
+    assert llm.get_metrics()["qpage:spec_decode_num_accepted_tokens"] > 0
+
+
+VOCAB, SAMPLES = 24, 20_000
+
+
+@pytest.fixture(scope="module")
+def peaked_tiny_llama(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Path:
+    """A 1-layer random Llama over 24 tokens whose next-token distributions are peaked but far
+    from one-hot (a scaled head), so drafts are accepted and rejected often."""
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128,
+                                   tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(60.0)
+    out = tmp_path_factory.mktemp("peaked-llama")
+    model.save_pretrained(out, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (default_model_dir / name).is_file():
+            (out / name).write_bytes((default_model_dir / name).read_bytes())
+    return out
+
+
+def _prompt(llm: LLM) -> list[int]:
+    """A prompt made of the model's own greedy output, so that looked-up drafts are often, not
+    always, what the model samples."""
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, detokenize=False)
+    return [5, *llm.generate([{"prompt_token_ids": [5]}], greedy, use_tqdm=False)[0].outputs[0].token_ids]
+
+
+def _samples(model: Path, spec: dict[str, Any] | None) -> tuple[list[int], np.ndarray, dict[str, Any]]:
+    """(prompt, the 2nd and 3rd tokens of SAMPLES unseeded temperature-1 completions, metrics)."""
+    llm = LLM(model=str(model), log_stats=False, max_num_seqs=1024, max_num_batched_tokens=8192,
+              speculative_config=spec)
+    prompt = _prompt(llm)
+    p = SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True, n=1000, detokenize=False)
+    pairs = [c.token_ids[1:] for _ in range(SAMPLES // 1000)
+             for c in llm.generate([{"prompt_token_ids": prompt}], p, use_tqdm=False)[0].outputs]
+    return prompt, np.array(pairs), llm.get_metrics()
+
+
+def _exact(model: Path, prompt: list[int]) -> list[np.ndarray]:
+    """transformers' distributions of the 2nd and 3rd generated tokens, the 1st and 2nd summed
+    out (every one of VOCAB**2 continuations scored)."""
+    import transformers
+
+    m = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch.float64).eval()
+    with torch.no_grad():
+        p1 = m(torch.tensor([prompt])).logits[0, -1].softmax(-1)
+        p2 = m(torch.tensor([[*prompt, a] for a in range(VOCAB)])).logits[:, -1].softmax(-1)
+        p3 = m(torch.tensor([[*prompt, a, b] for a in range(VOCAB) for b in range(VOCAB)])).logits[:, -1]
+        p3 = p3.softmax(-1).view(VOCAB, VOCAB, VOCAB)
+    return [(p1[:, None] * p2).sum(0).numpy(), (p1[:, None, None] * p2[:, :, None] * p3).sum((0, 1)).numpy()]
+
+
+def _chi2_fit(counts: np.ndarray, probs: np.ndarray) -> float:
+    """p-value of Pearson's chi-square goodness-of-fit test (tokens expected fewer than 5 times
+    left out, as the test's approximation needs)."""
+    expected = probs * counts.sum()
+    keep = expected >= 5
+    stat = float(((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum())
+    dof = int(keep.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
+                                         torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+@pytest.mark.slow
+def test_rejection_sampling_keeps_the_distribution(peaked_tiny_llama: Path) -> None:
+    """With and without speculation, the 2nd and 3rd tokens' frequencies fit the model's own
+    distribution (from transformers) at the 1% level, and drafts were both kept and rejected."""
+    for spec in (None, {**NGRAM, "prompt_lookup_min": 1}):
+        prompt, samples, m = _samples(peaked_tiny_llama, spec)
+        if spec is not None:
+            accepted, drafted = m["qpage:spec_decode_num_accepted_tokens"], m["qpage:spec_decode_num_draft_tokens"]
+            assert 0.1 * drafted < accepted < 0.9 * drafted, m
+        for pos, probs in enumerate(_exact(peaked_tiny_llama, prompt)):
+            p_value = _chi2_fit(np.bincount(samples[:, pos], minlength=VOCAB), probs)
+            assert p_value > 0.01, f"speculation {spec}: token {pos + 2}: chi-square p = {p_value:.2g}"
