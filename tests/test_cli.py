@@ -24,6 +24,11 @@ def test_generate_prints_text() -> None:
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout
     assert "KV cache" in r.stdout and "tokens" in r.stdout  # capacity printed at start
+    ngram = '{"method": "ngram", "num_speculative_tokens": 3}'
+    spec = qpage("generate", "The capital of France is", "--temperature", "0", "--max-tokens", "8",
+                 "--kv-cache-memory", "64MiB", "--speculative-config", ngram)
+    assert spec.returncode == 0, spec.stderr
+    assert spec.stdout == r.stdout  # speculation changes no greedy token
 
 
 @pytest.mark.slow
@@ -40,6 +45,8 @@ def test_cli_errors_are_clear() -> None:
     assert r.returncode == 2 and "does not exist" in r.stderr
     r = qpage("generate", "hi", "--temperature", "-1", "--kv-cache-memory", "64MiB")
     assert r.returncode == 2 and "temperature=-1.0 is invalid" in r.stderr
+    r = qpage("generate", "hi", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 0}')
+    assert r.returncode == 2 and "num_speculative_tokens=0 must be an integer from 1 to 32" in r.stderr
 
 
 def test_cli_defaults_come_from_the_dataclasses() -> None:

@@ -338,7 +338,11 @@ class LLMEngine:
                 s.token_mask = masks[j]
         t0 = time.perf_counter()
         step = self._run_ranks(lambda: self.runner.execute(sched))
-        self.mask_budget.observe(time.perf_counter() - t0)
+        seconds = time.perf_counter() - t0
+        self.mask_budget.observe(seconds)
+        if self.drafter is not None and all(s.samples and s.num_tokens == 1 + len(s.draft_token_ids)
+                                            for s in sched.scheduled):
+            self.drafter.cost.observe(sched.num_batched_tokens, seconds)  # an all-decode step
         failed = dict(refused)  # parent request id -> why it failed (it alone ends)
         for s in sched.scheduled:
             req = cast(Request, s.request)
@@ -385,9 +389,7 @@ class LLMEngine:
                 self.metrics.inc("spec_decode_num_drafts")
                 self.metrics.inc("spec_decode_num_draft_tokens", k)
                 self.metrics.inc("spec_decode_num_accepted_tokens", accepted)
-        for req in self.scheduler.running:
-            if req.num_computed_tokens == req.num_tokens - 1:
-                req.draft_token_ids = self.drafter.propose(req)
+        self.drafter.propose([r for r in self.scheduler.running if r.num_computed_tokens == r.num_tokens - 1])
 
     def _finish_step(self, outs: list[RequestOutput], failed: dict[str, str],
                      refused: set[str]) -> list[RequestOutput]:

@@ -41,31 +41,86 @@ def ngram_lookup(tokens: np.ndarray, lo: int, hi: int, k: int) -> list[int]:
 
 
 class SpeculationStats:
-    """One request's drafted and accepted tokens, weighted toward recent steps."""
+    """One request's drafted and accepted tokens, recent steps weighted most, plus half a
+    prior draft at rate 1/2, so that a request starts by drafting and, once it stops because its
+    drafts failed, slowly returns to trying (its evidence fades while it does not draft)."""
 
     __slots__ = ("accepted", "drafted")
+    PRIOR_DRAFTED, PRIOR_ACCEPTED = 0.5, 0.25
 
     def __init__(self) -> None:
         self.drafted = 0.0
         self.accepted = 0.0
 
-    def record(self, drafted: int, accepted: int, decay: float = 0.8) -> None:
+    def record(self, drafted: int, accepted: int, decay: float = 0.9) -> None:
         self.drafted = self.drafted * decay + drafted
         self.accepted = self.accepted * decay + accepted
 
+    def fade(self, decay: float = 0.97) -> None:
+        self.drafted *= decay
+        self.accepted *= decay
+
     @property
     def rate(self) -> float:
-        """Share of drafted tokens accepted (optimistic before any draft)."""
-        return self.accepted / self.drafted if self.drafted > 0 else 1.0
+        """Estimated chance that a draft token is accepted."""
+        return (self.accepted + self.PRIOR_ACCEPTED) / (self.drafted + self.PRIOR_DRAFTED)
+
+
+class StepCost:
+    """Seconds per all-decode step by its row count (a moving average per count), and from it
+    what one more row costs. Marginal, not average: on a CPU a few rows cost little more than
+    one (the weights are read once), while in a batch each row's arithmetic shows. Row counts
+    not yet seen are interpolated between seen ones; above the largest, a row is taken to cost
+    ``PRIOR_ROW_SHARE`` of a step until drafts have shown more."""
+
+    PRIOR_ROW_SHARE = 0.05
+    FLOOR = 0.02
+
+    def __init__(self, weight: float = 0.2) -> None:
+        self.weight = weight
+        self.seconds: dict[int, float] = {}
+
+    def observe(self, rows: int, seconds: float) -> None:
+        old = self.seconds.get(rows)
+        self.seconds[rows] = seconds if old is None else old + self.weight * (seconds - old)
+
+    def estimate(self, rows: int) -> float | None:
+        """Seconds for a step of ``rows`` rows (None before any step)."""
+        if rows in self.seconds:
+            return self.seconds[rows]
+        below = max((r for r in self.seconds if r < rows), default=None)
+        above = min((r for r in self.seconds if r > rows), default=None)
+        if below is not None and above is not None:
+            a, b = self.seconds[below], self.seconds[above]
+            return a + (b - a) * (rows - below) / (above - below)
+        if below is not None:
+            return self.seconds[below] * (1.0 + self.PRIOR_ROW_SHARE * (rows - below))
+        if above is not None:
+            return self.seconds[above] / (1.0 + self.PRIOR_ROW_SHARE * (above - rows))
+        return None
+
+    def row_share(self, rows: int) -> float:
+        """What one more row adds to a step of ``rows`` rows, over the step's time per row
+        (each row makes a token): a draft token must be accepted at least this often to pay."""
+        now, more = self.estimate(max(rows, 1)), self.estimate(max(rows, 1) + 1)
+        if now is None or more is None or now <= 0:
+            return self.PRIOR_ROW_SHARE
+        return max((more - now) * max(rows, 1) / now, self.FLOOR)
 
 
 class NgramDrafter:
-    """Proposes each decoding request's drafts for the next step (``Request.draft_token_ids``)."""
+    """Proposes each decoding request's drafts for the next step (``Request.draft_token_ids``).
+
+    How many: the i-th draft token is kept only if the i - 1 before it are, so with acceptance
+    rate a it adds a**i expected tokens for one row; it is drafted while a**i exceeds the share
+    of the step one more row costs (``StepCost``), which grows with the batch: a large batch
+    drafts only where drafts are nearly always right."""
 
     def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
         self.config = config
         self.max_model_len = max_model_len
         self.stats: weakref.WeakKeyDictionary[Request, SpeculationStats] = weakref.WeakKeyDictionary()
+        self.cost = StepCost()
 
     @staticmethod
     def unfit_reason(req: Request) -> str | None:
@@ -77,23 +132,29 @@ class NgramDrafter:
     def record(self, req: Request, drafted: int, accepted: int) -> None:
         self.stats.setdefault(req, SpeculationStats()).record(drafted, accepted)
 
-    def draft_length(self, req: Request) -> int:
-        """Tokens to draft for ``req``: at most ``num_speculative_tokens``, fewer while its drafts
-        are mostly rejected (the expected accepted run at its acceptance rate, plus one), and
-        none past its ``max_tokens`` or the context limit."""
-        k = self.config.num_speculative_tokens
-        stats = self.stats.get(req)
-        if stats is not None:
-            rate = min(stats.rate, 0.999)
-            k = min(k, max(1, round(rate / (1.0 - rate)) + 1))
+    def draft_length(self, req: Request, threshold: float) -> int:
+        """Tokens to draft for ``req``: while rate**i > ``threshold``, at most
+        ``num_speculative_tokens`` and none past its ``max_tokens`` or the context limit."""
+        stats = self.stats.setdefault(req, SpeculationStats())
+        rate = min(stats.rate, 0.99)
+        k = 0
+        p = rate
+        while k < self.config.num_speculative_tokens and p > threshold:
+            k += 1
+            p *= rate
+        if k == 0:
+            stats.fade()
         room = min(req.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens) - 1
         return max(0, min(k, room))
 
-    def propose(self, req: Request) -> list[int]:
-        """Drafts for ``req``, a request about to decode (its last token not yet in the cache)."""
-        k = self.draft_length(req)
-        if k <= 0 or self.unfit_reason(req) is not None:
-            return []
+    def propose(self, reqs: list[Request]) -> None:
+        """Set the drafts of ``reqs``, the requests about to decode (last token not yet cached)."""
+        threshold = self.cost.row_share(len(reqs))
         c = self.config
-        tokens = np.asarray(req.all_token_ids, dtype=np.int64)
-        return ngram_lookup(tokens, c.prompt_lookup_min or 1, c.prompt_lookup_max or 1, k)
+        for req in reqs:
+            k = self.draft_length(req, threshold) if self.unfit_reason(req) is None else 0
+            if k <= 0:
+                req.draft_token_ids = []
+                continue
+            tokens = np.asarray(req.all_token_ids, dtype=np.int64)
+            req.draft_token_ids = ngram_lookup(tokens, c.prompt_lookup_min or 1, c.prompt_lookup_max or 1, k)

@@ -20,9 +20,17 @@ import torch
 from qpage import LLM, SamplingParams
 from qpage.config import SpeculativeConfig
 from qpage.engine import scheduler as scheduler_module
-from qpage.engine.speculative import ngram_lookup
+from qpage.engine.request import Request
+from qpage.engine.speculative import NgramDrafter, StepCost, ngram_lookup
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4}
+
+
+@pytest.fixture
+def always_draft(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every request drafts as many tokens as it may, whatever the batch (the step-cost policy,
+    tested on its own below, drafts little in large batches): these tests are about exactness."""
+    monkeypatch.setattr(StepCost, "row_share", lambda self, rows: 0.0)
 CODE = inspect.getsource(scheduler_module)[:1200]
 
 
@@ -32,6 +40,36 @@ def test_ngram_lookup_takes_the_latest_longest_match() -> None:
     assert ngram_lookup(t, 3, 3, 2) == []
     assert ngram_lookup(np.array([4, 4, 4], dtype=np.int64), 1, 2, 5) == [4]  # n=2: only [4 4] at 0, then 4
     assert ngram_lookup(np.array([6], dtype=np.int64), 1, 4, 3) == []
+
+
+def test_step_cost_fit_and_draft_lengths() -> None:
+    cost = StepCost()
+    assert cost.row_share(1) == StepCost.PRIOR_ROW_SHARE
+    for rows, ms in ((1, 10.0), (2, 10.5), (5, 12.0), (16, 26.0), (16, 26.0)):  # cheap rows, then dear ones
+        cost.observe(rows, ms / 1000)
+    assert abs(cost.row_share(1) - 0.05) < 1e-9  # (10.5 - 10) / 10
+    assert abs(cost.row_share(3) - 3 * 0.5 / 11.0) < 1e-9  # interpolated between 2 and 5 rows
+    assert abs(cost.row_share(10) - 10 * (14 / 11) / (12 + 5 * 14 / 11)) < 1e-9
+    assert abs(cost.row_share(16) - 16 * 0.05) < 1e-9  # above what was seen: the prior share of a step
+    cost.observe(2, 0.005)  # noise that makes a second row look cheaper than none
+    assert cost.row_share(1) == StepCost.FLOOR
+    drafter = NgramDrafter(SpeculativeConfig(num_speculative_tokens=8), max_model_len=100)
+    req = Request("r", [1, 2, 3], SamplingParams(max_tokens=50), 50, set())
+    drafter.record(req, 10, 9)  # rate (9 + 0.25) / (10 + 0.5) = 0.881
+    assert drafter.draft_length(req, 1 / 11) == 8  # 0.881**8 = 0.36 > 0.09: all it may
+    assert drafter.draft_length(req, 0.7) == 2  # 0.881, 0.776 > 0.7 > 0.684
+    for _ in range(30):  # its drafts stop being right, one a step: it stops drafting
+        drafter.record(req, 1, 0)
+    assert drafter.draft_length(req, 1 / 11) == 0
+    req.max_tokens = 3
+    drafter.record(req, 50, 50)
+    assert drafter.draft_length(req, 0.0) == 2  # room for 3 tokens: 2 drafts and the model's own
+    # A request that stopped drafting tries again once its failures have faded.
+    bad = Request("b", [1, 2, 3], SamplingParams(max_tokens=50), 50, set())
+    for _ in range(30):
+        drafter.record(bad, 1, 0)
+    tries = next(i for i in range(500) if drafter.draft_length(bad, 1 / 11) > 0)
+    assert 20 < tries < 100
 
 
 def test_config_names_its_errors() -> None:
@@ -67,6 +105,7 @@ def _tokens(outs: list[Any]) -> list[Any]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dequantize", [False, True], ids=["packed", "dequantized"])
+@pytest.mark.usefixtures("always_draft")
 def test_greedy_outputs_equal_without_speculation(dequantize: bool, tokenizer: Any) -> None:
     prompts, params = _mixed(tokenizer)
     base = {"log_stats": False, "dequantize_weights": dequantize, "max_model_len": 512}
@@ -84,6 +123,7 @@ def test_greedy_outputs_equal_without_speculation(dequantize: bool, tokenizer: A
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("always_draft")
 def test_seeded_sampling_equals_without_speculation(llm_factory: Any) -> None:
     prompts = [f"Copy this code:\n{CODE}\n", "Tell me a story about a dog."]
     params = [SamplingParams(temperature=0.7, top_p=0.95, seed=s, max_tokens=40, ignore_eos=True) for s in (1, 2)]
@@ -161,6 +201,7 @@ def _chi2_fit(counts: np.ndarray, probs: np.ndarray) -> float:
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("always_draft")
 def test_rejection_sampling_keeps_the_distribution(peaked_tiny_llama: Path) -> None:
     """With and without speculation, the 2nd and 3rd tokens' frequencies fit the model's own
     distribution (from transformers) at the 1% level, and drafts were both kept and rejected."""
