@@ -69,11 +69,12 @@ class SpeculationStats:
 class StepCost:
     """Seconds per all-decode step by its row count (a moving average per count), and from it
     what one more row costs. Marginal, not average: on a CPU a few rows cost little more than
-    one (the weights are read once), while in a batch each row's arithmetic shows. Row counts
-    not yet seen are interpolated between seen ones; above the largest, a row is taken to cost
-    ``PRIOR_ROW_SHARE`` of a step until drafts have shown more."""
+    one (the weights are read once), while in a batch each row's arithmetic shows. The cost of
+    a row at R rows is the slope of a least-squares line through the counts seen between R/2
+    and 2R + 2 (one count's noise does not decide); with fewer than two counts there, a row is
+    taken to cost ``PRIOR_ROW_SHARE`` of a one-row step."""
 
-    PRIOR_ROW_SHARE = 0.05
+    PRIOR_ROW_SHARE = 0.1
     FLOOR = 0.02
 
     def __init__(self, weight: float = 0.2) -> None:
@@ -84,28 +85,18 @@ class StepCost:
         old = self.seconds.get(rows)
         self.seconds[rows] = seconds if old is None else old + self.weight * (seconds - old)
 
-    def estimate(self, rows: int) -> float | None:
-        """Seconds for a step of ``rows`` rows (None before any step)."""
-        if rows in self.seconds:
-            return self.seconds[rows]
-        below = max((r for r in self.seconds if r < rows), default=None)
-        above = min((r for r in self.seconds if r > rows), default=None)
-        if below is not None and above is not None:
-            a, b = self.seconds[below], self.seconds[above]
-            return a + (b - a) * (rows - below) / (above - below)
-        if below is not None:
-            return self.seconds[below] * (1.0 + self.PRIOR_ROW_SHARE * (rows - below))
-        if above is not None:
-            return self.seconds[above] / (1.0 + self.PRIOR_ROW_SHARE * (above - rows))
-        return None
-
     def row_share(self, rows: int) -> float:
         """What one more row adds to a step of ``rows`` rows, over the step's time per row
         (each row makes a token): a draft token must be accepted at least this often to pay."""
-        now, more = self.estimate(max(rows, 1)), self.estimate(max(rows, 1) + 1)
-        if now is None or more is None or now <= 0:
-            return self.PRIOR_ROW_SHARE
-        return max((more - now) * max(rows, 1) / now, self.FLOOR)
+        r = max(rows, 1)
+        pts = [(x, t) for x, t in self.seconds.items() if r / 2 <= x <= 2 * r + 2]
+        if len(pts) < 2:
+            return self.PRIOR_ROW_SHARE * r / (1.0 + self.PRIOR_ROW_SHARE * (r - 1))
+        n = len(pts)
+        mx, mt = sum(x for x, _ in pts) / n, sum(t for _, t in pts) / n
+        slope = sum((x - mx) * (t - mt) for x, t in pts) / sum((x - mx) ** 2 for x, _ in pts)
+        now = mt + slope * (r - mx)
+        return max(slope * r / now, self.FLOOR) if now > 0 else 1.0
 
 
 class NgramDrafter:
