@@ -34,6 +34,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +90,24 @@ def decode_rate(times: list[float]) -> float:
 
 
 # ---------------------------------------------------------------- workers
+Generate = Callable[[list[int], int], tuple[list[int], list[float]]]
+
+
+def one_at_a_time(one: Generate, work: dict[str, list[list[int]]]) -> dict[str, Any]:
+    """The batch-1 workloads through ``one(prompt ids, max tokens) -> (tokens, arrival times)``
+    after a warm-up: each workload's mean decode rate, and every output's tokens."""
+    one(work["chat"][0], 8)
+    result: dict[str, Any] = {"tokens": {}}
+    for name in ("grounded", "chat"):
+        rates = []
+        for i, ids in enumerate(work[name]):
+            tokens, times = one(ids, MAX_TOKENS[name])
+            result["tokens"][f"{name}{i}"] = tokens
+            rates.append(decode_rate(times))
+        result[name] = statistics.mean(rates)
+    return result
+
+
 def run_qpage(path: Path, work: dict[str, list[list[int]]], spec: dict[str, Any] | None) -> dict[str, Any]:
     from qpage import LLM, SamplingParams
 
@@ -109,15 +128,7 @@ def run_qpage(path: Path, work: dict[str, list[list[int]]], spec: dict[str, Any]
                     tokens = list(out.outputs[0].token_ids)
         return tokens, times
 
-    one(work["chat"][0], 8)  # warm up
-    result: dict[str, Any] = {"tokens": {}}
-    for name in ("grounded", "chat"):
-        rates = []
-        for i, ids in enumerate(work[name]):
-            tokens, times = one(ids, MAX_TOKENS[name])
-            result["tokens"][f"{name}{i}"] = tokens
-            rates.append(decode_rate(times))
-        result[name] = statistics.mean(rates)
+    result = one_at_a_time(one, work)
     t0 = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": ids} for ids in work["batch16"]],
                         SamplingParams(max_tokens=MAX_TOKENS["batch16"], temperature=0), use_tqdm=False)
@@ -153,15 +164,7 @@ def run_llamacpp(path: Path, work: dict[str, list[list[int]]], lookup: int) -> d
                 break
         return tokens, times
 
-    one(work["chat"][0], 8)
-    result: dict[str, Any] = {"tokens": {}}
-    for name in ("grounded", "chat"):
-        rates = []
-        for i, ids in enumerate(work[name]):
-            tokens, times = one(ids, MAX_TOKENS[name])
-            result["tokens"][f"{name}{i}"] = tokens
-            rates.append(decode_rate(times))
-        result[name] = statistics.mean(rates)
+    result = one_at_a_time(one, work)
     t0 = time.perf_counter()
     made = sum(len(one(ids, MAX_TOKENS["batch16"])[0]) for ids in work["batch16"])
     result["batch16"] = made / (time.perf_counter() - t0)
@@ -217,6 +220,7 @@ def main() -> None:
     p.add_argument("--ngram", default=json.dumps(NGRAM), help="qpage's speculative_config (JSON)")
     p.add_argument("--lookup", type=int, nargs="*", default=[2, 10],
                    help="llama-cpp-python prompt-lookup sizes to run (num_pred_tokens)")
+    p.add_argument("--qpage-only", action="store_true", help="run qpage with and without speculation only")
     p.add_argument("--out", default="benchmarks/results/speculative.json")
     p.add_argument("--work", default=None, help=argparse.SUPPRESS)
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -227,7 +231,9 @@ def main() -> None:
     work_file = Path(args.out).with_suffix(".prompts.json")
     write_json(workloads(args.gguf), work_file)
     engines = ["qpage", "qpage-ngram"]
-    if importlib.util.find_spec("llama_cpp") is not None:
+    if args.qpage_only:
+        pass
+    elif importlib.util.find_spec("llama_cpp") is not None:
         engines += ["llama.cpp", *(f"llama.cpp-lookup{n}" for n in args.lookup)]
     else:
         print("llama-cpp-python is not installed: qpage only")

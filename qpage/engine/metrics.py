@@ -33,15 +33,6 @@ class Histogram:
         self.sum += value
         self.count += 1
 
-    def update_speculation(self) -> None:
-        """The speculative-decoding gauges from their counters, as vLLM defines them: accepted
-        over drafted tokens, and 1 + accepted tokens per verifying step (0 before any draft)."""
-        c = self.counters
-        drafts, tokens, accepted = (c["spec_decode_num_drafts"], c["spec_decode_num_draft_tokens"],
-                                    c["spec_decode_num_accepted_tokens"])
-        self.gauges["spec_decode_acceptance_rate"] = accepted / tokens if tokens else 0.0
-        self.gauges["spec_decode_mean_acceptance_length"] = 1.0 + accepted / drafts if drafts else 0.0
-
     def snapshot(self) -> dict[str, Any]:
         """Cumulative bucket counts keyed by upper bound, as Prometheus reports them."""
         cum, out = 0, {}

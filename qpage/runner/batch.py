@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, cast
 
 import torch
 
@@ -31,25 +31,23 @@ class Sequence(Protocol):
     """The sequence's own random stream when its params carry a seed."""
 
 
-@dataclass(slots=True)
 class DraftedSequence:
-    """A sequence seen as if ``drafts`` had been appended: what its row for the token after
-    them is sampled with (penalties and min_tokens count the drafts as output)."""
+    """A sequence seen as if ``drafts`` had been appended to its output: what its row for the
+    token after them is sampled with (penalties and min_tokens count the drafts). Every other
+    field is the sequence's own (its random stream included)."""
 
-    request_id: str
-    params: SamplingParams
-    all_token_ids: list[int]
-    output_token_ids: list[int]
-    num_prompt_tokens: int
-    num_computed_tokens: int
-    eos_token_ids: set[int]
-    rng: random.Random | None
+    def __init__(self, seq: Sequence, drafts: list[int]) -> None:
+        self._seq = seq
+        self.all_token_ids = seq.all_token_ids + drafts
+        self.output_token_ids = seq.output_token_ids + drafts
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._seq, name)
 
 
 def with_drafts(seq: Sequence, drafts: list[int]) -> Sequence:
     """``seq`` with ``drafts`` appended as output (a view for sampling; ``seq`` is unchanged)."""
-    return DraftedSequence(seq.request_id, seq.params, seq.all_token_ids + drafts, seq.output_token_ids + drafts,
-                           seq.num_prompt_tokens, seq.num_computed_tokens + len(drafts), seq.eos_token_ids, seq.rng)
+    return cast(Sequence, DraftedSequence(seq, drafts))
 
 
 @dataclass(slots=True)

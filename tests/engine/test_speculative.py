@@ -212,3 +212,22 @@ def test_rejection_sampling_keeps_the_distribution(peaked_tiny_llama: Path) -> N
         for pos, probs in enumerate(_exact(peaked_tiny_llama, prompt)):
             p_value = _chi2_fit(np.bincount(samples[:, pos], minlength=VOCAB), probs)
             assert p_value > 0.01, f"speculation {spec}: token {pos + 2}: chi-square p = {p_value:.2g}"
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("always_draft")
+def test_two_ranks_speculate_exactly(default_model_dir: Path) -> None:
+    """Tensor parallelism: the driver drafts and verifies, every rank runs the draft rows."""
+    prompts = [f"Copy this code:\n{CODE[:600]}\n", "Count from 1 to 30: 1, 2, 3,"]
+    sp = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    outs = {}
+    for spec in (None, NGRAM):
+        llm = LLM(model=str(default_model_dir), kv_cache_memory="64MiB", tensor_parallel_size=2, log_stats=False,
+                  speculative_config=spec)
+        try:
+            outs[spec is None] = _tokens(llm.generate(prompts, sp, use_tqdm=False))
+            if spec is not None:
+                assert llm.get_metrics()["qpage:spec_decode_num_accepted_tokens"] > 10
+        finally:
+            llm.shutdown()
+    assert outs[False] == outs[True]
