@@ -86,15 +86,14 @@ class Sampler:
         kept_failed: dict[int, str] = {}
         row = 0
         for r, d, state in zip(reqs, drafts, states, strict=True):
-            n = 0
-            while True:
-                if row + n in failed:
-                    kept_failed[len(keep)] = failed[row + n]
-                keep.append(row + n)
-                kept_reqs.append(r)
+            n = 1  # rows kept: the first, then one more for each draft its row's token equals
+            while n <= len(d) and row + n - 1 not in failed and res.token_ids[row + n - 1] == d[n - 1]:
                 n += 1
-                if n > len(d) or row + n - 1 in failed or res.token_ids[row + n - 1] != d[n - 1]:
-                    break
+            for j in range(row, row + n):
+                if j in failed:
+                    kept_failed[len(keep)] = failed[j]
+                keep.append(j)
+                kept_reqs.append(r)
             if state is not None and n <= len(d):  # rows past the first differing one drew for nothing
                 r.rng.setstate(state)  # type: ignore[union-attr]
                 for _ in range(n):

@@ -101,3 +101,36 @@ def test_processed_logprobs_are_the_scores_greedy_picks_from() -> None:
     full = Sampler(0, processed_logprobs=True)(LOGITS.clone(), [make(SamplingParams(
         temperature=0, min_tokens=3, logprobs=10))])
     assert full.top_logprobs[0][9].logprob == MASKED_LOGPROB  # type: ignore[index]
+
+
+def test_verify_keeps_tokens_up_to_the_first_that_is_not_the_draft() -> None:
+    greedy = SamplingParams(temperature=0, logprobs=0)
+    rows = torch.full((7, 10), -5.0)
+    for i, t in enumerate([3, 4, 1, 6, 2, 5, 8]):  # each row's argmax
+        rows[i, t] = 5.0
+    a, b, c = make(greedy), make(greedy), make(greedy)
+    reqs, res, failed = Sampler(0).verify(rows, [a, b, c], [[3, 9], [6, 2], []])
+    # a's rows 0-2: 3 == draft 3, then 4 != draft 9: kept 3, 4. b's rows 3-5: 6 == 6, 2 == 2, then 5.
+    assert reqs == [a, a, b, b, b, c]
+    assert res.token_ids == [3, 4, 6, 2, 5, 8] and not failed
+    assert all(lp is not None for lp in res.logprobs)
+    # Penalties see the drafts before a row: a repetition penalty on row 1 applies to draft 0.
+    pen = make(SamplingParams(temperature=0, repetition_penalty=100.0))
+    two = torch.zeros(2, 10)
+    two[:, 7] = 3.0
+    two[:, 2] = 2.0
+    assert Sampler(0).verify(two, [pen], [[7]])[1].token_ids == [7, 2]
+
+
+def test_verify_rewinds_a_seeded_stream_to_the_rows_it_kept() -> None:
+    p = SamplingParams(temperature=1.0, seed=5)
+    flat = torch.zeros(3, 10)
+    plain = make(p)
+    s = Sampler(0)
+    first = s(flat[:1], [plain]).token_ids[0]
+    after_one = plain.rng.random()  # type: ignore[union-attr]
+    spec = make(p)
+    wrong = (first + 1) % 10
+    res = s.verify(flat, [spec], [[wrong, wrong]])[1]
+    assert res.token_ids == [first]  # the first row's draw differs from the draft: one token kept
+    assert spec.rng.random() == after_one  # type: ignore[union-attr]  # as if one row had drawn
