@@ -64,6 +64,13 @@ GAUGES = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
           "spec_decode_mean_acceptance_length")
 
 
+def spec_acceptance(drafts: float, draft_tokens: float, accepted: float) -> tuple[float, float]:
+    """(acceptance rate, mean acceptance length) as vLLM defines them: accepted over drafted
+    tokens, and 1 + accepted tokens per verifying step; (0, 0) before any draft."""
+    rate = accepted / draft_tokens if draft_tokens else 0.0
+    return rate, (1.0 + accepted / drafts if drafts else 0.0)
+
+
 class EngineMetrics:
     def __init__(self) -> None:
         self.histograms = {name: Histogram() for name in HISTOGRAMS}
@@ -77,13 +84,11 @@ class EngineMetrics:
         self.counters[name] += by
 
     def update_speculation(self) -> None:
-        """The speculative-decoding gauges from their counters, as vLLM defines them: accepted
-        over drafted tokens, and 1 + accepted tokens per verifying step (0 before any draft)."""
+        """The speculative-decoding gauges from their counters (``spec_acceptance``)."""
         c = self.counters
-        drafts, tokens, accepted = (c["spec_decode_num_drafts"], c["spec_decode_num_draft_tokens"],
-                                    c["spec_decode_num_accepted_tokens"])
-        self.gauges["spec_decode_acceptance_rate"] = accepted / tokens if tokens else 0.0
-        self.gauges["spec_decode_mean_acceptance_length"] = 1.0 + accepted / drafts if drafts else 0.0
+        g = self.gauges
+        g["spec_decode_acceptance_rate"], g["spec_decode_mean_acceptance_length"] = spec_acceptance(
+            c["spec_decode_num_drafts"], c["spec_decode_num_draft_tokens"], c["spec_decode_num_accepted_tokens"])
 
     def snapshot(self) -> dict[str, Any]:
         """Every metric by its full Prometheus name."""

@@ -1,11 +1,11 @@
 """Turns a SchedulerOutput into tensors, runs the model, samples, and returns token ids and
 logprobs (``batch.StepResult``; full logits stay here, or go to a caller that scores text).
 
-The batch is flattened: single-token requests (decodes) first, then prefill chunks, each
-a contiguous row range. Per step this builds ``input_ids``, ``positions``, ``slot_mapping``
-(block_id * BLOCK_SIZE + offset for each new token) and the backend-neutral
-``AttentionBatch``, from which the attention backend builds its own metadata once; every
-layer reuses them.
+The batch is flattened: decode rows first (one per request, or one per token for a request
+verifying draft tokens), then prefill chunks, each a contiguous row range. Per step this
+builds ``input_ids``, ``positions``, ``slot_mapping`` (block_id * BLOCK_SIZE + offset for each
+new token) and the backend-neutral ``AttentionBatch``, from which the attention backend builds
+its own metadata once; every layer reuses them.
 """
 
 from __future__ import annotations

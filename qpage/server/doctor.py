@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from qpage.engine.metrics import COUNTERS, PREFIX
+from qpage.engine.metrics import COUNTERS, PREFIX, spec_acceptance
 
 
 @dataclass(frozen=True)
@@ -95,7 +95,7 @@ def _speculation(before: Snap, after: Snap, seconds: float, info: Snap) -> Findi
         delta("spec_decode_num_accepted_tokens")
     if tokens <= 0:
         return None
-    rate, length = accepted / tokens, 1 + accepted / max(drafts, 1)
+    rate, length = spec_acceptance(drafts, tokens, accepted)
     evidence = (f"speculative decoding verified {tokens:.0f} draft tokens in {seconds:.0f}s: acceptance "
                 f"{100 * rate:.0f}%, mean accepted length {length:.2f} tokens per step")
     if rate >= 0.2:
