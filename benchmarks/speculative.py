@@ -2,6 +2,9 @@
 
 Engines, each round every one in its own fresh process, alternating, all on 2 threads:
 - ``qpage``: no speculation; ``qpage-ngram``: n-gram drafts (``--ngram``, vLLM's dict);
+- with ``--draft JSON`` instead: ``qpage-fp32``, the model's weights decoded to fp32, without
+  and with a draft model (``qpage-fp32-draft``; e.g. ``{"model": "self:q4_1"}``, the same
+  weights requantized to 4 bits at load);
 - ``llama.cpp``, ``llama.cpp-lookupN``: llama-cpp-python plain and with its prompt-lookup
   decoding (``LlamaPromptLookupDecoding``, N predicted tokens: 2 is its advice for CPUs, 10 its
   default), when llama-cpp-python is installed.
@@ -14,12 +17,12 @@ Workloads on the default model's GGUF, through its chat template, greedy:
   them one after another).
 
 Batch-1 decode tokens/s counts the tokens after the first over the seconds after the first (the
-prompt's prefill is not counted). The table gives each engine's median over rounds, qpage-ngram's
-speed over qpage's and over llama.cpp's lookup, its acceptance (accepted / drafted tokens) and
+prompt's prefill is not counted). The table gives each engine's median over rounds, the speculating
+engine's speed over each other engine's (median of per-round ratios), its acceptance (accepted / drafted tokens) and
 mean accepted length per verifying step (1 + accepted / steps with drafts, vLLM's definition),
 and whether its greedy outputs are qpage's without speculation, token for token.
 
-    python benchmarks/speculative.py [--rounds 3] [--ngram JSON] [--out F.json]
+    python benchmarks/speculative.py [--rounds 3] [--ngram JSON | --draft JSON] [--out F.json]
 """
 
 from __future__ import annotations
@@ -108,11 +111,12 @@ def one_at_a_time(one: Generate, work: dict[str, list[list[int]]]) -> dict[str, 
     return result
 
 
-def run_qpage(path: Path, work: dict[str, list[list[int]]], spec: dict[str, Any] | None) -> dict[str, Any]:
+def run_qpage(path: Path, work: dict[str, list[list[int]]], spec: dict[str, Any] | None,
+              fp32: bool = False) -> dict[str, Any]:
     from qpage import LLM, SamplingParams
 
     llm = LLM(model=str(path), max_model_len=4096, kv_cache_memory="512MiB", log_stats=False,
-              speculative_config=spec)
+              speculative_config=spec, dequantize_weights=fp32)
     eng = llm.llm_engine
 
     def one(ids: list[int], n: int) -> tuple[list[int], list[float]]:
@@ -179,6 +183,8 @@ def worker(args: argparse.Namespace) -> None:
         out = run_qpage(path, work, None)
     elif args.worker == "qpage-ngram":
         out = run_qpage(path, work, json.loads(args.ngram))
+    elif args.worker.startswith("qpage-fp32"):
+        out = run_qpage(path, work, json.loads(args.draft) if args.worker.endswith("-draft") else None, fp32=True)
     else:
         lookup = args.worker.removeprefix("llama.cpp").removeprefix("-lookup")
         out = run_llamacpp(path, work, int(lookup or 0))
@@ -188,7 +194,7 @@ def worker(args: argparse.Namespace) -> None:
 # ---------------------------------------------------------------- driver
 def one(engine: str, args: argparse.Namespace, work_file: Path) -> dict[str, Any]:
     cmd = [sys.executable, __file__, "--worker", engine, "--gguf", str(args.gguf), "--work", str(work_file),
-           "--ngram", args.ngram]
+           "--ngram", args.ngram, "--draft", args.draft or "null"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, check=False)
     line = next((ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")), None)
     if r.returncode != 0 or line is None:
@@ -196,20 +202,20 @@ def one(engine: str, args: argparse.Namespace, work_file: Path) -> dict[str, Any
     return json.loads(line[len("RESULT "):])
 
 
-def summary(rows: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
-    """Medians over rounds; qpage-ngram's per-round ratios to qpage and to llama.cpp's lookup."""
+def summary(rows: dict[str, list[dict[str, Any]]], spec: str, base: str, label: str) -> dict[str, Any]:
+    """Medians over rounds; the speculating engine's per-round ratios to each other engine
+    (keys ``label/engine``), its acceptance, and whether its outputs are ``base``'s."""
     out: dict[str, Any] = {}
     for w in MAX_TOKENS:
         v: dict[str, Any] = {e: statistics.median(r[w] for r in runs) for e, runs in rows.items()}
         for e in rows:
-            if e != "qpage-ngram":
-                v[f"ngram/{e}"] = statistics.median(a[w] / b[w] for a, b in zip(rows["qpage-ngram"], rows[e],
-                                                                                strict=True))
+            if e != spec:
+                v[f"{label}/{e}"] = statistics.median(a[w] / b[w] for a, b in zip(rows[spec], rows[e], strict=True))
         out[w] = v
-    last = rows["qpage-ngram"][-1]
+    last = rows[spec][-1]
     out["acceptance"] = last["accepted_tokens"] / max(last["draft_tokens"], 1)
     out["mean_accepted_length"] = 1 + last["accepted_tokens"] / max(last["drafts"], 1)
-    out["identical_to_qpage"] = all(r["tokens"] == rows["qpage"][0]["tokens"] for r in rows["qpage-ngram"])
+    out[f"identical_to_{base}"] = all(r["tokens"] == rows[base][0]["tokens"] for r in rows[spec])
     return out
 
 
@@ -218,6 +224,8 @@ def main() -> None:
     p.add_argument("--gguf", type=Path, default=None, help="GGUF file (default: the default model's)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--ngram", default=json.dumps(NGRAM), help="qpage's speculative_config (JSON)")
+    p.add_argument("--draft", default=None,
+                   help="run the fp32 model without and with this draft-model speculative_config (JSON) instead")
     p.add_argument("--lookup", type=int, nargs="*", default=[2, 10],
                    help="llama-cpp-python prompt-lookup sizes to run (num_pred_tokens)")
     p.add_argument("--qpage-only", action="store_true", help="run qpage with and without speculation only")
@@ -230,8 +238,9 @@ def main() -> None:
     args.gguf = args.gguf or default_gguf()
     work_file = Path(args.out).with_suffix(".prompts.json")
     write_json(workloads(args.gguf), work_file)
-    engines = ["qpage", "qpage-ngram"]
-    if args.qpage_only:
+    engines = ["qpage", "qpage-ngram"] if args.draft is None else ["qpage-fp32", "qpage-fp32-draft"]
+    spec, base, label = (engines[1], engines[0], "ngram" if args.draft is None else "draft")
+    if args.qpage_only or args.draft is not None:
         pass
     elif importlib.util.find_spec("llama_cpp") is not None:
         engines += ["llama.cpp", *(f"llama.cpp-lookup{n}" for n in args.lookup)]
@@ -242,16 +251,18 @@ def main() -> None:
         for e in engines:
             rows[e].append(one(e, args, work_file))
             print(f"round {r + 1} {e}: " + ", ".join(f"{w} {rows[e][-1][w]:.1f}" for w in MAX_TOKENS), flush=True)
-    s = summary(rows)
-    print(f"\n{args.gguf.name}, {args.ngram}; median of {args.rounds} rounds, tokens/s")
-    others = [e for e in engines if e != "qpage-ngram"]
-    print(f"{'workload':10}" + "".join(f"{e:>20}" for e in engines) + "".join(f"{'ngram/' + e:>26}" for e in others))
+    s = summary(rows, spec, base, label)
+    config = args.ngram if args.draft is None else args.draft
+    print(f"\n{args.gguf.name}, {config}; median of {args.rounds} rounds, tokens/s")
+    others = [e for e in engines if e != spec]
+    print(f"{'workload':10}" + "".join(f"{e:>20}" for e in engines)
+          + "".join(f"{label + '/' + e:>26}" for e in others))
     for w in MAX_TOKENS:
         print(f"{w:10}" + "".join(f"{s[w][e]:20.1f}" for e in engines)
-              + "".join(f"{s[w]['ngram/' + e]:26.2f}" for e in others))
+              + "".join(f"{s[w][label + '/' + e]:26.2f}" for e in others))
     print(f"acceptance {s['acceptance']:.2f}, mean accepted length {s['mean_accepted_length']:.2f}, "
-          f"greedy outputs identical to qpage's: {s['identical_to_qpage']}")
-    result = {"gguf": args.gguf.name, "ngram": json.loads(args.ngram), "rounds": args.rounds, "threads": THREADS,
+          f"greedy outputs identical to {base}'s: {s['identical_to_' + base]}")
+    result = {"gguf": args.gguf.name, label: json.loads(config), "rounds": args.rounds, "threads": THREADS,
               "summary": s, "runs": rows}
     print(f"wrote {write_json(result, args.out)}")
     work_file.unlink()

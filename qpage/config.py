@@ -174,16 +174,23 @@ class ParallelConfig:
             raise ValueError(f"distributed_timeout={self.distributed_timeout} must be a positive number of seconds")
 
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+SELF_DRAFTS = ("int4", "q4_0", "q4_1", "q8_0")
+"""Block formats a ``self:`` draft may take (int4 is Q4_0: 32-weight blocks, one scale each)."""
 
 
 @dataclass
 class SpeculativeConfig:
     """Speculative decoding, under vLLM's ``speculative_config`` names (docs/speculative.md)."""
 
-    method: str = "ngram"
+    method: str | None = None
     """ngram: draft the tokens that followed the latest earlier occurrence of the context's last
-    n tokens (prompt lookup), for n from prompt_lookup_max down to prompt_lookup_min."""
+    n tokens (prompt lookup), for n from prompt_lookup_max down to prompt_lookup_min.
+    draft_model: a smaller model with the same tokenizer drafts greedily (the default when
+    ``model`` is given)."""
+    model: str | None = None
+    """The draft model (draft_model): a GGUF file, a Hugging Face folder, or ``self:FORMAT``, the
+    target itself requantized at load to a block format of ``SELF_DRAFTS``."""
     num_speculative_tokens: int = 4
     """Most draft tokens verified per request and step."""
     prompt_lookup_min: int | None = None
@@ -194,12 +201,20 @@ class SpeculativeConfig:
     def __post_init__(self) -> None:
         if self.method == "[ngram]":  # vLLM's older spelling
             self.method = "ngram"
+        if self.method is None:
+            self.method = "ngram" if self.model is None else "draft_model"
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative_config method={self.method!r} is not supported; choose one of "
-                             f"{', '.join(SPECULATIVE_METHODS)} (draft models are not supported yet)")
+                             f"{', '.join(SPECULATIVE_METHODS)}")
         if not isinstance(self.num_speculative_tokens, int) or not 1 <= self.num_speculative_tokens <= 32:
             raise ValueError(f"speculative_config num_speculative_tokens={self.num_speculative_tokens!r} must be "
                              "an integer from 1 to 32")
+        if self.method == "draft_model":
+            self._check_draft_model()
+            return
+        if self.model is not None:
+            raise ValueError("speculative_config: method 'ngram' takes no 'model'; drop it, or drop the method "
+                             "to draft with the model")
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
         if lo is None and hi is None:
             lo, hi = 2, 4
@@ -208,6 +223,25 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config prompt_lookup_min={lo!r} and prompt_lookup_max={hi!r} must be "
                              "integers with 1 <= min <= max <= 64")
         self.prompt_lookup_min, self.prompt_lookup_max = lo, hi
+
+    def _check_draft_model(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError("speculative_config: method 'draft_model' needs 'model': a GGUF file, a Hugging Face "
+                             f"folder, or self:FORMAT ({', '.join('self:' + f for f in SELF_DRAFTS)})")
+        if self.prompt_lookup_min is not None or self.prompt_lookup_max is not None:
+            raise ValueError("speculative_config: prompt_lookup_min/max belong to method 'ngram'; drop them "
+                             "for a draft model")
+        if self.model.startswith("self:") and self.self_format not in SELF_DRAFTS:
+            raise ValueError(f"speculative_config model={self.model!r}: a self draft takes one of "
+                             f"{', '.join('self:' + f for f in SELF_DRAFTS)}")
+
+    @property
+    def self_format(self) -> str | None:
+        """The block format of a ``self:`` draft (int4 read as q4_0); None for any other."""
+        if self.model is None or not self.model.startswith("self:"):
+            return None
+        name = self.model[len("self:"):].lower()
+        return "q4_0" if name == "int4" else name
 
     @classmethod
     def parse(cls, value: SpeculativeConfig | dict[str, Any] | str | None) -> SpeculativeConfig | None:
@@ -223,9 +257,6 @@ class SpeculativeConfig:
                                  '\'{"method": "ngram", "num_speculative_tokens": 4}\'') from e
         if not isinstance(value, dict):
             raise ValueError(f"speculative_config must be a dict (JSON object), got {type(value).__name__}")
-        if "model" in value:
-            raise ValueError("speculative_config: draft models ('model') are not supported yet; use "
-                             "{'method': 'ngram', 'num_speculative_tokens': k}")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(value) - known)
         if unknown:

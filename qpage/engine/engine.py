@@ -17,13 +17,14 @@ import torch
 
 from qpage.config import BLOCK_SIZE, EngineConfig
 from qpage.engine.detokenizer import IncrementalDetokenizer
+from qpage.engine.draft_model import DraftSource, ModelDrafter, check_tokenizers
 from qpage.engine.kv_cache import KVCacheManager
 from qpage.engine.metrics import EngineMetrics
 from qpage.engine.output_processor import OutputProcessor, ParentState
 from qpage.engine.outputs import CompletionOutput, RequestOutput
 from qpage.engine.request import Request, RequestStatus
 from qpage.engine.scheduler import Scheduler
-from qpage.engine.speculative import NgramDrafter
+from qpage.engine.speculative import Drafter, NgramDrafter
 from qpage.engine.structured import GrammarCompiler, Guide, MaskBudget, token_masks
 from qpage.formats import gguf_model
 from qpage.formats.gguf_model import is_gguf
@@ -73,9 +74,12 @@ def eos_token_ids(model_dir: Path, tokenizer: Any) -> set[int]:
     return ids
 
 
-def plan_capacity(arch: ArchConfig, spec: KVCacheSpec, budget: int) -> tuple[int, int]:
-    """(blocks, bytes per block) that fit in a KV budget of ``budget`` bytes (scales counted)."""
-    block_bytes = spec.bytes_per_token(arch.num_layers, arch.num_kv_heads, arch.head_dim) * BLOCK_SIZE
+def plan_capacity(arch: ArchConfig, spec: KVCacheSpec, budget: int,
+                  draft: DraftSource | None = None) -> tuple[int, int]:
+    """(blocks, bytes per block) that fit in a KV budget of ``budget`` bytes (scales counted);
+    with a draft model each block holds its K/V too."""
+    per_token = spec.bytes_per_token(arch.num_layers, arch.num_kv_heads, arch.head_dim)
+    block_bytes = (per_token + (draft.kv_bytes_per_token(spec) if draft is not None else 0)) * BLOCK_SIZE
     return budget // block_bytes, block_bytes
 
 
@@ -112,12 +116,11 @@ class LLMEngine:
         # Each rank holds its KV heads for every block: the blocks are sized for the rank with most.
         kv_heads = max(p.kv_heads[1] - p.kv_heads[0] for p in plan_shards(self.arch, tp))
         kv_arch = dataclasses.replace(self.arch, num_kv_heads=kv_heads)
-        num_blocks, block_bytes = plan_capacity(kv_arch, self.kv_spec, int(cc.kv_cache_memory))
+        self.draft = self._draft_source(tp)
+        num_blocks, block_bytes = plan_capacity(kv_arch, self.kv_spec, int(cc.kv_cache_memory), self.draft)
         self.max_model_len = self._decide_max_model_len(num_blocks * BLOCK_SIZE, block_bytes)
         self.kv = KVCacheManager(num_blocks, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv)
-        spec = config.speculative_config
-        self.drafter = NgramDrafter(spec, self.max_model_len) if spec is not None else None
         self.workers: Workers | None = None
         self.rank_reports: list[RankReport] = []
         """With tensor parallelism: what each rank holds (weights, KV bytes and heads)."""
@@ -128,9 +131,12 @@ class LLMEngine:
             self.model = self.runner.model
         else:
             self._start_ranks(setup)
+        self.drafter = self._make_drafter(num_blocks)
         if self.kv_spec.centered:
-            ids = self.tokenizer.encode(CALIBRATION_TEXT, add_special_tokens=False)
-            self._run_ranks(lambda: self.runner.calibrate_kv_shifts(ids[: min(512, self.max_model_len)]))
+            ids = self.tokenizer.encode(CALIBRATION_TEXT, add_special_tokens=False)[: min(512, self.max_model_len)]
+            self._run_ranks(lambda: self.runner.calibrate_kv_shifts(ids))
+            if isinstance(self.drafter, ModelDrafter):
+                self.drafter.runner.calibrate_kv_shifts(ids)
         self.metrics = EngineMetrics()
         self.outputs = OutputProcessor(self.tokenizer, self.metrics)
         self._ids = itertools.count()
@@ -141,9 +147,47 @@ class LLMEngine:
                 f"qpage: {self.model_dir.name} ({self.arch.architecture}, {self.dtype}) on "
                 f"{self.device}; KV cache {self.kv_spec.describe()}, {num_blocks} blocks x {BLOCK_SIZE} = "
                 f"{cap} tokens ({block_bytes // BLOCK_SIZE} B/token); attention {self.runner.backend.name}; "
-                f"max_model_len {self.max_model_len}{self._quantized_note()}{self._parallel_note()}",
+                f"max_model_len {self.max_model_len}{self._quantized_note()}{self._parallel_note()}"
+                f"{self._speculative_note()}",
                 flush=True,
             )
+
+    def _draft_source(self, tp: int) -> DraftSource | None:
+        """The draft model the speculative config names, if any (its KV shares the blocks)."""
+        spec = self.config.speculative_config
+        if spec is None or spec.method != "draft_model":
+            return None
+        if tp > 1:
+            raise ValueError("speculative_config: a draft model runs with tensor_parallel_size=1 only; use "
+                             "{'method': 'ngram'} with tensor parallelism")
+        draft = DraftSource.resolve(spec, self.model_dir, self.arch)
+        if draft.requantize is None:
+            check_tokenizers(load_tokenizer(draft.path), self.tokenizer, draft.name)
+        return draft
+
+    def _make_drafter(self, num_blocks: int) -> Drafter | None:
+        spec = self.config.speculative_config
+        if spec is None:
+            return None
+        if self.draft is None:
+            return NgramDrafter(spec, self.max_model_len)
+        mc = self.config.model
+        runner = self.draft.build(self.dtype, self.device, self.max_model_len, num_blocks, self.kv_spec,
+                                  mc.attention_backend)
+        return ModelDrafter(spec, self.max_model_len, runner, self.kv,
+                            self.config.scheduler.max_num_batched_tokens, self.arch.vocab_size)
+
+    def _speculative_note(self) -> str:
+        """'; speculative decoding: ...' for the start line (empty without it)."""
+        if self.drafter is None:
+            return ""
+        k = self.drafter.config.num_speculative_tokens
+        if not isinstance(self.drafter, ModelDrafter) or self.draft is None:
+            return f"; speculative decoding: ngram, up to {k} tokens"
+        mib = sum(m.weight_bytes for m in self.drafter.runner.model.quant_linears()) / 2**20
+        kv = self.draft.kv_bytes_per_token(self.kv_spec)
+        return (f"; speculative decoding: draft {self.draft.name} ({self.draft.arch.num_layers} layers, "
+                f"{mib:.0f} MiB quantized, {kv} B/token of KV in each block), up to {k} tokens")
 
     def _start_ranks(self, setup: RankSetup) -> None:
         """Start the tensor-parallel group: the workers build their parts while this process

@@ -1,4 +1,5 @@
-"""Draft tokens for speculative decoding: n-gram prompt lookup, and how many to verify.
+"""Draft tokens for speculative decoding: what every drafter shares (``Drafter``: how many to
+verify), and n-gram prompt lookup (a draft model is ``engine.draft_model``).
 
 A decoding request gets up to ``num_speculative_tokens`` guessed next tokens; the next step
 computes them with the request's real token as one chunk, the sampler keeps the longest
@@ -82,30 +83,52 @@ class StepCost:
         self.seconds: dict[int, float] = {}
 
     def observe(self, rows: int, seconds: float) -> None:
+        """Move the average at ``rows`` towards ``seconds``; a step slower than twice the average
+        counts as twice it (a pause of the process is not the step's cost)."""
         old = self.seconds.get(rows)
-        self.seconds[rows] = seconds if old is None else old + self.weight * (seconds - old)
+        self.seconds[rows] = seconds if old is None else old + self.weight * (min(seconds, 2 * old) - old)
+
+    def _fit(self, rows: int) -> tuple[float, float] | None:
+        """(seconds per extra row, seconds of a step) at ``rows`` rows, from the line through
+        the counts between rows/2 and 2 rows + 2; None with fewer than two counts there."""
+        r = max(rows, 1)
+        pts = [(x, t) for x, t in self.seconds.items() if r / 2 <= x <= 2 * r + 2]
+        if len(pts) < 2:
+            return None
+        n = len(pts)
+        mx, mt = sum(x for x, _ in pts) / n, sum(t for _, t in pts) / n
+        slope = sum((x - mx) * (t - mt) for x, t in pts) / sum((x - mx) ** 2 for x, _ in pts)
+        return slope, mt + slope * (r - mx)
+
+    def step_seconds(self, rows: int) -> float | None:
+        """Seconds of a step of ``rows`` rows: the fitted line, or the one count seen; None
+        when nothing near was seen."""
+        fit = self._fit(rows)
+        if fit is not None:
+            return fit[1] if fit[1] > 0 else None
+        return self.seconds.get(max(rows, 1))
 
     def row_share(self, rows: int) -> float:
         """What one more row adds to a step of ``rows`` rows, over the step's time per row
         (each row makes a token): a draft token must be accepted at least this often to pay."""
         r = max(rows, 1)
-        pts = [(x, t) for x, t in self.seconds.items() if r / 2 <= x <= 2 * r + 2]
-        if len(pts) < 2:
+        fit = self._fit(r)
+        if fit is None:
             return self.PRIOR_ROW_SHARE * r / (1.0 + self.PRIOR_ROW_SHARE * (r - 1))
-        n = len(pts)
-        mx, mt = sum(x for x, _ in pts) / n, sum(t for _, t in pts) / n
-        slope = sum((x - mx) * (t - mt) for x, t in pts) / sum((x - mx) ** 2 for x, _ in pts)
-        now = mt + slope * (r - mx)
+        slope, now = fit
         return max(slope * r / now, self.FLOOR) if now > 0 else 1.0
 
 
-class NgramDrafter:
-    """Proposes each decoding request's drafts for the next step (``Request.draft_token_ids``).
+class Drafter:
+    """What every drafting method shares: per-request acceptance statistics, the step cost of
+    the target, and how many tokens to draft (``draft_length``). ``propose`` sets each
+    decoding request's drafts for the next step (``Request.draft_token_ids``).
 
     How many: the i-th draft token is kept only if the i - 1 before it are, so with acceptance
-    rate a it adds a**i expected tokens for one row; it is drafted while a**i exceeds the share
-    of the step one more row costs (``StepCost``), which grows with the batch: a large batch
-    drafts only where drafts are nearly always right."""
+    rate a it adds a**i expected tokens for one row; it is drafted while a**i exceeds what the
+    token costs as a share of the step (``threshold``): one more row of the target
+    (``StepCost``), which grows with the batch, plus the drafting itself where it is not free.
+    A large batch drafts only where drafts are nearly always right."""
 
     def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
         self.config = config
@@ -138,12 +161,22 @@ class NgramDrafter:
         room = min(req.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens) - 1
         return max(0, min(k, room))
 
+    def lengths(self, reqs: list[Request], threshold: float) -> list[int]:
+        """``draft_length`` of each request, 0 for those unfit to speculate."""
+        return [self.draft_length(r, threshold) if self.unfit_reason(r) is None else 0 for r in reqs]
+
+    def propose(self, reqs: list[Request]) -> None:
+        raise NotImplementedError
+
+
+class NgramDrafter(Drafter):
+    """Drafts by prompt lookup (``ngram_lookup``): free to make, so a token pays when it is
+    accepted more often than one more row of the step costs."""
+
     def propose(self, reqs: list[Request]) -> None:
         """Set the drafts of ``reqs``, the requests about to decode (last token not yet cached)."""
-        threshold = self.cost.row_share(len(reqs))
         c = self.config
-        for req in reqs:
-            k = self.draft_length(req, threshold) if self.unfit_reason(req) is None else 0
+        for req, k in zip(reqs, self.lengths(reqs, self.cost.row_share(len(reqs))), strict=True):
             if k <= 0:
                 req.draft_token_ids = []
                 continue

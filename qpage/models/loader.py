@@ -6,15 +6,17 @@ when loaded; they are refused unless the caller passes ``allow_pickle=True``.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from qpage.config import cache_root
 from qpage.formats.gguf import convert_gguf, default_gguf_path, default_model_dir
-from qpage.formats.gguf_model import hf_config, is_gguf
+from qpage.formats.gguf_model import hf_config, is_gguf, requantized
 from qpage.formats.gguf_model import iter_tensors as iter_gguf_tensors
 from qpage.formats.gguf_reader import GgufFile
 from qpage.formats.safetensors_io import LazyTensor, lazy_tensors
@@ -122,19 +124,26 @@ def iter_tensors(files: list[Path], lazy: bool = False) -> Iterator[tuple[str, s
 def load_model(
     model_dir: Path, arch: ArchConfig, dtype: torch.dtype, device: torch.device,
     max_positions: int, allow_pickle: bool = False, dequantize_weights: bool = False,
-    rank: Rank | None = None,
+    rank: Rank | None = None, requantize: str | None = None,
 ) -> torch.nn.Module:
     """The model with its weights, kernels chosen; with ``rank`` (a split model), this rank's
-    part of it, its split layers wrapped in their collectives."""
+    part of it, its split layers wrapped in their collectives. ``requantize`` (a format of
+    ``gguf_model.REQUANT_TYPES``): every linear and the embedding are requantized to that block
+    format as they are read, from float or GGUF weights (a ``self:`` draft model)."""
+    if requantize is not None:
+        arch = dataclasses.replace(arch, quantization={"quant_method": "gguf"})
     cls = model_class(arch.architecture)
     with torch.device("cpu"):
         model = cls(arch if rank is None else rank.plan.local_arch(arch), max_positions, dtype)
     model.to(dtype)
     parts = WHOLE_MODEL if rank is None else rank
     if is_gguf(model_dir):
-        model.load_weights(iter_gguf_tensors(GgufFile(model_dir)), parts)
+        tensors: Iterator[tuple[str, str, Any]] = iter_gguf_tensors(GgufFile(model_dir))
     else:
-        model.load_weights(iter_tensors(weight_files(model_dir, allow_pickle), lazy=rank is not None), parts)
+        tensors = iter_tensors(weight_files(model_dir, allow_pickle), lazy=rank is not None)
+    if requantize is not None:
+        tensors = requantized(tensors, set(model.quant_targets()), requantize)
+    model.load_weights(tensors, parts)
     model.to_device(device)
     model.prepare(dequantize_weights)
     if rank is not None:

@@ -179,30 +179,45 @@ class ModelRunner:
         slots: list[int] = []
         for s in decodes:
             p = s.request.num_computed_tokens
-            table = s.block_ids
-            batch.input_ids.append(s.request.all_token_ids[p])
-            batch.input_ids.extend(s.draft_token_ids)
-            for q in range(p, p + 1 + len(s.draft_token_ids)):
-                batch.decodes.append(SeqSpan(len(pos), len(pos) + 1, q + 1, table[: q // BLOCK_SIZE + 1]))
-                pos.append(q)
-                slots.append(table[q // BLOCK_SIZE] * BLOCK_SIZE + q % BLOCK_SIZE)
+            tokens = [s.request.all_token_ids[p], *s.draft_token_ids]
+            _decode_rows(batch, pos, slots, tokens, p, s.block_ids)
         batch.positions.append(torch.tensor(pos, dtype=torch.long))
         batch.slots.append(torch.tensor(slots, dtype=torch.long))
 
     def _prepare_prefills(self, prefills: list[ScheduledRequest], batch: StepInputs) -> None:
-        row = len(batch.input_ids)
         for s in prefills:
-            req, n = s.request, s.num_tokens
-            start = req.num_computed_tokens
-            ctx = start + n
-            batch.input_ids.extend(req.all_token_ids[start:ctx])
-            pos = torch.arange(start, ctx, dtype=torch.long)
-            table = s.block_ids
-            blocks = torch.tensor(table, dtype=torch.long)
-            batch.positions.append(pos)
-            batch.slots.append(blocks[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE)
-            batch.prefills.append(SeqSpan(row, row + n, ctx, list(table)))
-            row += n
+            start = s.request.num_computed_tokens
+            _prefill_rows(batch, s.request.all_token_ids[start:start + s.num_tokens], start, s.block_ids)
+
+    @torch.inference_mode()
+    def decode_logits(self, seqs: list[tuple[list[int], int, list[int]]]) -> torch.Tensor:
+        """Run each of ``seqs`` (token ids, position of the first, block table) as decode rows,
+        one per token at consecutive positions, as a step runs a request's drafts; the fp32
+        logits of each sequence's last row, in the order given. A draft model's runner runs its
+        steps here (one rank, no sampler)."""
+        order = sorted(range(len(seqs)), key=lambda i: -(seqs[i][1] + len(seqs[i][0])))
+        batch = StepInputs()
+        pos: list[int] = []
+        slots: list[int] = []
+        last: list[int] = []
+        for i in order:
+            tokens, start, table = seqs[i]
+            _decode_rows(batch, pos, slots, tokens, start, table)
+            last.append(len(pos) - 1)
+        batch.positions.append(torch.tensor(pos, dtype=torch.long))
+        batch.slots.append(torch.tensor(slots, dtype=torch.long))
+        batch.logit_rows.append(torch.tensor(last, dtype=torch.long))
+        logits = self.run(batch)[0]
+        out = torch.empty_like(logits)
+        out[torch.tensor(order)] = logits
+        return out
+
+    @torch.inference_mode()
+    def prefill(self, tokens: list[int], start: int, table: list[int]) -> None:
+        """Write the K/V of ``tokens`` at positions from ``start`` on (one prefill chunk, no logits)."""
+        batch = StepInputs()
+        _prefill_rows(batch, tokens, start, table)
+        self.run(batch)
 
     @staticmethod
     def _plan_logits(ordered: list[ScheduledRequest], batch: StepInputs) -> StepLogits:
@@ -226,6 +241,28 @@ class ModelRunner:
         if rows:
             batch.logit_rows.append(torch.tensor(rows, dtype=torch.long))
         return step
+
+
+def _decode_rows(batch: StepInputs, pos: list[int], slots: list[int], tokens: list[int], start: int,
+                 table: list[int]) -> None:
+    """Append ``tokens`` as decode rows at positions ``start``, ``start + 1``, ...: each row's
+    block table holds the blocks its own context uses."""
+    batch.input_ids.extend(tokens)
+    for q in range(start, start + len(tokens)):
+        batch.decodes.append(SeqSpan(len(pos), len(pos) + 1, q + 1, table[: q // BLOCK_SIZE + 1]))
+        pos.append(q)
+        slots.append(table[q // BLOCK_SIZE] * BLOCK_SIZE + q % BLOCK_SIZE)
+
+
+def _prefill_rows(batch: StepInputs, tokens: list[int], start: int, table: list[int]) -> None:
+    """Append ``tokens`` as one prefill chunk at positions from ``start`` on."""
+    row, ctx = len(batch.input_ids), start + len(tokens)
+    batch.input_ids.extend(tokens)
+    pos = torch.arange(start, ctx, dtype=torch.long)
+    blocks = torch.tensor(table, dtype=torch.long)
+    batch.positions.append(pos)
+    batch.slots.append(blocks[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE)
+    batch.prefills.append(SeqSpan(row, ctx - start + row, ctx, list(table)))
 
 
 def prompt_logprobs(s: ScheduledRequest, first: int, logits: torch.Tensor) -> list[dict[int, Logprob]]:
