@@ -1,14 +1,18 @@
-"""Quantization quality on the default model: perplexity, size and time of each qpage scheme.
+"""Quantization quality on the default model: perplexity and mean KL against fp32, size and
+time of each qpage scheme, in domain and on a held-out domain.
 
-Protocol: calibration windows of ``--seq-len`` tokens from wikitext-2
-``valid.txt`` (GPTQ, AWQ), perplexity on the first ``--windows`` windows of ``test.txt``, every
-scheme scored on the same windows in one run, next to the unquantized model, and next to
-the peer tools that run here: GPTQModel 7.7 (quantizing on the same windows in its own
-process; its checkpoint is scored by qpage's engine like every other row) and bitsandbytes
-NF4 (quantized at load by transformers, no calibration; scored by transformers on the same
+Protocol: calibration windows of ``--seq-len`` tokens from wikitext-2 ``valid.txt``
+(imatrix, GPTQ, AWQ); scored on the first ``--windows`` windows of wikitext-2 ``test.txt``
+(in domain) and the first ``--heldout-windows`` of ``--heldout`` (default ``python-docs``,
+Python's own reference text: technical prose and code, nothing like the calibration text).
+Every scheme is scored on the same windows in one run, next to the unquantized model (whose
+log-probabilities are kept on disk as fp16 for the KL column), and next to the peer tools
+that run here: GPTQModel 7.7 (quantizing on the same windows in its own process; its
+checkpoint is scored by qpage's engine like every other row) and bitsandbytes NF4
+(quantized at load by transformers, no calibration; scored by transformers on the wikitext
 windows, next to transformers' score of the unquantized model, which must equal qpage's).
 
-    python benchmarks/quality.py [--samples 128] [--seq-len 512] [--windows 40]
+    python benchmarks/quality.py [--samples 32] [--seq-len 512] [--windows 40] [--heldout-windows 12]
 """
 
 from __future__ import annotations
@@ -22,17 +26,21 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT.parent / "shared" / "data" / "wikitext2"
 # (label, scheme, group size, act-order, symmetric)
 SCHEMES = [
-    ("int4-rtn g128", "int4-rtn", 128, False, True),
-    ("int4-gptq g128 act-order", "int4-gptq", 128, True, True),
-    ("int4-awq g128", "int4-awq", 128, False, True),
+    ("int4-rtn g128 sym", "int4-rtn", 128, False, True),
     ("int4-rtn g128 asym", "int4-rtn", 128, False, False),
+    ("int4-imatrix g128 asym", "int4-imatrix", 128, False, False),
+    ("int4-gptq g128 asym", "int4-gptq", 128, False, False),
     ("int4-gptq g128 asym act-order", "int4-gptq", 128, True, False),
     ("int4-awq g128 asym", "int4-awq", 128, False, False),
     ("int8-rtn channel", "int8-rtn", None, False, True),
+    ("int8-rtn g128", "int8-rtn", 128, False, True),
+    ("int8-imatrix channel", "int8-imatrix", None, False, True),
     ("fp8 channel", "fp8", None, False, True),
     ("fp8 block 128x128", "fp8-block", None, False, True),
     ("nf4 (bitsandbytes format)", "nf4", None, False, True),
@@ -41,11 +49,65 @@ SCHEMES = [
 PEERS = [("GPTQModel 7.7 int4 g128 (its defaults)", [])]
 
 
+class Scorer:
+    """Perplexity and mean KL(fp32 || model) of a model on fixed windows of each text; the
+    reference's log-probabilities are kept in an fp16 file under ``work``."""
+
+    def __init__(self, texts: dict[str, list[list[int]]], seq_len: int, work: Path) -> None:
+        self.texts, self.seq_len, self.work = texts, seq_len, work
+        self.ref: dict[str, np.ndarray] = {}
+
+    def _engine(self, model: str | None, dequantize: bool) -> Any:
+        from qpage import LLM
+
+        return LLM(model=model, max_model_len=self.seq_len, kv_cache_memory="64MiB", enable_prefix_caching=False,
+                   log_stats=False, dequantize_weights=dequantize).llm_engine
+
+    def reference(self, model: str) -> dict[str, dict[str, float]]:
+        """Score the reference and keep its log-probabilities."""
+        return self.score(model, keep=True)
+
+    def score(self, model: str, dequantize: bool = False, keep: bool = False) -> dict[str, dict[str, float]]:
+        import torch
+
+        from qpage.eval.perplexity import kl_rows, nll_sum, score_window
+
+        eng = self._engine(model, dequantize)
+        out = {}
+        for label, wins in self.texts.items():
+            rows = len(wins[0]) - 1
+            nll, kl = 0.0, 0.0
+            for i, ids in enumerate(wins):
+                lp = score_window(eng, ids, self.seq_len)
+                nll += nll_sum(lp, ids)
+                if keep:
+                    if i == 0:
+                        self.ref[label] = np.lib.format.open_memmap(
+                            self.work / f"ref-{label}.npy", mode="w+", dtype=np.float16, shape=(len(wins), *lp.shape))
+                    self.ref[label][i] = lp.numpy()
+                elif label in self.ref:
+                    kl += float(kl_rows(torch.from_numpy(self.ref[label][i].astype(np.float32)), lp).sum())
+            n = rows * len(wins)
+            out[label] = {"perplexity": math.exp(nll / n), "mean_kl": None if keep else kl / n}
+        return out
+
+
+def fmt_scores(scores: dict[str, dict[str, float]], base: dict[str, dict[str, float]]) -> str:
+    parts = []
+    for label, v in scores.items():
+        kl = f", KL {v['mean_kl']:.4f}" if v.get("mean_kl") is not None else ""
+        parts.append(f"{label} {v['perplexity']:.4f} ({100 * (v['perplexity'] / base[label]['perplexity'] - 1):+.2f}%"
+                     f"{kl})")
+    return "; ".join(parts)
+
+
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--samples", type=int, default=128)
+    p.add_argument("--samples", type=int, default=32)
     p.add_argument("--seq-len", type=int, default=512)
-    p.add_argument("--windows", type=int, default=40)
+    p.add_argument("--windows", type=int, default=40, help="wikitext-2 test.txt windows")
+    p.add_argument("--heldout", default="python-docs", help="held-out text: a file or python-docs")
+    p.add_argument("--heldout-windows", type=int, default=12)
     p.add_argument("--data", default=str(DATA))
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "quality.json"))
     p.add_argument("--only", nargs="*", default=None, help="run only the schemes whose label contains one of these")
@@ -58,10 +120,13 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def save(args: argparse.Namespace, rows: list[dict[str, Any]], windows: int) -> Path:
+def save(args: argparse.Namespace, rows: list[dict[str, Any]], texts: dict[str, list[list[int]]]) -> Path:
     path = Path(args.out)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(dict(samples=args.samples, seq_len=args.seq_len, windows=windows, rows=rows), indent=1))
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(dict(samples=args.samples, seq_len=args.seq_len,
+                                   windows={k: len(v) for k, v in texts.items()}, rows=rows), indent=1))
+    tmp.replace(path)
     return path
 
 
@@ -86,12 +151,14 @@ def run_bnb(src: Path, work: Path, test: list[list[int]], base: float) -> list[d
     p = res["perplexity"]
     print(f"{label} {res['version']}: {p:.4f} ({100 * (p / base - 1):+.2f}%); transformers scores the unquantized "
           f"model {res['unquantized_perplexity_transformers']:.4f} (qpage: {base:.4f})", flush=True)
-    return [dict(scheme=f"{label} {res['version']}", perplexity=p, size_bytes=res["memory_bytes"],
+    return [dict(scheme=f"{label} {res['version']}", scores={"wikitext": {"perplexity": p}},
+                 size_bytes=res["memory_bytes"],
                  size_is_memory=True, quantize_seconds=res["quantize_seconds"], peer=True,
                  scorer_check_unquantized=res["unquantized_perplexity_transformers"])]
 
 
-def run_peers(args: argparse.Namespace, src: Path, work: Path, ppl: Any, base: float) -> list[dict[str, Any]]:
+def run_peers(args: argparse.Namespace, src: Path, work: Path, scorer: Scorer, base: dict[str, Any]
+              ) -> list[dict[str, Any]]:
     """Each peer quantizes in its own process on the same windows; qpage scores its checkpoint."""
     import importlib.util
     import subprocess
@@ -114,36 +181,48 @@ def run_peers(args: argparse.Namespace, src: Path, work: Path, ppl: Any, base: f
             print(f"{label}: failed ({r.stderr.strip().splitlines()[-1:]})", flush=True)
             rows.append(dict(scheme=label, error=r.stderr[-2000:]))
             continue
-        p = ppl(str(out))
+        scores = scorer.score(str(out))
         size = sum(f.stat().st_size for f in out.glob("*.safetensors"))
-        rows.append(dict(scheme=label, perplexity=p, size_bytes=size, quantize_seconds=secs, peer=True))
-        print(f"{label}: {p:.4f} ({100 * (p / base - 1):+.2f}%), {secs:.0f} s", flush=True)
+        rows.append(dict(scheme=label, scores=scores, size_bytes=size, quantize_seconds=secs, peer=True))
+        print(f"{label}: {fmt_scores(scores, base)}, {secs:.0f} s", flush=True)
         shutil.rmtree(out)
     return rows
 
 
-def print_table(args: argparse.Namespace, rows: list[dict[str, Any]], windows: int) -> None:
-    base = rows[0]["perplexity"]
-    print(f"\ncalibration {args.samples} x {args.seq_len} (valid.txt); perplexity on {windows} x {args.seq_len} "
-          "(test.txt)")
-    print(f"{'scheme':<32} {'perplexity':>11} {'vs fp32':>8} {'size MB':>8} {'time s':>7} {'dequantized':>11}")
+def print_table(args: argparse.Namespace, rows: list[dict[str, Any]], texts: dict[str, list[list[int]]]) -> None:
+    base = rows[0]["scores"]
+    print(f"\ncalibration {args.samples} x {args.seq_len} (wikitext-2 valid.txt); scored on "
+          + ", ".join(f"{len(v)} x {args.seq_len} of {k}" for k, v in texts.items()))
+    head = f"{'scheme':<34}"
+    for k in texts:
+        head += f" {k[:12]:>12} {'vs fp32':>8} {'KL':>7}"
+    print(head + f" {'size MB':>8} {'time s':>7}")
     for r in rows:
-        if "perplexity" not in r:
-            print(f"{r['scheme']:<32} failed")
+        if "scores" not in r:
+            print(f"{r['scheme']:<34} failed")
             continue
-        print(f"{r['scheme']:<32} {r['perplexity']:>11.4f} {100 * (r['perplexity'] / base - 1):>+7.2f}% "
-              f"{r['size_bytes'] / 1e6:>8.1f} {r.get('quantize_seconds', 0):>7.0f}"
-              + (f" {r['perplexity_dequantized']:>11.4f}" if "perplexity_dequantized" in r else ""))
+        line = f"{r['scheme'][:34]:<34}"
+        for k in texts:
+            v = r["scores"].get(k)
+            if v is None:
+                line += f" {'':>12} {'':>8} {'':>7}"
+                continue
+            kl = v.get("mean_kl")
+            line += (f" {v['perplexity']:>12.4f} {100 * (v['perplexity'] / base[k]['perplexity'] - 1):>+7.2f}%"
+                     f" {kl:>7.4f}" if kl is not None else
+                     f" {v['perplexity']:>12.4f} {100 * (v['perplexity'] / base[k]['perplexity'] - 1):>+7.2f}%"
+                     f" {'':>7}")
+        print(line + f" {r['size_bytes'] / 1e6:>8.1f} {r.get('quantize_seconds', 0):>7.0f}")
 
 
 def main() -> None:
     args = parse_args()
     from transformers import AutoTokenizer
 
-    from qpage import LLM
-    from qpage.eval.perplexity import nll_sum, score_window, token_windows
+    from qpage.eval.perplexity import token_windows
+    from qpage.eval.texts import text_label
     from qpage.formats.gguf import default_model_dir
-    from qpage.formats.scheme import QuantScheme
+    from qpage.formats.scheme import CALIBRATED, QuantScheme
     from qpage.quantizers.pipeline import quantize_checkpoint
 
     src = default_model_dir()
@@ -151,20 +230,17 @@ def main() -> None:
     data = Path(args.data)
     calib = token_windows(tok, data / "valid.txt", args.seq_len, args.samples,
                           max_chars=200 * args.seq_len * args.samples)
-    test = token_windows(tok, data / "test.txt", args.seq_len, args.windows,
-                         max_chars=200 * args.seq_len * args.windows)
-
-    def ppl(model: str | None, dequantize: bool = False) -> float:
-        eng = LLM(model=model, max_model_len=args.seq_len, kv_cache_memory="64MiB", enable_prefix_caching=False,
-                  log_stats=False, dequantize_weights=dequantize).llm_engine
-        nll = sum(nll_sum(score_window(eng, ids, args.seq_len), ids) for ids in test)
-        return math.exp(nll / sum(len(ids) - 1 for ids in test))
-
-    rows: list[dict[str, Any]] = [dict(scheme="unquantized (fp32)", perplexity=ppl(str(src)),
-                                       size_bytes=sum(f.stat().st_size for f in src.glob("*.safetensors")))]
-    print(f"unquantized: {rows[0]['perplexity']:.4f}", flush=True)
+    texts = {"wikitext": token_windows(tok, data / "test.txt", args.seq_len, args.windows,
+                                       max_chars=200 * args.seq_len * args.windows),
+             text_label(args.heldout): token_windows(tok, args.heldout, args.seq_len, args.heldout_windows,
+                                                     max_chars=200 * args.seq_len * args.heldout_windows)}
     work = Path(tempfile.mkdtemp(prefix="qpage-quality-"))
     try:
+        scorer = Scorer(texts, args.seq_len, work)
+        base = scorer.reference(str(src))
+        rows: list[dict[str, Any]] = [dict(scheme="unquantized (fp32)", scores=base,
+                                           size_bytes=sum(f.stat().st_size for f in src.glob("*.safetensors")))]
+        print(f"unquantized: {fmt_scores(base, base)}", flush=True)
         for label, name, group, act, sym in SCHEMES:
             if args.only_peers or (args.only and not any(o in label for o in args.only)):
                 continue
@@ -172,26 +248,26 @@ def main() -> None:
             t = time.perf_counter()
             scheme = QuantScheme.parse(name, group_size=group, sym=sym, act_order=act)
             r = quantize_checkpoint(src, out, scheme, progress=False,
-                                    calib=calib if scheme.method in ("gptq", "awq") else None)
+                                    calib=calib if scheme.method in CALIBRATED else None)
             secs = time.perf_counter() - t
-            p = ppl(str(out))
-            rows.append(dict(scheme=label, perplexity=p, size_bytes=r.bytes_out, quantize_seconds=secs,
+            scores = scorer.score(str(out))
+            rows.append(dict(scheme=label, scores=scores, size_bytes=r.bytes_out, quantize_seconds=secs,
                              peak_rss_bytes=r.peak_rss_bytes))
-            print(f"{label}: {p:.4f} ({100 * (p / rows[0]['perplexity'] - 1):+.2f}%), {secs:.0f} s", flush=True)
+            print(f"{label}: {fmt_scores(scores, base)}, {secs:.0f} s", flush=True)
             if args.also_dequantized:
-                rows[-1]["perplexity_dequantized"] = ppl(str(out), dequantize=True)
-                print(f"{label}, dequantized: {rows[-1]['perplexity_dequantized']:.4f}", flush=True)
+                rows[-1]["scores_dequantized"] = scorer.score(str(out), dequantize=True)
+                print(f"{label}, dequantized: {fmt_scores(rows[-1]['scores_dequantized'], base)}", flush=True)
             shutil.rmtree(out)
-            save(args, rows, len(test))  # after every row: a stopped run keeps what it measured
+            save(args, rows, texts)  # after every row: a stopped run keeps what it measured
         if "bnb" in args.peers:
-            rows += run_bnb(src, work, test, rows[0]["perplexity"])
-            save(args, rows, len(test))
+            rows += run_bnb(src, work, texts["wikitext"], base["wikitext"]["perplexity"])
+            save(args, rows, texts)
         if "gptqmodel" in args.peers:
-            rows += run_peers(args, src, work, ppl, rows[0]["perplexity"])
+            rows += run_peers(args, src, work, scorer, base)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    path = save(args, rows, len(test))
-    print_table(args, rows, len(test))
+    path = save(args, rows, texts)
+    print_table(args, rows, texts)
     print(f"wrote {path}")
 
 

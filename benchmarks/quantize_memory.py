@@ -7,12 +7,17 @@ generator itself never holds the model. Then ``qpage quantize`` runs in a child 
 under ``/usr/bin/time -v``; its maximum resident set size is compared with the model's fp32
 size (the target: under 40%). Prints a table and writes JSON.
 
-With ``--calib FILE`` (GPTQ, AWQ) the model gets the default model's tokenizer and vocabulary
+``--model default`` runs the same on the default model's fp32 folder instead, and
+``--scheme`` takes several schemes, each in its own child.
+
+With ``--calib FILE`` (imatrix, GPTQ, AWQ) the random model gets the default model's tokenizer and vocabulary
 (49152, so 1.17B parameters) and calibrates on ``--samples`` windows of ``--seq-len`` tokens:
 calibration reads one decoder layer at a time and spills each layer's results to disk.
 
     python benchmarks/quantize_memory.py [--scheme int4-rtn] [--shard-size 256MiB] [--keep DIR]
     python benchmarks/quantize_memory.py --scheme int4-gptq --calib ../shared/data/wikitext2/valid.txt
+    python benchmarks/quantize_memory.py --model default --scheme int4-rtn int4-imatrix int4-gptq int4-awq \
+        fp8 nf4 --calib ../shared/data/wikitext2/valid.txt --samples 32 --seq-len 512
 """
 
 from __future__ import annotations
@@ -69,12 +74,37 @@ def make_model(folder: Path, shard_bytes: int, config: dict) -> int:
     return total
 
 
+def run_one(src: Path, out: Path, scheme: str, args: argparse.Namespace) -> dict:
+    """``qpage quantize`` of ``src`` in a child under /usr/bin/time -v: peak RSS and seconds."""
+    shutil.rmtree(out, ignore_errors=True)
+    cmd = ["/usr/bin/time", "-v", sys.executable, "-m", "qpage.cli", "quantize", str(src), str(out),
+           "--scheme", scheme, "--shard-size", args.shard_size]
+    calibrated = scheme.split("-")[-1] in ("imatrix", "gptq", "awq")
+    if calibrated:
+        if not args.calib:
+            sys.exit(f"{scheme} needs --calib FILE")
+        cmd += ["--calib", args.calib, "--samples", str(args.samples), "--seq-len", str(args.seq_len)]
+    t = time.perf_counter()
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    q_s = time.perf_counter() - t
+    if r.returncode != 0:
+        sys.exit(f"qpage quantize failed:\n{r.stderr[-3000:]}")
+    m = re.search(r"Maximum resident set size \(kbytes\): (\d+)", r.stderr)
+    out_bytes = sum(f.stat().st_size for f in out.glob("*.safetensors"))
+    shutil.rmtree(out)
+    return dict(scheme=scheme, calib_windows=args.samples if calibrated else 0,
+                seq_len=args.seq_len if calibrated else 0, peak_rss_bytes=int(m.group(1)) * 1024 if m else -1,
+                output_bytes=out_bytes, quantize_seconds=q_s)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--scheme", default="int4-rtn")
+    p.add_argument("--scheme", nargs="+", default=["int4-rtn"])
+    p.add_argument("--model", choices=("random-1.1b", "default"), default="random-1.1b",
+                   help="the random 1.1B Llama, or the default model (its fp32 folder)")
     p.add_argument("--shard-size", default="256MiB", help="output shard size given to qpage quantize")
     p.add_argument("--keep", default=None, help="folder to generate the model in (kept); default a temp dir")
-    p.add_argument("--calib", default=None, help="calibration text (GPTQ/AWQ schemes)")
+    p.add_argument("--calib", default=None, help="calibration text (imatrix/GPTQ/AWQ schemes)")
     p.add_argument("--samples", type=int, default=16)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "quantize_memory.json"))
@@ -87,7 +117,13 @@ def main() -> None:
         src = work / "random-1.1b-v49152"
     try:
         t = time.perf_counter()
-        if not (src / "config.json").is_file():
+        if args.model == "default":
+            sys.path.insert(0, str(ROOT))
+            from qpage.formats.gguf import default_model_dir
+
+            src = default_model_dir()
+            model_bytes = sum(f.stat().st_size for f in src.glob("*.safetensors"))
+        elif not (src / "config.json").is_file():
             src.mkdir(parents=True, exist_ok=True)
             model_bytes = make_model(src, 1 << 30, config)
             if args.calib:
@@ -99,33 +135,22 @@ def main() -> None:
         else:
             model_bytes = sum(f.stat().st_size for f in src.glob("*.safetensors"))
         gen_s = time.perf_counter() - t
-        out = work / "quantized"
-        shutil.rmtree(out, ignore_errors=True)
-        cmd = ["/usr/bin/time", "-v", sys.executable, "-m", "qpage.cli", "quantize", str(src), str(out),
-               "--scheme", args.scheme, "--shard-size", args.shard_size]
-        if args.calib:
-            cmd += ["--calib", args.calib, "--samples", str(args.samples), "--seq-len", str(args.seq_len)]
-        t = time.perf_counter()
-        r = subprocess.run(cmd, capture_output=True, text=True)
-        q_s = time.perf_counter() - t
-        if r.returncode != 0:
-            sys.exit(f"qpage quantize failed:\n{r.stderr[-3000:]}")
-        m = re.search(r"Maximum resident set size \(kbytes\): (\d+)", r.stderr)
-        rss = int(m.group(1)) * 1024 if m else -1
-        out_bytes = sum(f.stat().st_size for f in out.glob("*.safetensors"))
-        res = dict(params=model_bytes // 4, model_fp32_bytes=model_bytes, scheme=args.scheme,
-                   shard_size=args.shard_size, calib_windows=args.samples if args.calib else 0,
-                   seq_len=args.seq_len if args.calib else 0, peak_rss_bytes=rss, peak_rss_fraction=rss / model_bytes,
-                   output_bytes=out_bytes, generate_seconds=gen_s, quantize_seconds=q_s)
+        rows = [run_one(src, work / "quantized", s, args) for s in args.scheme]
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
+    res = dict(model=args.model, params=model_bytes // 4, model_fp32_bytes=model_bytes, shard_size=args.shard_size,
+               generate_seconds=gen_s, rows=rows)
     path = Path(args.out)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(res, indent=1))
-    print(f"{'model':<28} {'fp32 GB':>8} {'peak RSS GB':>12} {'fraction':>9} {'out GB':>7} {'time s':>7}")
-    print(f"{'random Llama ' + str(round(res['params'] / 1e9, 2)) + 'B':<28} {model_bytes / 1e9:>8.2f} "
-          f"{rss / 1e9:>12.2f} {res['peak_rss_fraction']:>8.1%} {out_bytes / 1e9:>7.2f} {q_s:>7.0f}")
+    print(f"model: {args.model}, {res['params'] / 1e9:.2f}B parameters, {model_bytes / 1e9:.2f} GB fp32")
+    print(f"{'scheme':<16} {'calib':>9} {'peak RSS GB':>12} {'of fp32':>8} {'out GB':>7} {'time s':>7}")
+    for r in rows:
+        calib = f"{r['calib_windows']}x{r['seq_len']}" if r["calib_windows"] else ""
+        rss = r["peak_rss_bytes"]
+        print(f"{r['scheme']:<16} {calib:>9} {rss / 1e9:>12.2f} {rss / model_bytes:>7.1%} "
+              f"{r['output_bytes'] / 1e9:>7.2f} {r['quantize_seconds']:>7.0f}")
     print(f"wrote {path}")
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from qpage.formats.scheme import SCHEMES
-from qpage.inspect_model import describe, table
+from qpage.inspect_model import EVAL_FILE, describe, table
 
 
 def add_parsers(sub: Any) -> None:
@@ -21,18 +21,24 @@ def add_parsers(sub: Any) -> None:
     q.add_argument("--scheme", required=True, choices=SCHEMES)
     q.add_argument("--group-size", type=int, default=128,
                    help="input features per group; 0 = per channel (nf4: always blocks of 64)")
-    q.add_argument("--sym", action=argparse.BooleanOptionalAction, default=True, help="symmetric (default) or --no-sym")
+    q.add_argument("--sym", action=argparse.BooleanOptionalAction, default=None,
+                   help="symmetric grid, or --no-sym for a zero point per group (default: --no-sym at 4 bits, "
+                        "--sym at 8)")
     q.add_argument("--act-order", action="store_true", help="GPTQ: quantize columns by decreasing Hessian diagonal")
     q.add_argument("--static-groups", action="store_true",
                    help="GPTQ act-order: keep groups in the original column order (no permuted g_idx; "
                         "always so for --format compressed-tensors)")
-    q.add_argument("--calib", default=None, help="calibration text file (GPTQ, AWQ), e.g. wikitext-2 valid.txt")
+    q.add_argument("--calib", default=None,
+                   help="calibration text (imatrix, GPTQ, AWQ): a file, e.g. wikitext-2 valid.txt, or python-docs")
     q.add_argument("--samples", type=int, default=128, help="calibration windows")
     q.add_argument("--shard-size", default="512MiB", help="output shard size (bounds the writer's buffer)")
     q.add_argument("--format", default="auto", choices=("auto", "gptq", "awq", "compressed-tensors", "bitsandbytes"),
                    help="output format; auto: compressed-tensors for fp8, bitsandbytes for nf4, AWQ GEMM for AWQ "
                         "when the widths divide by the group (else GPTQ), GPTQ otherwise")
-    q.add_argument("--eval-text", default=None, help="text file for the perplexity report (source vs result)")
+    q.add_argument("--eval-text", action="append", default=None,
+                   help="text for the perplexity report (source vs result; saved with the checkpoint for "
+                        "qpage inspect): a file, or python-docs (Python's own reference text, a held-out domain "
+                        "for wikitext calibration); repeat for several")
     q.add_argument("--eval-windows", type=int, default=4)
     q.add_argument("--seq-len", type=int, default=512)
     i = sub.add_parser("inspect", help="describe a checkpoint: format, scheme, bits per weight, size on disk and "
@@ -47,7 +53,7 @@ def add_parsers(sub: Any) -> None:
     e = sub.add_parser("eval", help="perplexity (and KL against a reference model) on a text file")
     e.add_argument("model", nargs="?", default=None, help="model folder (default: the default model)")
     e.set_defaults(model=None)
-    e.add_argument("--text", required=True)
+    e.add_argument("--text", required=True, help="text file, or python-docs (Python's own reference text)")
     e.add_argument("--seq-len", type=int, default=512)
     e.add_argument("--windows", type=int, default=16)
     e.add_argument("--chunk", type=int, default=512, help="prefill chunk; smaller reads more context from the cache")
@@ -65,7 +71,7 @@ def _engine(model: str | None, seq_len: int, kv_cache_dtype: str = "auto", tp: i
                tensor_parallel_size=tp).llm_engine
 
 
-def _perplexity(engines: list[Any], text: Path, seq_len: int, windows: int, chunk: int) -> dict[str, Any]:
+def _perplexity(engines: list[Any], text: str, seq_len: int, windows: int, chunk: int) -> dict[str, Any]:
     from qpage.eval.perplexity import kl_rows, nll_sum, score_window, token_windows
 
     wins = token_windows(engines[0].tokenizer, text, seq_len, windows, max_chars=200 * seq_len * windows)
@@ -97,7 +103,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
         from qpage.eval.perplexity import token_windows
 
         tok = AutoTokenizer.from_pretrained(str(src))
-        calib = token_windows(tok, Path(args.calib), args.seq_len, args.samples,
+        calib = token_windows(tok, args.calib, args.seq_len, args.samples,
                               max_chars=200 * args.seq_len * args.samples)
     from qpage.config import parse_size
 
@@ -106,14 +112,29 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     print(f"qpage quantize: {r.scheme}, {r.linears} linears in {r.seconds:.1f}s; "
           f"{r.bytes_in / 1e6:.1f} MB -> {r.bytes_out / 1e6:.1f} MB on disk; peak RSS {r.peak_rss_bytes / 1e6:.0f} MB")
     if args.eval_text:
-        res = _perplexity([_engine(str(r.out), args.seq_len), _engine(str(src), args.seq_len)], Path(args.eval_text),
-                          args.seq_len, args.eval_windows, args.seq_len)
-        q, s = res["perplexity"]
-        print(f"perplexity on {res['windows']} x {args.seq_len} tokens of {args.eval_text}: source {s:.4f}, "
-              f"quantized {q:.4f} ({100 * (q / s - 1):+.2f}%), mean KL {res['mean_kl']:.4f}")
+        _report_quality(r.out, src, args.eval_text, args.seq_len, args.eval_windows)
     else:
-        print("perplexity: skipped (give --eval-text FILE for the quality report)")
+        print("perplexity: skipped (give --eval-text FILE or --eval-text python-docs for the quality report)")
     return 0
+
+
+def _report_quality(out: Path, src: Path, texts: list[str], seq_len: int, windows: int) -> None:
+    """Score the result against its source on each text, print a line per text and save the
+    figures beside the checkpoint (``EVAL_FILE``), where ``qpage inspect`` reads them."""
+    from qpage.eval.texts import text_label
+
+    engines = [_engine(str(out), seq_len), _engine(str(src), seq_len)]
+    rows = []
+    for text in texts:
+        res = _perplexity(engines, text, seq_len, windows, seq_len)
+        q, s = res["perplexity"]
+        rows.append({"text": text_label(text), "windows": res["windows"], "seq_len": seq_len,
+                     "perplexity": q, "source_perplexity": s, "mean_kl": res["mean_kl"]})
+        print(f"perplexity on {res['windows']} x {seq_len} tokens of {text_label(text)}: source {s:.4f}, "
+              f"quantized {q:.4f} ({100 * (q / s - 1):+.2f}%), mean KL {res['mean_kl']:.4f}")
+    tmp = out / f".{EVAL_FILE}.tmp"
+    tmp.write_text(json.dumps({"source": str(src), "texts": rows}, indent=1))
+    tmp.rename(out / EVAL_FILE)
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:

@@ -3,11 +3,13 @@
 From the files: format, scheme, bits per weight, size on disk, architecture. From loading
 it on the chosen device (``load=True``, the default of the command): the weights' size in
 memory on their kernel paths and how many linear layers run on each path, which is what
-the engine would do with it.
+the engine would do with it. When ``qpage quantize --eval-text`` scored the checkpoint, its
+perplexity report (``EVAL_FILE`` in the folder) is shown too.
 """
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -24,6 +26,8 @@ from qpage.formats.gguf import default_gguf_path
 from qpage.formats.gguf_reader import GgufFile
 from qpage.models.loader import load_model, read_arch_config, resolve_dtype, resolve_model_dir, weight_files
 
+EVAL_FILE = "qpage_eval.json"
+"""The perplexity report ``qpage quantize --eval-text`` saves beside a checkpoint."""
 MAX_POSITIONS = 2048
 """Rotary table length for the load (only the weights are reported)."""
 
@@ -122,6 +126,8 @@ def describe(model: str | None, load: bool = True, device: str = "cpu", dtype: s
         qc = arch.quantization
         info.update(quant_info(qc, arch.hidden_size) if qc else {"format": "safetensors (dense)",
                                                                   "scheme": str(arch.torch_dtype)})
+    if (model_dir / EVAL_FILE).is_file():
+        info["quality"] = json.loads((model_dir / EVAL_FILE).read_text())["texts"]
     if load:
         info["loaded"] = loaded_info(model_dir, arch, device, dtype)
     return info
@@ -147,5 +153,10 @@ def table(info: dict[str, Any]) -> str:
         rows.append((f"in memory ({loaded['device']}, {loaded['dtype']})", mib(loaded["memory_bytes"])))
         for path, v in loaded["linear_paths"].items():
             rows.append(("linear layers", f"{v['layers']} on {path} ({mib(v['bytes'])})"))
+    for q in info.get("quality", []):
+        ppl, src = q["perplexity"], q["source_perplexity"]
+        rows.append((f"perplexity, {q['text']}", f"{ppl:.4f} against the source's {src:.4f} "
+                     f"({100 * (ppl / src - 1):+.2f}%), mean KL {q['mean_kl']:.4f} "
+                     f"({q['windows']} x {q['seq_len']} tokens)"))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -157,17 +158,23 @@ def test_inspect_default_gguf(hf_model: Any) -> None:
 def test_quantize_and_inspect_commands(tmp_path: Path) -> None:
     out = tmp_path / "q4"
     r = subprocess.run([sys.executable, "-m", "qpage.cli", "quantize", "default", str(out), "--scheme", "int4-rtn",
-                        "--group-size", "64"], capture_output=True, text=True, timeout=600)
+                        "--group-size", "64", "--eval-text", "python-docs", "--eval-windows", "1", "--seq-len", "128"],
+                       capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert "int4 rtn g64 sym (gptq format), 210 linears" in r.stdout
+    assert "int4 rtn g64 asym (gptq format), 210 linears" in r.stdout  # 4 bits: a zero point by default
+    assert re.search(r"perplexity on 1 x 128 tokens of python-docs: source [\d.]+, quantized [\d.]+ \(\+", r.stdout), \
+        r.stdout
     info = json.loads(qpage("inspect", str(out), "--json", "--dtype", "bfloat16").stdout)
-    assert info["bits"] == 4 and info["group_size"] == 64 and info["bits_per_weight"] == 4.25
-    assert info["scheme"] == "int4 g64 sym" and info["format"].startswith("gptq")
+    assert info["bits"] == 4 and info["group_size"] == 64 and info["bits_per_weight"] == 4 + 20 / 64
+    assert info["scheme"] == "int4 g64 asym" and info["format"].startswith("gptq")
+    (q,) = info["quality"]
+    assert q["text"] == "python-docs" and q["perplexity"] > q["source_perplexity"] > 1 and q["mean_kl"] > 0
     paths = info["loaded"]["linear_paths"]
     # 4 linears per decoder layer, and the embedding table (its tied head) on its own path
     assert sum(v["layers"] for v in paths.values()) == 4 * info["layers"] + 1 and info["loaded"]["dtype"] == "bfloat16"
     table = qpage("inspect", str(out), "--dtype", "bfloat16").stdout
-    assert "int4 g64 sym" in table and "4.25" in table and "linear layers" in table, table
+    assert "int4 g64 asym" in table and "4.31" in table and "linear layers" in table, table
+    assert "perplexity, python-docs" in table, table
     assert all(f"on {p} " in table for p in paths), table
     r = subprocess.run([sys.executable, "-m", "qpage.cli", "quantize", "default", str(out), "--scheme", "int4-rtn"],
                        capture_output=True, text=True, timeout=300)

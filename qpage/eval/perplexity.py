@@ -16,22 +16,24 @@ from typing import Any
 import torch
 
 from qpage.engine.request import Request
+from qpage.eval.texts import read_text
 from qpage.runner.batch import ScheduledRequest, SchedulerOutput
 from qpage.sampling_params import SamplingParams
 
 _ids = itertools.count()
 
 
-def token_windows(tokenizer: Any, path: Path, window: int, count: int | None = None,
+def token_windows(tokenizer: Any, source: str | Path, window: int, count: int | None = None,
                   max_chars: int | None = None) -> list[list[int]]:
-    """Non-overlapping windows of ``window`` tokens from a text file (the first ``count``)."""
-    text = path.read_text(encoding="utf-8")
+    """Non-overlapping windows of ``window`` tokens from a text file or a built-in text
+    (``texts.read_text``; the first ``count``)."""
+    text = read_text(source)
     if max_chars is not None:
         text = text[:max_chars]
     ids = tokenizer.encode(text, add_special_tokens=False)
     out = [ids[i : i + window] for i in range(0, len(ids) - window + 1, window)]
     if not out:
-        raise ValueError(f"{path}: fewer than {window} tokens; use a shorter window")
+        raise ValueError(f"{source}: fewer than {window} tokens; use a shorter window")
     return out[:count] if count is not None else out
 
 

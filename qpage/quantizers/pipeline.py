@@ -7,10 +7,11 @@ folder beside the output and renamed into place at the end, so an interrupted ru
 no half-written checkpoint (the temporary folder is removed; a stale one from a killed run
 is removed by the next).
 
-RTN and GPTQ to INT4/INT8 write the GPTQ format (``formats.gptq``); FP8 (per channel or
-128x128 blocks) writes compressed-tensors (``formats.fp8``); NF4 writes bitsandbytes' 4-bit
-format as transformers saves it (``formats.bnb``). GPTQ's calibration runs
-first, layer by layer (``calibrate``), and its results go through the same writer.
+RTN, imatrix and GPTQ to INT4/INT8 write the GPTQ format (``formats.gptq``); FP8 (per
+channel or 128x128 blocks) writes compressed-tensors (``formats.fp8``); NF4 writes
+bitsandbytes' 4-bit format as transformers saves it (``formats.bnb``). Calibration (imatrix,
+GPTQ, AWQ) runs first, layer by layer (``calibrate``), and its results go through the same
+writer.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import re
 import shutil
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,7 +36,7 @@ from qpage.formats import compressed_tensors as ct_format
 from qpage.formats import fp8 as fp8_format
 from qpage.formats.gptq import pack_linear, quantization_config
 from qpage.formats.safetensors_io import iter_tensors, read_header, write_file
-from qpage.formats.scheme import QuantScheme
+from qpage.formats.scheme import CALIBRATED, QuantScheme
 from qpage.models.loader import weight_files
 from qpage.quantizers.fp8 import quantize_fp8
 from qpage.quantizers.nf4 import quantize_nf4
@@ -55,8 +57,10 @@ class QuantizeReport:
 
 
 def _tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the checkpoint; the decoder linears, quantized and dropped before the
+    next tensor is read, share one reused read buffer."""
     for f in files:
-        yield from iter_tensors(f)
+        yield from iter_tensors(f, transient=lambda name: LINEAR.match(name) is not None)
 
 
 def _linear_shapes(files: list[Path]) -> dict[str, list[int]]:
@@ -109,11 +113,17 @@ def choose_format(scheme: QuantScheme, fmt: str, shapes: dict[str, list[int]]) -
 
 
 class _ShardWriter:
+    """Output shards of about ``shard_bytes``, each written by a background thread while the
+    next one fills (writing, not quantizing, bounds RTN's speed on a slow disk), so at most
+    two shards are in memory. ``close`` waits for the writes and reports their errors."""
+
     def __init__(self, folder: Path, shard_bytes: int) -> None:
         self.folder, self.shard_bytes = folder, shard_bytes
         self.buffer: dict[str, torch.Tensor] = {}
         self.size = 0
         self.shards: list[tuple[str, list[str]]] = []
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="qpage-writer")
+        self._pending: Future | None = None
 
     def add(self, name: str, t: torch.Tensor) -> None:
         self.buffer[name] = t.contiguous()
@@ -124,13 +134,26 @@ class _ShardWriter:
     def flush(self) -> None:
         if not self.buffer:
             return
+        self._wait()
         name = f"model-{len(self.shards) + 1:05d}.safetensors"
-        write_file(self.folder / name, self.buffer)
+        self._pending = self._pool.submit(write_file, self.folder / name, self.buffer)
         self.shards.append((name, list(self.buffer)))
         self.buffer, self.size = {}, 0
 
+    def _wait(self) -> None:
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            pending.result()
+
+    def close(self) -> None:
+        try:
+            self._wait()
+        finally:
+            self._pool.shutdown(wait=True)
+
     def finish(self) -> None:
         self.flush()
+        self.close()
         total = len(self.shards)
         weight_map = {}
         for i, (name, keys) in enumerate(self.shards, start=1):
@@ -147,7 +170,7 @@ def quantize_checkpoint(src: Path, out: Path, scheme: QuantScheme, shard_bytes: 
                         fmt: str = "auto") -> QuantizeReport:
     """Quantize every decoder linear of ``src`` (a HF folder) into a new folder ``out``.
 
-    RTN needs nothing else; GPTQ needs ``calib``, token windows of calibration text."""
+    RTN needs nothing else; imatrix, GPTQ and AWQ need ``calib``, token windows of calibration text."""
     if out.exists():
         raise FileExistsError(f"{out} already exists; choose a new output folder or delete it first")
     config_path = src / "config.json"
@@ -172,9 +195,9 @@ def quantize_checkpoint(src: Path, out: Path, scheme: QuantScheme, shard_bytes: 
     t0 = time.perf_counter()
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     tmp.mkdir()
+    writer = _ShardWriter(tmp, shard_bytes)
     try:
         calibrated, overrides = _calibrate(src, scheme, calib, progress, tmp / ".calibration")
-        writer = _ShardWriter(tmp, shard_bytes)
         bar = _progress(total, progress)
         done = 0
         for name, t in _tensors(files):
@@ -199,7 +222,10 @@ def quantize_checkpoint(src: Path, out: Path, scheme: QuantScheme, shard_bytes: 
                 shutil.copy2(f, tmp / f.name)
         tmp.rename(out)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            writer.close()  # no write may still be running when the folder goes
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
     return QuantizeReport(out, f"{scheme.describe()} ({fmt} format)", done, time.perf_counter() - t0, _size(files),
                           _size(list(out.glob("*.safetensors"))), _peak_rss())
@@ -218,9 +244,9 @@ def _quantization_config(scheme: QuantScheme, fmt: str) -> dict[str, Any]:
 
 def _calibrate(src: Path, scheme: QuantScheme, calib: list[list[int]] | None, progress: bool, spill: Path
                ) -> tuple[Any, dict[str, torch.Tensor]]:
-    """GPTQ/AWQ results by projection prefix (a ``ResultStore`` spilled under ``spill``; None
-    for RTN/FP8), and tensors AWQ rewrote (norms)."""
-    if scheme.method not in ("gptq", "awq"):
+    """Calibrated results by projection prefix (a ``ResultStore`` spilled under ``spill``; None
+    for RTN/FP8/NF4), and tensors AWQ rewrote (norms)."""
+    if scheme.method not in CALIBRATED:
         return None, {}
     if not calib:
         raise ValueError(f"{scheme.method.upper()} needs calibration text: pass --calib FILE "
@@ -233,6 +259,8 @@ def _calibrate(src: Path, scheme: QuantScheme, calib: list[list[int]] | None, pr
     try:
         if scheme.method == "gptq":
             return calibrate.gptq_calibrate(src, scheme, calib, ResultStore(spill), on_layer=step), {}
+        if scheme.method == "imatrix":
+            return calibrate.imatrix_calibrate(src, scheme, calib, ResultStore(spill), on_layer=step), {}
         return calibrate.awq_calibrate(src, scheme, calib, ResultStore(spill), on_layer=step)
     finally:
         if bar is not None:

@@ -41,3 +41,18 @@ def test_gptq_beats_rtn_on_layer_output(sym: bool, act_order: bool) -> None:
         assert g_idx is not None and torch.bincount(g_idx.long()).tolist() == [64] * 4
     else:
         assert g_idx is None
+
+
+@pytest.mark.parametrize("sym", [True, False])
+@pytest.mark.parametrize("act_order", [False, True])
+def test_group_search_lowers_gptq_output_error(sym: bool, act_order: bool) -> None:
+    """Group scales from the diag(H)-weighted search (the default) give a lower layer output
+    error than the groups' min and max: measured 0.93-0.98x over three seeds and every
+    case, asserted below 0.99x on seed 0."""
+    w, x, h = _problem()
+    ref = x @ w.T
+    errs = []
+    for search in (False, True):
+        q, s, z, g_idx = gptq_quantize(w, h, 4, 64, sym, act_order=act_order, search=search)
+        errs.append(float((x @ _dequant(q, s, z, g_idx, 64).T - ref).norm() / ref.norm()))
+    assert errs[1] < 0.99 * errs[0], errs

@@ -45,3 +45,34 @@ def test_scheme_parsing_and_errors() -> None:
         QuantScheme(4, 100, True)
     with pytest.raises(ValueError, match="act_order needs GPTQ"):
         QuantScheme(4, 128, True, act_order=True)
+
+
+def _weighted_error(w: torch.Tensor, imp: torch.Tensor, q: torch.Tensor, s: torch.Tensor, z: torch.Tensor,
+                    group: int) -> torch.Tensor:
+    """Importance-weighted squared error per (output row, group): [out, groups]."""
+    d = (dequantize_rtn(q, s, z, group) - w).square() * imp
+    d = torch.nn.functional.pad(d, (0, (-w.shape[1]) % group))
+    return d.view(w.shape[0], -1, group).sum(-1)
+
+
+@pytest.mark.parametrize("sym", [True, False])
+def test_importance_search_lowers_the_weighted_error(sym: bool) -> None:
+    """With an importance per input, every group's weighted error is at most plain rounding's
+    (the plain grid is one of the candidates) and the total is clearly lower: measured
+    0.86x (asymmetric) and 0.76x (symmetric) here, asserted below 0.92x. A partial last group
+    (200 = 128 + 72) is searched like the others; codes, zeros and fp16 scales keep the
+    GPTQ conventions."""
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(64, 200, generator=g) * torch.rand(64, 1, generator=g)
+    w[torch.rand(w.shape, generator=g) < 0.01] *= 6  # a few outliers, as real weights have
+    imp = torch.rand(200, generator=g) ** 4 * 10  # heavy-tailed, like E[x^2] of real inputs
+    plain = quantize_rtn(w, 4, 128, sym)
+    found = quantize_rtn(w, 4, 128, sym, importance=imp)
+    q, s, z = found
+    assert q.shape == (200, 64) and int(q.min()) >= 0 and int(q.max()) <= 15 and int(z.min()) >= 1
+    assert torch.equal(s, s.half().float())
+    if sym:
+        assert (z == 8).all()
+    e_plain, e_found = _weighted_error(w, imp, *plain, 128), _weighted_error(w, imp, *found, 128)
+    assert bool((e_found <= e_plain * (1 + 1e-5) + 1e-12).all())
+    assert float(e_found.sum()) < 0.92 * float(e_plain.sum())
