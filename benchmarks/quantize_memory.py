@@ -33,6 +33,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from qpage.formats.scheme import CALIBRATED  # noqa: E402 (the checkout's qpage, not an installed one)
+
 CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 2048,
           "intermediate_size": 5632, "num_hidden_layers": 22, "num_attention_heads": 32,
           "num_key_value_heads": 4, "vocab_size": 32000, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5,
@@ -79,7 +82,7 @@ def run_one(src: Path, out: Path, scheme: str, args: argparse.Namespace) -> dict
     shutil.rmtree(out, ignore_errors=True)
     cmd = ["/usr/bin/time", "-v", sys.executable, "-m", "qpage.cli", "quantize", str(src), str(out),
            "--scheme", scheme, "--shard-size", args.shard_size]
-    calibrated = scheme.split("-")[-1] in ("imatrix", "gptq", "awq")
+    calibrated = scheme.split("-")[-1] in CALIBRATED
     if calibrated:
         if not args.calib:
             sys.exit(f"{scheme} needs --calib FILE")

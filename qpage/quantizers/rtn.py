@@ -109,7 +109,7 @@ def _search(x: torch.Tensor, bits: int, sym: bool, imp: torch.Tensor) -> tuple[t
             scale = torch.where(mn < 0, (sw * slx - sx * sl) / det, slx / sll.clamp_min(1e-20)).clamp_min(1e-10)
             zero = torch.round(-mn / scale).clamp_(1, maxq)
         # The scale that fits these codes best with the zero fixed, then the codes again.
-        c = torch.div(x, scale[:, None]).round_().add_(zero[:, None]).clamp_(0, maxq).sub_(zero[:, None])
+        c = _centered(x, scale, zero, bits)
         scale = ((wt * c * x).sum(1) / (wt * c * c).sum(1).clamp_min(1e-20)).clamp_min(1e-10).half().float()
         err = _error(x, wt, scale, zero, bits)
         better = err < best_err
@@ -118,9 +118,14 @@ def _search(x: torch.Tensor, bits: int, sym: bool, imp: torch.Tensor) -> tuple[t
     return best_s, best_z
 
 
+def _centered(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) -> torch.Tensor:
+    """Codes minus zero (fp32) of x [rows, g] on each row's grid: the dequantized value / scale."""
+    return torch.div(x, scale[:, None]).round_().add_(zero[:, None]).clamp_(0, 2**bits - 1).sub_(zero[:, None])
+
+
 def _error(x: torch.Tensor, wt: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) -> torch.Tensor:
-    c = torch.div(x, scale[:, None]).round_().add_(zero[:, None]).clamp_(0, 2**bits - 1).sub_(zero[:, None])
-    return (wt * (c.mul_(scale[:, None]).sub_(x)).square_()).sum(1)
+    """Importance-weighted squared error of each row on its grid."""
+    return (wt * _centered(x, scale, zero, bits).mul_(scale[:, None]).sub_(x).square_()).sum(1)
 
 
 def dequantize_rtn(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int | None
