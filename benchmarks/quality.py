@@ -40,6 +40,8 @@ SCHEMES = [
     ("int4-awq g128 asym", "int4-awq", 128, False, False),
     ("int8-rtn channel", "int8-rtn", None, False, True),
     ("int8-rtn g128", "int8-rtn", 128, False, True),
+    ("int8-rtn g32 (Q8_0's blocks)", "int8-rtn", 32, False, True),
+    ("int8-rtn g32 asym", "int8-rtn", 32, False, False),
     ("int8-imatrix channel", "int8-imatrix", None, False, True),
     ("fp8 channel", "fp8", None, False, True),
     ("fp8 block 128x128", "fp8-block", None, False, True),
@@ -215,25 +217,33 @@ def print_table(args: argparse.Namespace, rows: list[dict[str, Any]], texts: dic
         print(line + f" {r['size_bytes'] / 1e6:>8.1f} {r.get('quantize_seconds', 0):>7.0f}")
 
 
-def main() -> None:
-    args = parse_args()
+def windows(src: Path, args: argparse.Namespace) -> tuple[list[list[int]], dict[str, list[list[int]]]]:
+    """(calibration windows of ``valid.txt``, the scored windows of each text) as the arguments say."""
     from transformers import AutoTokenizer
 
     from qpage.eval.perplexity import token_windows
     from qpage.eval.texts import text_label
+
+    tok = AutoTokenizer.from_pretrained(str(src))
+    data = Path(args.data)
+
+    def take(text: str | Path, n: int) -> list[list[int]]:
+        return token_windows(tok, text, args.seq_len, n, max_chars=200 * args.seq_len * n)
+
+    heldout = getattr(args, "heldout", "python-docs")
+    return take(data / "valid.txt", args.samples), {"wikitext": take(data / "test.txt", args.windows),
+                                                     text_label(heldout): take(heldout, args.heldout_windows)}
+
+
+def main() -> None:
+    args = parse_args()
+
     from qpage.formats.gguf import default_model_dir
     from qpage.formats.scheme import CALIBRATED, QuantScheme
     from qpage.quantizers.pipeline import quantize_checkpoint
 
     src = default_model_dir()
-    tok = AutoTokenizer.from_pretrained(str(src))
-    data = Path(args.data)
-    calib = token_windows(tok, data / "valid.txt", args.seq_len, args.samples,
-                          max_chars=200 * args.seq_len * args.samples)
-    texts = {"wikitext": token_windows(tok, data / "test.txt", args.seq_len, args.windows,
-                                       max_chars=200 * args.seq_len * args.windows),
-             text_label(args.heldout): token_windows(tok, args.heldout, args.seq_len, args.heldout_windows,
-                                                     max_chars=200 * args.seq_len * args.heldout_windows)}
+    calib, texts = windows(src, args)
     work = Path(tempfile.mkdtemp(prefix="qpage-quality-"))
     try:
         scorer = Scorer(texts, args.seq_len, work)

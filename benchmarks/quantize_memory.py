@@ -8,7 +8,8 @@ under ``/usr/bin/time -v``; its maximum resident set size is compared with the m
 size (the target: under 40%). Prints a table and writes JSON.
 
 ``--model default`` runs the same on the default model's fp32 folder instead, and
-``--scheme`` takes several schemes, each in its own child.
+``--scheme`` takes several schemes, each in its own child: qpage's schemes, or llama.cpp
+file types written as GGUF (``q4_k_m``; ``q4_k_m-imatrix`` with ``--calib``).
 
 With ``--calib FILE`` (imatrix, GPTQ, AWQ) the random model gets the default model's tokenizer and vocabulary
 (49152, so 1.17B parameters) and calibrates on ``--samples`` windows of ``--seq-len`` tokens:
@@ -17,7 +18,7 @@ calibration reads one decoder layer at a time and spills each layer's results to
     python benchmarks/quantize_memory.py [--scheme int4-rtn] [--shard-size 256MiB] [--keep DIR]
     python benchmarks/quantize_memory.py --scheme int4-gptq --calib ../shared/data/wikitext2/valid.txt
     python benchmarks/quantize_memory.py --model default --scheme int4-rtn int4-imatrix int4-gptq int4-awq \
-        fp8 nf4 --calib ../shared/data/wikitext2/valid.txt --samples 32 --seq-len 512
+        fp8 nf4 q4_0 q4_k_m q4_k_m-imatrix --calib ../shared/data/wikitext2/valid.txt --samples 32 --seq-len 512
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from qpage.formats.scheme import CALIBRATED  # noqa: E402 (the checkout's qpage, not an installed one)
+from qpage.formats.gguf_write import FILE_TYPES  # noqa: E402 (the checkout's qpage, not an installed one)
+from qpage.formats.scheme import CALIBRATED  # noqa: E402
 
 CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 2048,
           "intermediate_size": 5632, "num_hidden_layers": 22, "num_attention_heads": 32,
@@ -79,9 +81,14 @@ def make_model(folder: Path, shard_bytes: int, config: dict) -> int:
 
 def run_one(src: Path, out: Path, scheme: str, args: argparse.Namespace) -> dict:
     """``qpage quantize`` of ``src`` in a child under /usr/bin/time -v: peak RSS and seconds."""
+    base = scheme.removesuffix("-imatrix")
+    gguf = base in FILE_TYPES  # a llama.cpp file type: one .gguf file, calibrated when named "-imatrix"
+    if gguf:
+        out = out.with_suffix(".gguf")
+        out.unlink(missing_ok=True)
     shutil.rmtree(out, ignore_errors=True)
     cmd = ["/usr/bin/time", "-v", sys.executable, "-m", "qpage.cli", "quantize", str(src), str(out),
-           "--scheme", scheme, "--shard-size", args.shard_size]
+           "--scheme", base if gguf else scheme, "--shard-size", args.shard_size]
     calibrated = scheme.split("-")[-1] in CALIBRATED
     if calibrated:
         if not args.calib:
@@ -93,8 +100,12 @@ def run_one(src: Path, out: Path, scheme: str, args: argparse.Namespace) -> dict
     if r.returncode != 0:
         sys.exit(f"qpage quantize failed:\n{r.stderr[-3000:]}")
     m = re.search(r"Maximum resident set size \(kbytes\): (\d+)", r.stderr)
-    out_bytes = sum(f.stat().st_size for f in out.glob("*.safetensors"))
-    shutil.rmtree(out)
+    if gguf:
+        out_bytes = out.stat().st_size
+        out.unlink()
+    else:
+        out_bytes = sum(f.stat().st_size for f in out.glob("*.safetensors"))
+        shutil.rmtree(out)
     return dict(scheme=scheme, calib_windows=args.samples if calibrated else 0,
                 seq_len=args.seq_len if calibrated else 0, peak_rss_bytes=int(m.group(1)) * 1024 if m else -1,
                 output_bytes=out_bytes, quantize_seconds=q_s)

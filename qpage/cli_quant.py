@@ -10,15 +10,18 @@ import time
 from pathlib import Path
 from typing import Any
 
+from qpage.formats.gguf_write import FILE_TYPES
 from qpage.formats.scheme import SCHEMES
-from qpage.inspect_model import EVAL_FILE, describe, table
+from qpage.inspect_model import describe, eval_file, table
 
 
 def add_parsers(sub: Any) -> None:
-    q = sub.add_parser("quantize", help="quantize a Hugging Face checkpoint (GPTQ, AWQ or compressed-tensors)")
-    q.add_argument("src", help="source model folder (config.json + *.safetensors), or 'default'")
-    q.add_argument("out", help="output folder (must not exist)")
-    q.add_argument("--scheme", required=True, choices=SCHEMES)
+    q = sub.add_parser("quantize", help="quantize a checkpoint (GPTQ, AWQ, compressed-tensors, bitsandbytes or GGUF)")
+    q.add_argument("src", help="source model folder (config.json + *.safetensors), a .gguf file (for --format gguf), "
+                               "or 'default'")
+    q.add_argument("out", help="output folder, or .gguf file for --format gguf (must not exist)")
+    q.add_argument("--scheme", required=True, type=str.lower, choices=SCHEMES + tuple(FILE_TYPES),
+                   help="integer, FP8 or NF4 scheme; with --format gguf a llama.cpp file type (q4_k_m, q4_0, ...)")
     q.add_argument("--group-size", type=int, default=128,
                    help="input features per group; 0 = per channel (nf4: always blocks of 64)")
     q.add_argument("--sym", action=argparse.BooleanOptionalAction, default=None,
@@ -28,13 +31,18 @@ def add_parsers(sub: Any) -> None:
     q.add_argument("--static-groups", action="store_true",
                    help="GPTQ act-order: keep groups in the original column order (no permuted g_idx; "
                         "always so for --format compressed-tensors)")
+    q.add_argument("--gptq", action="store_true",
+                   help="GGUF: GPTQ's error feedback inside the block formats (needs --calib; without it the block "
+                        "scales are weighted by the calibration inputs, llama.cpp's importance matrix)")
     q.add_argument("--calib", default=None,
                    help="calibration text (imatrix, GPTQ, AWQ): a file, e.g. wikitext-2 valid.txt, or python-docs")
     q.add_argument("--samples", type=int, default=128, help="calibration windows")
     q.add_argument("--shard-size", default="512MiB", help="output shard size (bounds the writer's buffer)")
-    q.add_argument("--format", default="auto", choices=("auto", "gptq", "awq", "compressed-tensors", "bitsandbytes"),
-                   help="output format; auto: compressed-tensors for fp8, bitsandbytes for nf4, AWQ GEMM for AWQ "
-                        "when the widths divide by the group (else GPTQ), GPTQ otherwise")
+    q.add_argument("--format", default="auto",
+                   choices=("auto", "gptq", "awq", "compressed-tensors", "bitsandbytes", "gguf"),
+                   help="output format; auto: GGUF for a llama.cpp file type, compressed-tensors for fp8, "
+                        "bitsandbytes for nf4, AWQ GEMM for AWQ when the widths divide by the group (else GPTQ), "
+                        "GPTQ otherwise. GGUF takes its scales from --calib's activations when given")
     q.add_argument("--eval-text", action="append", default=None,
                    help="text for the perplexity report (source vs result; saved with the checkpoint for "
                         "qpage inspect): a file, or python-docs (Python's own reference text, a held-out domain "
@@ -88,27 +96,44 @@ def _perplexity(engines: list[Any], text: str, seq_len: int, windows: int, chunk
             "windows": len(wins), "tokens": n}
 
 
+def _calibration(src: Path, args: argparse.Namespace) -> list[list[int]] | None:
+    if not args.calib:
+        return None
+    from transformers import AutoTokenizer
+
+    from qpage.eval.perplexity import token_windows
+
+    tok = AutoTokenizer.from_pretrained(str(src))
+    return token_windows(tok, args.calib, args.seq_len, args.samples, max_chars=200 * args.seq_len * args.samples)
+
+
 def cmd_quantize(args: argparse.Namespace) -> int:
-    from qpage.formats.scheme import QuantScheme
-    from qpage.models.loader import resolve_hf_folder
-    from qpage.quantizers.pipeline import quantize_checkpoint
+    from qpage.models.loader import resolve_hf_folder, resolve_model_dir
 
-    scheme = QuantScheme.parse(args.scheme, group_size=args.group_size or None, sym=args.sym,
-                               act_order=args.act_order, static_groups=args.static_groups)
-    src = resolve_hf_folder(None if args.src == "default" else args.src)
-    calib = None
-    if args.calib:
-        from transformers import AutoTokenizer
+    gguf = args.format == "gguf" or (args.format == "auto" and args.scheme in FILE_TYPES)
+    if gguf != (args.scheme in FILE_TYPES):
+        raise ValueError(f"--scheme {args.scheme} with --format {args.format}: GGUF files take a llama.cpp file type "
+                         f"({', '.join(FILE_TYPES)}), the other formats one of {', '.join(SCHEMES)}")
+    model = None if args.src == "default" else args.src
+    if gguf:
+        from qpage.quantizers.gguf_pipeline import quantize_gguf
 
-        from qpage.eval.perplexity import token_windows
+        src = resolve_model_dir(model)  # the file itself when it is a GGUF; its weights as a folder to calibrate
+        hf = resolve_hf_folder(model) if args.calib else None
+        r = quantize_gguf(src, Path(args.out), args.scheme, calib=_calibration(hf, args) if hf else None,
+                          calib_folder=hf, gptq=args.gptq)
+    else:
+        if args.gptq:
+            raise ValueError("--gptq is for --format gguf; the other formats take --scheme int4-gptq or int8-gptq")
+        from qpage.config import parse_size
+        from qpage.formats.scheme import QuantScheme
+        from qpage.quantizers.pipeline import quantize_checkpoint
 
-        tok = AutoTokenizer.from_pretrained(str(src))
-        calib = token_windows(tok, args.calib, args.seq_len, args.samples,
-                              max_chars=200 * args.seq_len * args.samples)
-    from qpage.config import parse_size
-
-    r = quantize_checkpoint(src, Path(args.out), scheme, calib=calib,
-                            shard_bytes=parse_size(args.shard_size, "--shard-size"), fmt=args.format)
+        src = resolve_hf_folder(model)
+        scheme = QuantScheme.parse(args.scheme, group_size=args.group_size or None, sym=args.sym,
+                                   act_order=args.act_order, static_groups=args.static_groups)
+        r = quantize_checkpoint(src, Path(args.out), scheme, calib=_calibration(src, args),
+                                shard_bytes=parse_size(args.shard_size, "--shard-size"), fmt=args.format)
     print(f"qpage quantize: {r.scheme}, {r.linears} linears in {r.seconds:.1f}s; "
           f"{r.bytes_in / 1e6:.1f} MB -> {r.bytes_out / 1e6:.1f} MB on disk; peak RSS {r.peak_rss_bytes / 1e6:.0f} MB")
     if args.eval_text:
@@ -120,7 +145,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
 
 def _report_quality(out: Path, src: Path, texts: list[str], seq_len: int, windows: int) -> None:
     """Score the result against its source on each text, print a line per text and save the
-    figures beside the checkpoint (``EVAL_FILE``), where ``qpage inspect`` reads them."""
+    figures beside the checkpoint (``eval_file``), where ``qpage inspect`` reads them."""
     from qpage.eval.texts import text_label
 
     engines = [_engine(str(out), seq_len), _engine(str(src), seq_len)]
@@ -132,9 +157,10 @@ def _report_quality(out: Path, src: Path, texts: list[str], seq_len: int, window
                      "perplexity": q, "source_perplexity": s, "mean_kl": res["mean_kl"]})
         print(f"perplexity on {res['windows']} x {seq_len} tokens of {text_label(text)}: source {s:.4f}, "
               f"quantized {q:.4f} ({100 * (q / s - 1):+.2f}%), mean KL {res['mean_kl']:.4f}")
-    tmp = out / f".{EVAL_FILE}.tmp"
+    dest = eval_file(out)
+    tmp = dest.with_name(f".{dest.name}.tmp")
     tmp.write_text(json.dumps({"source": str(src), "texts": rows}, indent=1))
-    tmp.rename(out / EVAL_FILE)
+    tmp.rename(dest)
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:

@@ -4,7 +4,7 @@ From the files: format, scheme, bits per weight, size on disk, architecture. Fro
 it on the chosen device (``load=True``, the default of the command): the weights' size in
 memory on their kernel paths and how many linear layers run on each path, which is what
 the engine would do with it. When ``qpage quantize --eval-text`` scored the checkpoint, its
-perplexity report (``EVAL_FILE`` in the folder) is shown too.
+perplexity report (``eval_file``: in the folder, or beside a GGUF file) is shown too.
 """
 
 from __future__ import annotations
@@ -107,13 +107,22 @@ def loaded_info(model_dir: Path, arch: Any, device: str, dtype: str) -> dict[str
             "linear_paths": {p: {"layers": n, "bytes": path_bytes[p]} for p, n in paths.most_common()}}
 
 
+def eval_file(model: Path) -> Path:
+    """Where ``qpage quantize --eval-text`` saves its report: in a model folder, or beside a
+    GGUF file (named after it)."""
+    return model.with_name(f"{model.name}.{EVAL_FILE}") if model.is_file() else model / EVAL_FILE
+
+
 def describe(model: str | None, load: bool = True, device: str = "cpu", dtype: str = "auto") -> dict[str, Any]:
     """Everything ``qpage inspect`` shows, as a dict (its ``--json`` output)."""
     default = model in (None, "default")
     path = default_gguf_path() if default else Path(model).expanduser()  # type: ignore[arg-type]
     gguf = path if path.suffix == ".gguf" and path.is_file() else None
     if gguf is not None and not load:  # the header says it all
-        return {"model": str(gguf), **gguf_info(gguf)}
+        info = {"model": str(gguf), **gguf_info(gguf)}
+        if eval_file(gguf).is_file():
+            info["quality"] = json.loads(eval_file(gguf).read_text())["texts"]
+        return info
     model_dir = resolve_model_dir(None if default else str(path))
     arch = read_arch_config(model_dir)
     info: dict[str, Any] = {"model": str(gguf or model_dir), "architecture": arch.architecture,
@@ -126,8 +135,8 @@ def describe(model: str | None, load: bool = True, device: str = "cpu", dtype: s
         qc = arch.quantization
         info.update(quant_info(qc, arch.hidden_size) if qc else {"format": "safetensors (dense)",
                                                                   "scheme": str(arch.torch_dtype)})
-    if (model_dir / EVAL_FILE).is_file():
-        info["quality"] = json.loads((model_dir / EVAL_FILE).read_text())["texts"]
+    if eval_file(model_dir).is_file():
+        info["quality"] = json.loads(eval_file(model_dir).read_text())["texts"]
     if load:
         info["loaded"] = loaded_info(model_dir, arch, device, dtype)
     return info

@@ -166,6 +166,28 @@ def hf_name(name: str) -> str | None:
     raise GgufFormatError(f"tensor {name!r} is not part of a model qpage runs")
 
 
+_GGUF_LAYER_NAMES = {v: k for k, v in _LAYER_NAMES.items()}
+_GGUF_TOP_NAMES = {v: k for k, v in _TOP_NAMES.items()}
+
+
+def gguf_name(name: str) -> str:
+    """The GGUF tensor name of a Hugging Face one (``hf_name``'s inverse)."""
+    if name in _GGUF_TOP_NAMES:
+        return _GGUF_TOP_NAMES[name]
+    parts = name.split(".", 3)
+    if len(parts) == 4 and parts[:2] == ["model", "layers"]:
+        module, _, suffix = parts[3].rpartition(".")
+        if module in _GGUF_LAYER_NAMES:
+            return f"blk.{parts[2]}.{_GGUF_LAYER_NAMES[module]}.{suffix}"
+    raise ValueError(f"tensor {name!r} has no GGUF name (qpage writes the Llama family's tensors)")
+
+
+def permute_rows(rows: np.ndarray, heads: int) -> np.ndarray:
+    """Hugging Face q/k rows in llama.cpp's rotary order (``_unpermute``'s inverse)."""
+    n = rows.shape[0]
+    return rows[np.arange(n).reshape(heads, 2, n // heads // 2).swapaxes(1, 2).reshape(n)]
+
+
 def iter_tensors(f: GgufFile) -> Iterator[tuple[str, str, torch.Tensor | GgufTensor]]:
     """(file name, Hugging Face name, value): float tensors as fp32 torch tensors, block formats
     as ``GgufTensor``; q/k rows in Hugging Face order."""

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -57,47 +57,69 @@ class _Hessian:
         return (2 * self.h / max(self.count, 1)).float()
 
 
-Quantize = Callable[[torch.Tensor, _Hessian], Result]
-"""A fused linear's weight [out, in] and its inputs' statistics -> its calibrated result."""
+Parts = list[tuple[str, int, int]]
+"""The projections of one fused linear: (checkpoint prefix, first row, rows)."""
+Quantize = Callable[[torch.Tensor, _Hessian, Parts], tuple[dict[str, Any], torch.Tensor]]
+"""A fused linear's weight [out, in], its inputs' statistics and its projections -> (each
+projection's result by prefix, the dequantized weight the next layers run on)."""
+
+
+class ResultSink(Protocol):
+    def put_layer(self, layer: int, results: dict[str, Any]) -> None: ...
 
 
 def gptq_calibrate(src: Path, scheme: QuantScheme, windows: list[list[int]], store: ResultStore,
                    on_layer: Callable[[int, int], None] | None = None) -> ResultStore:
     """GPTQ every decoder linear of ``src`` into ``store`` (prefix -> (q, scales, zeros, g_idx))."""
-    def quantize(w: torch.Tensor, stats: _Hessian) -> Result:
-        return gptq_quantize(w, stats.value(), scheme.bits, scheme.group_size, scheme.sym,
-                             act_order=scheme.act_order, static_groups=scheme.static_groups)
+    def quantize(w: torch.Tensor, stats: _Hessian, parts: Parts) -> tuple[dict[str, Any], torch.Tensor]:
+        return _split(gptq_quantize(w, stats.value(), scheme.bits, scheme.group_size, scheme.sym,
+                                    act_order=scheme.act_order, static_groups=scheme.static_groups),
+                      parts, scheme.group_size)
 
-    return _sequential(src, windows, store, on_layer, quantize, scheme.group_size, diagonal_only=False)
+    calibrate_layers(src, windows, store, on_layer, quantize, diagonal_only=False)
+    return store
 
 
 def imatrix_calibrate(src: Path, scheme: QuantScheme, windows: list[list[int]], store: ResultStore,
                       on_layer: Callable[[int, int], None] | None = None) -> ResultStore:
     """Importance-weighted RTN of every decoder linear (``rtn.quantize_rtn`` with E[x^2] of its
     inputs, llama.cpp's importance matrix) into ``store``."""
-    def quantize(w: torch.Tensor, stats: _Hessian) -> Result:
+    def quantize(w: torch.Tensor, stats: _Hessian, parts: Parts) -> tuple[dict[str, Any], torch.Tensor]:
         q, s, z = quantize_rtn(w, scheme.bits, scheme.group_size, scheme.sym, importance=stats.value())
-        return q, s, z, None
+        return _split((q, s, z, None), parts, scheme.group_size)
 
-    return _sequential(src, windows, store, on_layer, quantize, scheme.group_size, diagonal_only=True)
+    calibrate_layers(src, windows, store, on_layer, quantize, diagonal_only=True)
+    return store
+
+
+def _split(r: Result, parts: Parts, group_size: int | None) -> tuple[dict[str, Any], torch.Tensor]:
+    """A fused linear's integers split by projection (rows are output columns of q), and its
+    dequantized weight."""
+    q, s, z, g_idx = r
+    out = {prefix: (q[:, off : off + rows].contiguous(), s[:, off : off + rows].contiguous(),
+                    z[:, off : off + rows].contiguous(), g_idx) for prefix, off, rows in parts}
+    grp = g_idx.long() if g_idx is not None else torch.arange(q.shape[0]) // (group_size or q.shape[0])
+    return out, ((q.to(torch.int32) - z[grp]).float() * s[grp]).t()
 
 
 @torch.inference_mode()
-def _sequential(src: Path, windows: list[list[int]], store: ResultStore, on_layer: Callable[[int, int], None] | None,
-                quantize: Quantize, group_size: int | None, diagonal_only: bool) -> ResultStore:
+def calibrate_layers(src: Path, windows: list[list[int]], store: ResultSink,
+                     on_layer: Callable[[int, int], None] | None, quantize: Quantize, diagonal_only: bool) -> None:
+    """Run ``windows`` through ``src`` decoder layer by decoder layer, quantizing each layer's
+    linears with ``quantize`` on their inputs' statistics (the full Hessian, or its diagonal)
+    before the windows go on to the next layer; each layer's results go to ``store``."""
     threads = torch.get_num_threads()
     # NOTE: the fp32 CPU matmuls run on NumPy's BLAS threads; torch's own OpenMP threads
     # would spin against them (see qpage.layers.ops), so torch runs on one thread here.
     torch.set_num_threads(1)
     try:
-        return _layer_by_layer(src, windows, store, on_layer, quantize, group_size, diagonal_only)
+        _layer_by_layer(src, windows, store, on_layer, quantize, diagonal_only)
     finally:
         torch.set_num_threads(threads)
 
 
-def _layer_by_layer(src: Path, windows: list[list[int]], store: ResultStore,
-                    on_layer: Callable[[int, int], None] | None, quantize: Quantize, group_size: int | None,
-                    diagonal_only: bool) -> ResultStore:
+def _layer_by_layer(src: Path, windows: list[list[int]], store: ResultSink,
+                    on_layer: Callable[[int, int], None] | None, quantize: Quantize, diagonal_only: bool) -> None:
     source = LayerSource(src, max(len(w) for w in windows) + 1)
     model, c = source.model, source.arch
     backend = TorchPagedAttention(KVCacheSpec(torch.float32))
@@ -107,26 +129,22 @@ def _layer_by_layer(src: Path, windows: list[list[int]], store: ResultStore,
         parts.setdefault(fused, []).append((name, off, rows))
     for li in range(c.num_layers):
         layer = source.layer(li)
-        out: dict[str, Result] = {}
+        out: dict[str, Any] = {}
         linears = {fused: layer.get_submodule(fused) for fused in parts}
         hess = {k: _Hessian(m.in_features, diagonal_only) for k, m in linears.items()}
         _run_layer(model, layer, hidden, backend, c, record=(linears, hess))
         pre = f"model.layers.{li}."
         for key, mod in linears.items():
             # Rows are independent (GPTQ's share H): the fused weight is quantized in one
-            # pass and split into its projections afterwards.
+            # pass and split into its projections by the quantizer.
             w = mod.weight.data
-            q, s, z, g_idx = quantize(w, hess[key])
-            for name, off, rows in parts[key]:
-                out[pre + name] = (q[:, off : off + rows].contiguous(), s[:, off : off + rows].contiguous(),
-                                   z[:, off : off + rows].contiguous(), g_idx)
-            grp = g_idx.long() if g_idx is not None else torch.arange(q.shape[0]) // (group_size or q.shape[0])
-            w.copy_(((q.to(torch.int32) - z[grp]).float() * s[grp]).t())  # also updates the BLAS copy
+            results, dequantized = quantize(w, hess[key], [(pre + n, off, rows) for n, off, rows in parts[key]])
+            out.update(results)
+            w.copy_(dequantized)  # also updates the BLAS copy
         store.put_layer(li, out)
         hidden = _run_layer(model, layer, hidden, backend, c, record=None)
         if on_layer is not None:
             on_layer(li + 1, c.num_layers)
-    return store
 
 
 def _run_layer(model: Any, layer: Any, hidden: list[torch.Tensor], backend: Any, c: Any,

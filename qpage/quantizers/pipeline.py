@@ -198,7 +198,7 @@ def quantize_checkpoint(src: Path, out: Path, scheme: QuantScheme, shard_bytes: 
     writer = _ShardWriter(tmp, shard_bytes)
     try:
         calibrated, overrides = _calibrate(src, scheme, calib, progress, tmp / ".calibration")
-        bar = _progress(total, progress)
+        bar = progress_bar(total, progress)
         done = 0
         for name, t in _tensors(files):
             m = LINEAR.match(name)
@@ -228,7 +228,7 @@ def quantize_checkpoint(src: Path, out: Path, scheme: QuantScheme, shard_bytes: 
             shutil.rmtree(tmp, ignore_errors=True)
         raise
     return QuantizeReport(out, f"{scheme.describe()} ({fmt} format)", done, time.perf_counter() - t0, _size(files),
-                          _size(list(out.glob("*.safetensors"))), _peak_rss())
+                          _size(list(out.glob("*.safetensors"))), peak_rss())
 
 
 def _quantization_config(scheme: QuantScheme, fmt: str) -> dict[str, Any]:
@@ -254,7 +254,7 @@ def _calibrate(src: Path, scheme: QuantScheme, calib: list[list[int]] | None, pr
     from qpage.quantizers import calibrate
     from qpage.quantizers.layer_source import ResultStore
 
-    bar = _progress(_num_layers(src), progress, f"{scheme.method} layers")
+    bar = progress_bar(_num_layers(src), progress, f"{scheme.method} layers")
     step = (lambda i, n: bar.update(1)) if bar is not None else None
     try:
         if scheme.method == "gptq":
@@ -290,19 +290,20 @@ def _num_layers(src: Path) -> int:
     return int(json.loads((src / "config.json").read_text())["num_hidden_layers"])
 
 
-def _progress(total: int, enabled: bool, desc: str = "quantize") -> Any:
+def progress_bar(total: int, enabled: bool, desc: str = "quantize") -> Any:
     if not enabled:
         return None
     from tqdm import tqdm
 
-    return tqdm(total=total, desc=desc, unit="layer" if "layer" in desc else "linear")
+    unit = next((u for u in ("layer", "tensor") if u in desc), "linear")
+    return tqdm(total=total, desc=desc, unit=unit)
 
 
 def _size(files: list[Path]) -> int:
     return sum(f.stat().st_size for f in files)
 
 
-def _peak_rss() -> int:
+def peak_rss() -> int:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux

@@ -56,3 +56,26 @@ def test_group_search_lowers_gptq_output_error(sym: bool, act_order: bool) -> No
         q, s, z, g_idx = gptq_quantize(w, h, 4, 64, sym, act_order=act_order, search=search)
         errs.append(float((x @ _dequant(q, s, z, g_idx, 64).T - ref).norm() / ref.norm()))
     assert errs[1] < 0.99 * errs[0], errs
+
+
+@pytest.mark.parametrize("ggml_type", [2, 3, 8, 12, 13, 14], ids=["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
+def test_gptq_in_block_formats_beats_weighted_rounding(ggml_type: int) -> None:
+    """GPTQ into a llama.cpp block type: the bytes decode (``gguf``'s reference) to a weight
+    whose layer output error on the calibration inputs is below importance-weighted rounding
+    into the same type."""
+    from gguf.quants import dequantize
+
+    from qpage.quantizers.ggml_blocks import quantize_rows
+    from qpage.quantizers.gptq import gptq_ggml
+
+    w, x, h = _problem()
+    ref = x @ w.T
+
+    def out_err(blocks: object) -> float:
+        wq = torch.from_numpy(dequantize(blocks, ggml_type).astype("float32"))
+        assert wq.shape == w.shape
+        return float((x @ wq.T - ref).square().mean())
+
+    rounded = out_err(quantize_rows(w, ggml_type, torch.diag(h)))
+    gptq = out_err(gptq_ggml(w, h, ggml_type))
+    assert gptq < rounded, (gptq, rounded)
