@@ -32,8 +32,8 @@ def add_parsers(sub: Any) -> None:
                    help="GPTQ act-order: keep groups in the original column order (no permuted g_idx; "
                         "always so for --format compressed-tensors)")
     q.add_argument("--gptq", action="store_true",
-                   help="GGUF: GPTQ's error feedback inside the block formats (needs --calib; without it the block "
-                        "scales are weighted by the calibration inputs, llama.cpp's importance matrix)")
+                   help="GGUF: GPTQ's error feedback inside the block formats (needs --calib). With --calib alone, "
+                        "the block scales are weighted by the calibration inputs (llama.cpp's importance matrix)")
     q.add_argument("--calib", default=None,
                    help="calibration text (imatrix, GPTQ, AWQ): a file, e.g. wikitext-2 valid.txt, or python-docs")
     q.add_argument("--samples", type=int, default=128, help="calibration windows")
@@ -118,6 +118,9 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     if gguf:
         from qpage.quantizers.gguf_pipeline import quantize_gguf
 
+        if args.sym is not None or args.act_order or args.static_groups:
+            raise ValueError("GGUF file types fix their own grids; drop --sym/--no-sym, --act-order and "
+                             "--static-groups (pick another file type, e.g. q4_1 for an offset per block)")
         src = resolve_model_dir(model)  # the file itself when it is a GGUF; its weights as a folder to calibrate
         hf = resolve_hf_folder(model) if args.calib else None
         r = quantize_gguf(src, Path(args.out), args.scheme, calib=_calibration(hf, args) if hf else None,

@@ -225,6 +225,9 @@ def test_cli_writes_gguf_and_refuses_mixed_formats(tiny: Path, tmp_path: Path) -
     r = subprocess.run([sys.executable, "-m", "qpage", "quantize", str(tiny), str(tmp_path / "x"), "--scheme",
                         "q4_k_m", "--format", "gptq"], capture_output=True, text=True)
     assert r.returncode == 2 and "GGUF files take a llama.cpp file type" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "qpage", "quantize", str(tiny), str(tmp_path / "y.gguf"), "--scheme",
+                        "q4_0", "--sym"], capture_output=True, text=True)
+    assert r.returncode == 2 and "GGUF file types fix their own grids" in r.stderr
 
 
 @pytest.mark.parametrize("gptq", [False, True], ids=["imatrix", "gptq"])
