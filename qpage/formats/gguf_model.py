@@ -198,7 +198,7 @@ def iter_tensors(f: GgufFile) -> Iterator[tuple[str, str, torch.Tensor | GgufTen
         target = hf_name(name)
         if target is None:
             continue
-        value = _value(f, info)
+        value = tensor_value(f, info)
         if arch in PERMUTED and name.endswith(("attn_q.weight", "attn_k.weight", "attn_q.bias", "attn_k.bias")):
             h = heads if ".attn_q." in name else kv_heads
             if not isinstance(h, int) or h <= 0 or info.shape[0] % (2 * h):
@@ -208,7 +208,8 @@ def iter_tensors(f: GgufFile) -> Iterator[tuple[str, str, torch.Tensor | GgufTen
         yield f.path.name, target, value
 
 
-def _value(f: GgufFile, info: TensorInfo) -> torch.Tensor | GgufTensor:
+def tensor_value(f: GgufFile, info: TensorInfo) -> torch.Tensor | GgufTensor:
+    """One tensor as stored: float types (BF16 included) as fp32, block formats as ``GgufTensor``."""
     data = f.data(info.name)
     if info.ggml_type in (F32, F16):
         return torch.from_numpy(data.astype(np.float32))

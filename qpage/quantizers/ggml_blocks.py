@@ -34,6 +34,8 @@ import numpy as np
 import torch
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from qpage.formats.gguf_reader import type_name
+
 _T = GGMLQuantizationType
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K = (int(t) for t in (_T.Q4_0, _T.Q4_1, _T.Q5_0, _T.Q5_1, _T.Q8_0, _T.Q4_K,
                                                                    _T.Q5_K, _T.Q6_K))
@@ -65,10 +67,6 @@ GRIDS = {Q4_0: Grid(32, 32, -8, 7, False), Q4_1: Grid(32, 32, 0, 15, True), Q5_0
          Q5_K: Grid(256, 32, 0, 31, True), Q6_K: Grid(256, 16, -32, 31, False)}
 """The formats written, by ggml type id."""
 _TYPE_OF = {g: t for t, g in GRIDS.items()}
-
-
-def type_name(ggml_type: int) -> str:
-    return GGMLQuantizationType(ggml_type).name
 
 
 def unsupported_reason(ggml_type: int, k: int) -> str | None:

@@ -25,8 +25,8 @@ import torch
 from gguf import GGUFValueType
 from gguf.quants import dequantize
 
-from qpage.formats.gguf_model import ARCHITECTURES, PERMUTED, GgufTensor, gguf_name, permute_rows
-from qpage.formats.gguf_reader import FLOAT_TYPES, GgufFile
+from qpage.formats.gguf_model import ARCHITECTURES, PERMUTED, GgufTensor, gguf_name, permute_rows, tensor_value
+from qpage.formats.gguf_reader import GgufFile, type_name
 from qpage.formats.gguf_write import (
     F16,
     F32,
@@ -40,7 +40,7 @@ from qpage.formats.gguf_write import (
 from qpage.formats.safetensors_io import LazyTensor, lazy_tensors
 from qpage.models.loader import weight_files
 from qpage.quantizers.calibrate import Parts, calibrate_layers
-from qpage.quantizers.ggml_blocks import quantize_rows, type_name
+from qpage.quantizers.ggml_blocks import quantize_rows
 from qpage.quantizers.gptq import gptq_ggml
 from qpage.quantizers.pipeline import QuantizeReport, peak_rss, progress_bar
 
@@ -65,11 +65,8 @@ class _GgufSource:
         self.bytes_in = path.stat().st_size
 
     def read(self, name: str) -> torch.Tensor:
-        info = self.file.tensors[name]
-        data = self.file.data(name)
-        if info.ggml_type in FLOAT_TYPES:
-            return torch.from_numpy(data.astype(np.float32))
-        return GgufTensor(data, info.ggml_type, (info.shape[0], int(np.prod(info.shape[1:]))), name).dequantize()
+        value = tensor_value(self.file, self.file.tensors[name])
+        return value.dequantize() if isinstance(value, GgufTensor) else value
 
 
 class _HfSource:
