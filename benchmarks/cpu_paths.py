@@ -1,8 +1,8 @@
 """Which CPU path is fastest for each quantized scheme.
 
 Part 1, per layer: one quantized weight, y = x @ W at M rows, on every CPU path qpage has:
-- ``blocks (C)``: the weight written as Q4_0/Q4_1/Q8_0 blocks, int8 activations, qpage's C
-  kernels (``cpu-blocks``, the default in every dtype);
+- ``blocks (C)``: the weight written as Q4_0/Q4_1/Q8_0/Q8_M blocks, int8 activations (with a
+  residual level for Q8_M), qpage's C kernels (``cpu-blocks``, the default in every dtype);
 - ``fp32 dequant (BLAS)``: dequantized once to fp32, NumPy/OpenBLAS matmul (qpage's fp32 path);
 - ``bf16 dequant (torch)``: dequantized once to bf16, torch matmul;
 - ``bf16 packed``: torch's int4pack / int8pack kernel on the packed weight (for weights the
@@ -12,11 +12,12 @@ Part 1, per layer: one quantized weight, y = x @ W at M rows, on every CPU path 
 Shapes: the default model's (576 -> 960 fused qkv, 576 -> 3072 gate/up, 1536 -> 576 down)
 and two of Llama-3-8B (4096 -> 4096, 4096 -> 14336).
 
-Part 2, end to end on the default model: an RTN INT4 (g128, asym) and INT8 (per channel)
-checkpoint and the shipped Q4_1 GGUF, loaded with dtype float32 (packed on the block kernels;
-``dequantize_weights=True``; without qpage's C kernels, ``QPAGE_NATIVE=0``) and bfloat16 (and
-the dense model for scale): batch-1 decode tokens/s, the attention backend and the memory the
-linear weights take. Each configuration runs in its own
+Part 2, end to end on the default model: RTN INT4 (g128, asym) and INT8 (g128, symmetric:
+Q8_0 blocks, and asymmetric, the default: Q8_M) checkpoints and the shipped Q4_1 GGUF, loaded
+with dtype float32 (packed on the block kernels; ``dequantize_weights=True``; without qpage's
+C kernels, ``QPAGE_NATIVE=0``) and bfloat16 (and the dense model for scale): batch-1 decode
+tokens/s, the attention backend and the memory the linear weights take. Each configuration
+runs in its own
 process. FP8 has no CPU kernel (``_scaled_mm`` is 20-50x slower than fp32, docs/quantization.md):
 FP8 checkpoints dequantize, like the fp32 rows here.
 
@@ -41,7 +42,9 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 SHAPES = [("smol qkv", 576, 960), ("smol gate_up", 576, 3072), ("smol down", 1536, 576),
           ("8B o_proj", 4096, 4096), ("8B gate", 4096, 14336)]
-SCHEMES = [("int4 g128 asym", 4, 128, False), ("int4 g128 act-order", 4, 128, True), ("int8 channel", 8, 0, False)]
+SCHEMES = [("int4 g128 asym", 4, 128, False, False), ("int4 g128 act-order", 4, 128, True, False),
+           ("int8 g128 sym", 8, 128, False, True), ("int8 g128 asym", 8, 128, False, False)]
+"""(label, bits, group size, act-order, symmetric)."""
 
 
 def best_ms(fn: Callable[[], Any], reps: int) -> float:
@@ -54,10 +57,10 @@ def best_ms(fn: Callable[[], Any], reps: int) -> float:
     return 1000 * best
 
 
-def _weight_paths(k: int, n: int, bits: int, group: int, act: bool, g: torch.Generator
+def _weight_paths(k: int, n: int, bits: int, group: int, act: bool, sym: bool, g: torch.Generator
                   ) -> tuple[dict[str, Callable[[torch.Tensor], Any]], dict[str, int]]:
-    """One random weight on every path: the matmuls, and the bytes each holds. INT8 is
-    symmetric (zero 128), as qpage's INT8 schemes write it and the blocks hold it."""
+    """One random weight on every path: the matmuls, and the bytes each holds (``sym``: every
+    zero at 2^(bits-1))."""
     import numpy as np
 
     from qpage.kernels.cpu.matmul import int_blocks, native_gguf
@@ -67,14 +70,15 @@ def _weight_paths(k: int, n: int, bits: int, group: int, act: bool, g: torch.Gen
     gs = group or k
     groups = -(-k // gs)
     q = torch.randint(0, 2**bits, (k, n), generator=g)
-    z = (torch.full((groups, n), 128, dtype=torch.int64) if bits == 8
+    z = (torch.full((groups, n), 1 << (bits - 1), dtype=torch.int64) if sym
          else torch.randint(0, 2**bits, (groups, n), generator=g))
     s = (torch.rand(groups, n, generator=g) * 0.02 + 0.002).half()
     g_idx = (torch.randperm(k, generator=g) // gs).int() if act else None
     dense = dequantize_ref(pack_rows(q, bits), s, pack_cols(z, bits), g_idx, bits=bits, group_size=gs, in_features=k)
     w32, wbf = dense.contiguous().numpy(), dense.t().bfloat16().contiguous()
     packed: dict[torch.dtype, Any] = {}
-    for dt in (torch.bfloat16, torch.float16, torch.float32):
+    has_packed = bits == 4 or groups == 1  # torch's int8 kernel takes one scale per channel only
+    for dt in (torch.bfloat16, torch.float16, torch.float32) if has_packed else ():
         packed[dt] = cpu_packed.pack_int4(q, s, z, g_idx, gs, dt) if bits == 4 else cpu_packed.pack_int8(q, s, z, dt)
     mm = cpu_packed.int4_mm if bits == 4 else cpu_packed.int8_mm
     b = int_blocks.to_block_rows(q, s, z, g_idx, bits, gs)
@@ -88,8 +92,10 @@ def _weight_paths(k: int, n: int, bits: int, group: int, act: bool, g: torch.Gen
         "fp16 packed": lambda x: mm(x, packed[torch.float16]),
         "fp32 packed": lambda x: mm(x, packed[torch.float32]),
     }
-    nbytes = {"fp32 dequant": w32.nbytes, "bf16 dequant": 2 * k * n, "packed": packed[torch.bfloat16].nbytes(),
-              "blocks": blocks.weight_bytes()}
+    if not has_packed:
+        fns = {p: f for p, f in fns.items() if "packed" not in p}
+    nbytes = {"fp32 dequant": w32.nbytes, "bf16 dequant": 2 * k * n, "blocks": blocks.weight_bytes(),
+              "packed": packed[torch.bfloat16].nbytes() if has_packed else None}
     return fns, nbytes
 
 
@@ -103,8 +109,8 @@ def layer_rows(ms: list[int], reps: int, shapes: list[tuple[str, int, int]]) -> 
     g = torch.Generator().manual_seed(0)
     cases = []
     for shape, k, n in shapes:
-        for scheme, bits, group, act in SCHEMES:
-            fns, nbytes = _weight_paths(k, n, bits, group, act, g)
+        for scheme, bits, group, act, sym in SCHEMES:
+            fns, nbytes = _weight_paths(k, n, bits, group, act, sym, g)
             for m in ms:
                 x = torch.randn(m, k)
                 inputs = {"blocks (C)": x, "fp32 dequant (BLAS)": x, "bf16 dequant (torch)": x.bfloat16(),
@@ -115,7 +121,7 @@ def layer_rows(ms: list[int], reps: int, shapes: list[tuple[str, int, int]]) -> 
         for row, fns, inputs in cases:
             # torch's fp16 and fp32 packed paths are the slow ones (10-60x): timed at M=1 only
             slow = path in ("fp16 packed", "fp32 packed")
-            row[path] = None if slow and row["m"] != 1 else best_ms(
+            row[path] = None if (slow and row["m"] != 1) or path not in fns else best_ms(
                 lambda f=fns[path], x=inputs[path]: f(x), 3 if slow else reps)
     for row, _, _ in cases:
         print(_layer_line(row), flush=True)
@@ -162,7 +168,8 @@ def e2e_rows(tokens: int) -> list[dict[str, Any]]:
 
     work = Path(tempfile.mkdtemp(prefix="qpage-cpu-paths-"))
     models = {"dense": str(default_model_dir()), "gguf Q4_1": ""}
-    for name, scheme in (("int4 g128 asym", QuantScheme(4, 128, False)), ("int8 channel", QuantScheme(8, None, True))):
+    for name, scheme in (("int4 g128 asym", QuantScheme(4, 128, False)), ("int8 g128 sym", QuantScheme(8, 128, True)),
+                         ("int8 g128 asym", QuantScheme(8, 128, False))):
         out = work / name.replace(" ", "_")
         quantize_checkpoint(default_model_dir(), out, scheme, progress=False)
         models[name] = str(out)

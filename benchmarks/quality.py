@@ -1,10 +1,11 @@
 """Quantization quality on the default model: perplexity and mean KL against fp32, size and
 time of each qpage scheme, in domain and on a held-out domain.
 
-Protocol: calibration windows of ``--seq-len`` tokens from wikitext-2 ``valid.txt``
-(imatrix, GPTQ, AWQ); scored on the first ``--windows`` windows of wikitext-2 ``test.txt``
-(in domain) and the first ``--heldout-windows`` of ``--heldout`` (default ``python-docs``,
-Python's own reference text: technical prose and code, nothing like the calibration text).
+Protocol: calibration windows of ``--seq-len`` tokens from wikitext-2 ``valid.txt``, or a mix
+of texts (``--calib``, drawn evenly; imatrix, GPTQ, AWQ, SignRound); scored on the first ``--windows``
+windows of wikitext-2 ``test.txt`` (in domain) and the first ``--heldout-windows`` of
+``--heldout`` (default ``python-docs``, Python's own reference text: technical prose and code,
+nothing like wikitext).
 Every scheme is scored on the same windows in one run, next to the unquantized model (whose
 log-probabilities are kept on disk as fp16 for the KL column), and next to the peer tools
 that run here: GPTQModel 7.7 (quantizing on the same windows in its own process; its
@@ -38,10 +39,13 @@ SCHEMES = [
     ("int4-gptq g128 asym", "int4-gptq", 128, False, False),
     ("int4-gptq g128 asym act-order", "int4-gptq", 128, True, False),
     ("int4-awq g128 asym", "int4-awq", 128, False, False),
+    ("int4-signround g128 asym", "int4-signround", 128, False, False),
     ("int8-rtn channel", "int8-rtn", None, False, True),
     ("int8-rtn g128", "int8-rtn", 128, False, True),
     ("int8-rtn g32 (Q8_0's blocks)", "int8-rtn", 32, False, True),
     ("int8-rtn g32 asym", "int8-rtn", 32, False, False),
+    ("int8-rtn g128 asym", "int8-rtn", 128, False, False),
+    ("int8-rtn channel asym", "int8-rtn", None, False, False),
     ("int8-imatrix channel", "int8-imatrix", None, False, True),
     ("fp8 channel", "fp8", None, False, True),
     ("fp8 block 128x128", "fp8-block", None, False, True),
@@ -110,6 +114,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--windows", type=int, default=40, help="wikitext-2 test.txt windows")
     p.add_argument("--heldout", default="python-docs", help="held-out text: a file or python-docs")
     p.add_argument("--heldout-windows", type=int, default=12)
+    p.add_argument("--calib", nargs="+", default=None, metavar="TEXT",
+                   help="calibration texts, mixed evenly (default: wikitext-2 valid.txt); e.g. valid.txt python-source")
     p.add_argument("--data", default=str(DATA))
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "quality.json"))
     p.add_argument("--only", nargs="*", default=None, help="run only the schemes whose label contains one of these")
@@ -126,7 +132,7 @@ def save(args: argparse.Namespace, rows: list[dict[str, Any]], texts: dict[str, 
     path = Path(args.out)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(dict(samples=args.samples, seq_len=args.seq_len,
+    tmp.write_text(json.dumps(dict(samples=args.samples, seq_len=args.seq_len, calibration=calib_label(args),
                                    windows={k: len(v) for k, v in texts.items()}, rows=rows), indent=1))
     tmp.replace(path)
     return path
@@ -170,6 +176,9 @@ def run_peers(args: argparse.Namespace, src: Path, work: Path, scorer: Scorer, b
         print("GPTQModel is not installed: peer rows skipped (bash scripts/install_peers.sh installs it)",
               flush=True)
         return []
+    if args.calib:
+        print("peer rows skipped: the peer script calibrates on valid.txt only, not a --calib mix", flush=True)
+        return []
     rows = []
     for label, extra in PEERS:
         out = work / "peer"
@@ -193,7 +202,7 @@ def run_peers(args: argparse.Namespace, src: Path, work: Path, scorer: Scorer, b
 
 def print_table(args: argparse.Namespace, rows: list[dict[str, Any]], texts: dict[str, list[list[int]]]) -> None:
     base = rows[0]["scores"]
-    print(f"\ncalibration {args.samples} x {args.seq_len} (wikitext-2 valid.txt); scored on "
+    print(f"\ncalibration {args.samples} x {args.seq_len} ({calib_label(args)}); scored on "
           + ", ".join(f"{len(v)} x {args.seq_len} of {k}" for k, v in texts.items()))
     head = f"{'scheme':<34}"
     for k in texts:
@@ -217,11 +226,19 @@ def print_table(args: argparse.Namespace, rows: list[dict[str, Any]], texts: dic
         print(line + f" {r['size_bytes'] / 1e6:>8.1f} {r.get('quantize_seconds', 0):>7.0f}")
 
 
+def calib_label(args: argparse.Namespace) -> str:
+    from qpage.eval.texts import text_label
+
+    calib = getattr(args, "calib", None)
+    return " + ".join(text_label(c) for c in calib) if calib else "wikitext-2 valid.txt"
+
+
 def windows(src: Path, args: argparse.Namespace) -> tuple[list[list[int]], dict[str, list[list[int]]]]:
-    """(calibration windows of ``valid.txt``, the scored windows of each text) as the arguments say."""
+    """(calibration windows of ``valid.txt`` or the ``--calib`` mix, the scored windows of each
+    text) as the arguments say."""
     from transformers import AutoTokenizer
 
-    from qpage.eval.perplexity import token_windows
+    from qpage.eval.perplexity import mixed_windows, token_windows
     from qpage.eval.texts import text_label
 
     tok = AutoTokenizer.from_pretrained(str(src))
@@ -231,7 +248,8 @@ def windows(src: Path, args: argparse.Namespace) -> tuple[list[list[int]], dict[
         return token_windows(tok, text, args.seq_len, n, max_chars=200 * args.seq_len * n)
 
     heldout = getattr(args, "heldout", "python-docs")
-    return take(data / "valid.txt", args.samples), {"wikitext": take(data / "test.txt", args.windows),
+    calib = getattr(args, "calib", None) or [data / "valid.txt"]
+    return mixed_windows(tok, calib, args.seq_len, args.samples), {"wikitext": take(data / "test.txt", args.windows),
                                                      text_label(heldout): take(heldout, args.heldout_windows)}
 
 

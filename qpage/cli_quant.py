@@ -34,8 +34,9 @@ def add_parsers(sub: Any) -> None:
     q.add_argument("--gptq", action="store_true",
                    help="GGUF: GPTQ's error feedback inside the block formats (needs --calib). With --calib alone, "
                         "the block scales are weighted by the calibration inputs (llama.cpp's importance matrix)")
-    q.add_argument("--calib", default=None,
-                   help="calibration text (imatrix, GPTQ, AWQ): a file, e.g. wikitext-2 valid.txt, or python-docs")
+    q.add_argument("--calib", nargs="+", default=None, metavar="TEXT",
+                   help="calibration text (imatrix, GPTQ, AWQ): a file, e.g. wikitext-2 valid.txt, or a built-in "
+                        "(python-docs, python-source); several are mixed evenly")
     q.add_argument("--samples", type=int, default=128, help="calibration windows")
     q.add_argument("--shard-size", default="512MiB", help="output shard size (bounds the writer's buffer)")
     q.add_argument("--format", default="auto",
@@ -101,10 +102,10 @@ def _calibration(src: Path, args: argparse.Namespace) -> list[list[int]] | None:
         return None
     from transformers import AutoTokenizer
 
-    from qpage.eval.perplexity import token_windows
+    from qpage.eval.perplexity import mixed_windows
 
     tok = AutoTokenizer.from_pretrained(str(src))
-    return token_windows(tok, args.calib, args.seq_len, args.samples, max_chars=200 * args.seq_len * args.samples)
+    return mixed_windows(tok, args.calib, args.seq_len, args.samples)
 
 
 def cmd_quantize(args: argparse.Namespace) -> int:

@@ -37,6 +37,22 @@ def token_windows(tokenizer: Any, source: str | Path, window: int, count: int | 
     return out[:count] if count is not None else out
 
 
+def mixed_windows(tokenizer: Any, sources: list[str | Path] | tuple[str | Path, ...], window: int,
+                  count: int) -> list[list[int]]:
+    """``count`` windows drawn evenly from several texts (each source's first windows, taken in
+    turn), so that no one text decides a calibration. A source with too few windows gives
+    what it has and the others make up the count."""
+    if not sources:
+        raise ValueError("no calibration text given")
+    per = [token_windows(tokenizer, s, window, count, max_chars=200 * window * count) for s in sources]
+    out: list[list[int]] = []
+    for i in range(count):
+        for wins in per:
+            if i < len(wins) and len(out) < count:
+                out.append(wins[i])
+    return out
+
+
 @torch.inference_mode()
 def score_window(engine: Any, ids: list[int], chunk: int) -> torch.Tensor:
     """fp32 [len(ids) - 1, vocab]: log-softmax of the model's prediction of ids[1:]."""

@@ -9,20 +9,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 SCHEMES = ("int4-rtn", "int8-rtn", "int4-imatrix", "int8-imatrix", "int4-gptq", "int8-gptq", "int4-awq", "int8-awq",
-           "fp8", "fp8-block", "nf4")
+           "int4-signround", "int8-signround", "fp8", "fp8-block", "nf4")
 """What ``qpage quantize --scheme`` accepts. ``imatrix``: round to nearest on scales searched
 for the least error weighted by the calibration inputs' E[x^2] (llama.cpp's importance
-matrix); ``fp8``: E4M3 with per-channel scales; ``fp8-block``: 128x128 block scales;
-``nf4``: bitsandbytes' 4-bit NormalFloat, blocks of 64."""
-CALIBRATED = ("imatrix", "gptq", "awq")
+matrix); ``signround``: imatrix's grid, then rounding and scales learnt layer by layer by
+signed gradient steps on the layer's output (AutoRound's method); ``fp8``: E4M3 with
+per-channel scales; ``fp8-block``: 128x128 block scales; ``nf4``: bitsandbytes' 4-bit
+NormalFloat, blocks of 64."""
+CALIBRATED = ("imatrix", "gptq", "awq", "signround")
 """Methods that need calibration text."""
 
 
 def default_sym(bits: int) -> bool:
-    """The integer grid when none is asked for: asymmetric at 4 bits, where a zero point per
-    group measures clearly better (every kernel takes one), symmetric at 8 bits, where the
-    difference is within noise and the CPU's 8-bit blocks are symmetric."""
-    return bits != 4
+    """The integer grid when none is asked for: asymmetric (a zero point per group) at 4 and 8
+    bits, where it measures better on both texts and every kernel takes one (on CPU, Q4_1 and
+    Q8_M blocks; docs/quantization.md has the figures)."""
+    return bits not in (4, 8)
 
 
 @dataclass(frozen=True)

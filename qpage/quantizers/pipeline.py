@@ -253,6 +253,7 @@ def _calibrate(src: Path, scheme: QuantScheme, calib: list[list[int]] | None, pr
                          "(e.g. wikitext-2 valid.txt)")
     from qpage.quantizers import calibrate
     from qpage.quantizers.layer_source import ResultStore
+    from qpage.quantizers.signround import signround_calibrate
 
     bar = progress_bar(_num_layers(src), progress, f"{scheme.method} layers")
     step = (lambda i, n: bar.update(1)) if bar is not None else None
@@ -261,6 +262,8 @@ def _calibrate(src: Path, scheme: QuantScheme, calib: list[list[int]] | None, pr
             return calibrate.gptq_calibrate(src, scheme, calib, ResultStore(spill), on_layer=step), {}
         if scheme.method == "imatrix":
             return calibrate.imatrix_calibrate(src, scheme, calib, ResultStore(spill), on_layer=step), {}
+        if scheme.method == "signround":
+            return signround_calibrate(src, scheme, calib, ResultStore(spill), on_layer=step), {}
         return calibrate.awq_calibrate(src, scheme, calib, ResultStore(spill), on_layer=step)
     finally:
         if bar is not None:

@@ -6,9 +6,10 @@ byte pattern is a valid block; Q2_K, which the kernels hold as Q8_0, is compared
 reference is ``gguf.quants.dequantize`` (for bitsandbytes' NF4 and FP4 blocks, written by
 ``formats.bnb`` from random codes, d times the codebook as ``formats.bnb`` defines its int8
 form) times the activations as the kernel quantized them
-(codes x block scale), in fp64: the kernel's only differences are fp32 rounding and the
-order of additions, held to 1e-5 relative to the output's norm. Against the unquantized
-fp32 activations the int8 blocks cost more (amax/254 per element at most): held to 1e-2.
+(codes x block scale, plus the residual level's for the 8-bit formats), in fp64: the kernel's
+only differences are fp32 rounding and the order of additions, held to 1e-5 relative to the
+output's norm. Against the unquantized fp32 activations one int8 level costs more (amax/254 per
+element at most): held to 1e-2; two levels (amax/254^2): held to 1e-4.
 Every format runs on every instruction path this CPU has (others are skipped, by name).
 """
 
@@ -40,7 +41,7 @@ BNB_SHAPES = [(1, 70, 576), (3, 33, 128), (5, 64, 1536), (17, 40, 64), (2, 44, 1
 """The same in whole 64-weight bitsandbytes blocks."""
 K_SHAPES = [(1, 70, 512), (3, 33, 256), (5, 64, 1536), (17, 40, 768), (2, 16, 256), (75, 20, 256)]
 """The same for the 256-weight K-quant blocks."""
-TOL, TOL_FP32 = 1e-5, 1e-2
+TOL, TOL_FP32, TOL_FP32_RESIDUAL = 1e-5, 1e-2, 1e-4
 
 
 def isa_or_skip(isa: str) -> None:
@@ -66,12 +67,28 @@ def act_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def test_activation_quantization_matches_reference(m: int, k: int) -> None:
     x = activations(m, k, 0)
     x[2, :32] = 0  # an all-zero block: scale 0, codes 0
-    act = ng.quantize_activations(x)
+    act = ng.quantize_activations(x, residual=True)
     q, d = act_ref(x)
     assert torch.equal(act.q, q)
     assert torch.allclose(act.d.double(), d, rtol=1e-7, atol=0)
     sums = act.q.view(m, k // 32, 32).sum(-1).double()
     assert torch.allclose(act.s.double(), act.d.double() * sums, rtol=1e-6, atol=1e-6)
+    # The residual level: what the first leaves, quantized the same way. The kernel computes x - d q in
+    # fp32 and may fuse the multiply-add: the residual (~ amax / 254) then differs from torch's by an
+    # ulp of x, up to 254 * 2^-23 = 3e-5 of its own size.
+    assert act.r is not None and act.rd is not None and act.rs is not None
+    left = x - (act.q.float().view(m, k // 32, 32) * act.d[..., None]).view(m, k)
+    _, dr = act_ref(left)
+    assert torch.allclose(act.rd.double(), dr, rtol=5e-5, atol=0)
+    r_seen = act.r.double().view(m, k // 32, 32) * act.rd.double()[..., None]
+    ulp_x = x.double().abs().view(m, k // 32, 32) * 2.0**-23
+    miss = (left.double().view(m, k // 32, 32) - r_seen).abs() - act.rd.double()[..., None] / 2
+    assert bool((miss <= 2 * ulp_x + 1e-12).all())
+    assert torch.allclose(act.rs.double(), act.rd.double() * act.r.view(m, k // 32, 32).sum(-1).double(),
+                          rtol=1e-6, atol=1e-9)
+    one = ng.quantize_activations(x)
+    assert one.r is None and torch.equal(one.q, act.q) and torch.equal(one.s, act.s)
+    assert float((act.seen() - x.double()).abs().max()) <= float(x.abs().max()) / 254**2 * 1.01
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -83,13 +100,13 @@ def test_matmul_matches_gguf_dequantize(name: str, isa: str, shape: tuple[int, i
     m, n, k = shape
     rows, w = quantized_weight(name, n, k, seed=m + n + k)
     x = activations(m, k, seed=n)
-    act = ng.quantize_activations(x)
-    x_seen = (act.q.double().view(m, k // 32, 32) * act.d.double()[..., None]).view(m, k)
-    ref = x_seen @ w.double().t()
+    residual = ng.needs_residual(TYPES[name])
+    act = ng.quantize_activations(x, residual=residual)
+    ref = act.seen() @ w.double().t()
     out = torch.full((m, n), float("nan"))
     ng.matmul_into(out, act, ng.repack(rows, TYPES[name], k), isa=isa)
     assert rel_err(out, ref) < TOL
-    assert rel_err(out, x.double() @ w.double().t()) < TOL_FP32
+    assert rel_err(out, x.double() @ w.double().t()) < (TOL_FP32_RESIDUAL if residual else TOL_FP32)
 
 
 @pytest.mark.parametrize("name", TYPES)
@@ -97,7 +114,7 @@ def test_threads_and_paths_agree(name: str) -> None:
     """Splitting rows across threads changes no row's arithmetic: equal bit for bit."""
     rows, _ = quantized_weight(name, 200, 256, seed=3)  # k = 256 fits every format
     w = ng.repack(rows, TYPES[name], 256)
-    act = ng.quantize_activations(activations(7, 256, 3))
+    act = ng.quantize_activations(activations(7, 256, 3), residual=ng.needs_residual(TYPES[name]))
     one, two = torch.empty(7, 200), torch.empty(7, 200)
     ng.matmul_into(one, act, w, threads=1)
     ng.matmul_into(two, act, w, threads=2)
@@ -110,7 +127,7 @@ def test_paths_agree(name: str) -> None:
     k = 512 if name in K_QUANTS else 320 if name not in ("NF4", "FP4") else 384
     rows, _ = quantized_weight(name, 60, k, seed=4)
     w = ng.repack(rows, TYPES[name], k)
-    act = ng.quantize_activations(activations(5, k, 4))
+    act = ng.quantize_activations(activations(5, k, 4), residual=ng.needs_residual(TYPES[name]))
     outs = {}
     for isa in ISAS:
         if ng.isa_supported(isa):
@@ -142,13 +159,14 @@ def test_rows_dequantize_exactly(name: str) -> None:
 
 
 def test_pieces_of_mixed_formats_fill_their_columns() -> None:
-    """A fused projection whose parts are Q4_1, Q8_0 and fp32 (dense panels): one output, each part
-    in its columns, activations quantized once."""
+    """A fused projection whose parts are Q4_1, Q8_0, Q8_M and fp32 (dense panels): one output,
+    each part in its columns, activations quantized once (with the residual level, which only
+    the Q8_M part reads)."""
     k = 128
-    parts = [("Q4_1", 48), ("Q8_0", 16), ("F32", 20)]  # k = 128: no K-quant part
+    parts = [("Q4_1", 48), ("Q8_0", 16), ("Q8_M", 32), ("F32", 20)]  # k = 128: no K-quant part
     x = activations(3, k, 9)
-    act = ng.quantize_activations(x)
-    x_seen = (act.q.double().view(3, k // 32, 32) * act.d.double()[..., None]).view(3, k)
+    act = ng.quantize_activations(x, residual=True)
+    one_level = ng.QuantizedActivations(act.q, act.d, act.s).seen()
     pieces, refs, c0 = [], [], 0
     for i, (name, n) in enumerate(parts):
         if name == "F32":
@@ -158,10 +176,11 @@ def test_pieces_of_mixed_formats_fill_their_columns() -> None:
         else:
             rows, w = quantized_weight(name, n, k, seed=i)
             pieces.append((c0, c0 + n, ng.repack(rows, TYPES[name], k)))
-            refs.append(x_seen @ w.double().t())
+            refs.append((act.seen() if ng.needs_residual(TYPES[name]) else one_level) @ w.double().t())
         c0 += n
-    out = ng.PiecewiseMatmul(pieces, k, c0)(x)
-    assert rel_err(out, torch.cat(refs, 1)) < TOL
+    mm = ng.PiecewiseMatmul(pieces, k, c0)
+    assert mm.residual
+    assert rel_err(mm(x), torch.cat(refs, 1)) < TOL
     with pytest.raises(ValueError, match="do not tile"):
         ng.PiecewiseMatmul(pieces[:1] + pieces[2:], k, c0)
 
@@ -200,10 +219,15 @@ def test_unsupported_inputs_are_named() -> None:
 
 def test_block_table_read_from_c_states_the_file_formats() -> None:
     """The kernels' own table (C, read through ``block_types``) gives each ggml format's block
-    as gguf's table does; NF4 and FP4 sit on IQ4_NL's block; a packed block is never smaller."""
+    as gguf's table does; NF4 and FP4 sit on IQ4_NL's block, Q8_M is Q8_0's plus an fp16 m; a
+    packed block is never smaller."""
     types = ng.block_types()
     assert set(types) == set(TYPES.values()), types  # every format the tests run
+    q8 = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.Q8_0]
     for t, bt in types.items():
+        if t == ng.Q8_M:
+            assert (bt.weights, bt.file_bytes) == (q8[0], q8[1] + 2)
+            continue
         file_type = gguf.GGMLQuantizationType(ng.IQ4_NL if t in ng.NAMES else t)
         assert (bt.weights, bt.file_bytes) == gguf.GGML_QUANT_SIZES[file_type], t
         assert bt.packed_bytes >= bt.file_bytes, t

@@ -1,9 +1,9 @@
 """The whole decode step in one C call (``models.fused_decode``) against the Python layers it
-replaces, on the default model's GGUF, on a Q4_K_M file (Q4_K and Q6_K layers), and on an
-INT4 and an NF4 checkpoint written by ``qpage quantize`` (Q4_1 and NF4 blocks): the same kernels in the same
-order, so the tokens and their log-probabilities must be equal, bit for bit, over batches that
-hold several decode groups (sequences of different lengths) and rows. Bad step inputs are
-refused before C runs.
+replaces, on the default model's GGUF, on a Q4_K_M file (Q4_K and Q6_K layers), and on
+INT4, INT8 and NF4 checkpoints written by ``qpage quantize`` (Q4_1, Q8_M with its residual
+activation level, and NF4 blocks): the same kernels in the same order, so the tokens and
+their log-probabilities must be equal, bit for bit, over batches that hold several decode
+groups (sequences of different lengths) and rows. Bad step inputs are refused before C runs.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def run(llm: Any) -> list[Any]:
     return [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
-@pytest.fixture(scope="module", params=["default-gguf", "q4_k_m", "int4-rtn", "nf4"])
+@pytest.fixture(scope="module", params=["default-gguf", "q4_k_m", "int4-rtn", "int8-rtn", "nf4"])
 def fused_llm(request: pytest.FixtureRequest, gguf_llm: Any, llm_factory: Any, default_model_dir: Path,
               tmp_path_factory: pytest.TempPathFactory) -> Any:
     if request.param == "default-gguf":
@@ -47,7 +47,7 @@ def fused_llm(request: pytest.FixtureRequest, gguf_llm: Any, llm_factory: Any, d
     if request.param == "q4_k_m":
         return llm_factory(model=str(Q4_K_M), kv_cache_memory="16MiB")
     out = tmp_path_factory.mktemp("fused") / request.param
-    scheme = QuantScheme.parse("nf4") if request.param == "nf4" else QuantScheme(4, 128, False)
+    scheme = QuantScheme.parse(request.param)  # 4 and 8 bits: g128 asymmetric, the defaults
     quantize_checkpoint(default_model_dir, out, scheme, progress=False)
     return llm_factory(model=str(out))
 

@@ -147,12 +147,15 @@ def load() -> ctypes.CDLL | None:
             lib.qp_paged_decode_int.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _int, _int, _ptr, _i64, _i64,
                                                 _ptr, _ptr, _int, _int, _int, _int, _int, _float, _i64, _int]
             lib.qp_paged_decode_int.restype = _int
-            lib.qp_quantize_act.argtypes = [_ptr, _i64, _int, _int, _ptr, _ptr, _ptr, _int]
+            lib.qp_quantize_act.argtypes = [_ptr, _i64, _int, _int, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _int]
             lib.qp_quantize_act.restype = None
             lib.qp_gguf_repack.argtypes = [_int, _ptr, _i64, _int, _ptr, _i64, _int]
             lib.qp_gguf_repack.restype = _int
-            lib.qp_gguf_matmul.argtypes = [_int, _ptr, _i64, _int, _ptr, _ptr, _ptr, _int, _ptr, _i64, _int, _int]
+            lib.qp_gguf_matmul.argtypes = [_int, _ptr, _i64, _int, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _int, _ptr,
+                                           _i64, _int, _int]
             lib.qp_gguf_matmul.restype = _int
+            lib.qp_gguf_act_residual.argtypes = [_int]
+            lib.qp_gguf_act_residual.restype = _int
             lib.qp_gguf_dequant_rows.argtypes = [_int, _ptr, _i64, _int, _ptr, _i64, _ptr]
             lib.qp_gguf_dequant_rows.restype = _int
             lib.qp_gguf_block_type.argtypes = [_int, _ptr]

@@ -212,7 +212,7 @@ class TritonBlocks:
 
 
 class CpuIntBlocks:
-    """GPTQ/AWQ/compressed-tensors INT4/INT8 written once as Q4_0/Q4_1/Q8_0 blocks
+    """GPTQ/AWQ/compressed-tensors INT4/INT8 written once as Q4_0/Q4_1/Q8_0/Q8_M blocks
     (``kernels.cpu.matmul.int_blocks``) and run on the block kernels, act-order included."""
 
     name, schemes, looks_up = "cpu-blocks", ("int",), False
@@ -221,7 +221,7 @@ class CpuIntBlocks:
         if spec.dequantize:
             return DEQUANTIZE_ASKED
         return _blocks_reason(spec.device) or int_blocks.int_blocks_reason(
-            spec.bits, spec.group_size, spec.g_idx, spec.in_features, spec.symmetric)
+            spec.bits, spec.group_size, spec.g_idx, spec.in_features)
 
     def build(self, layer: Any, spec: LinearSpec) -> Built:
         b = int_blocks.to_block_rows(unpack_rows(layer.qweight, spec.bits, spec.in_features), layer.scales,

@@ -66,13 +66,24 @@ typedef struct {
     int64_t num_blocks;
 } qp_shape;
 
+/* Quantized activations: codes q [rows, k] and scales d, s [rows, k / 32]; the residual level's
+ * qr, dr, sr the same (act_residual). */
+typedef struct {
+    int8_t *q, *qr;
+    float *d, *s, *dr, *sr;
+} qp_act;
+
 /* out[rows, n] = x[rows, k] W^T (+ bias) over the projection's pieces. */
-static int project(const qp_proj *p, const float *x, int rows, int k, float *out, int64_t n, int8_t *q, float *d,
-                   float *s, int threads) {
-    qp_quantize_act(x, k, rows, k, q, d, s, threads);
+static int project(const qp_proj *p, const float *x, int rows, int k, float *out, int64_t n, const qp_act *a,
+                   int threads) {
+    int resid = 0;
+    for (int i = 0; i < p->num_pieces; i++) resid |= act_residual(p->pieces[i].type);
+    qp_quantize_act(x, k, rows, k, a->q, a->d, a->s, resid ? a->qr : NULL, resid ? a->dr : NULL,
+                    resid ? a->sr : NULL, threads);
     for (int i = 0; i < p->num_pieces; i++) {
         const qp_piece *c = p->pieces + i;
-        const int rc = qp_gguf_matmul(c->type, c->w, c->n, k, q, d, s, rows, out + c->col0, n, threads, 0);
+        const int rc = qp_gguf_matmul(c->type, c->w, c->n, k, a->q, a->d, a->s, resid ? a->qr : NULL,
+                                      resid ? a->dr : NULL, resid ? a->sr : NULL, rows, out + c->col0, n, threads, 0);
         if (rc != 0) return rc == -2 ? -3 : -1; /* -3: out of memory, as for the step's own scratch */
     }
     if (p->bias)
@@ -94,10 +105,12 @@ int qp_gguf_decode_layers(const qp_layer *layers, int num_layers, const qp_shape
     const int64_t k_max2 = k_max > q_n ? k_max : q_n;
     float *qkv = malloc(sizeof(float) * (size_t)(rows * widest));
     float *attn = malloc(sizeof(float) * (size_t)(rows * (q_n > inter ? q_n : inter)));
-    int8_t *aq = malloc((size_t)(rows * k_max2));
-    float *ad = malloc(sizeof(float) * (size_t)(rows * (k_max2 / 32 + 1)));
-    float *as = malloc(sizeof(float) * (size_t)(rows * (k_max2 / 32 + 1)));
-    int rc = (qkv && attn && aq && ad && as) ? 0 : -3;
+    /* Both levels' codes in one buffer, and the four scale arrays in another. */
+    const size_t codes = (size_t)rows * (size_t)k_max2, scales = (size_t)rows * (size_t)(k_max2 / 32 + 1);
+    int8_t *aq = malloc(2 * codes);
+    float *af = malloc(sizeof(float) * 4 * scales);
+    const qp_act act = {aq, aq + codes, af, af + scales, af + 2 * scales, af + 3 * scales};
+    int rc = (qkv && attn && aq && af) ? 0 : -3;
     const int64_t num_slots = sh->num_blocks * sh->block_size;
     for (int l = 0; l < num_layers && rc == 0; l++) {
         const qp_layer *L = layers + l;
@@ -107,7 +120,7 @@ int qp_gguf_decode_layers(const qp_layer *layers, int num_layers, const qp_shape
         } else {
             qp_add_rms_norm_f32(h, residual, L->in_norm, rows, hidden, sh->eps);
         }
-        if ((rc = project(&L->qkv, h, rows, hidden, qkv, qkv_n, aq, ad, as, sh->threads))) break;
+        if ((rc = project(&L->qkv, h, rows, hidden, qkv, qkv_n, &act, sh->threads))) break;
         if (qp_rope_f32(qkv, qkv_n, cos, sin, rows, sh->heads + sh->kv_heads, hd)) {
             rc = -1; /* a head size rotary cannot run */
             break;
@@ -126,16 +139,15 @@ int qp_gguf_decode_layers(const qp_layer *layers, int num_layers, const qp_shape
             rc = r == -2 ? -2 : r != 0 ? -3 : 0; /* the attention's -1: its scratch allocation failed */
         }
         if (rc) break;
-        if ((rc = project(&L->o, attn, rows, (int)q_n, h, hidden, aq, ad, as, sh->threads))) break;
+        if ((rc = project(&L->o, attn, rows, (int)q_n, h, hidden, &act, sh->threads))) break;
         qp_add_rms_norm_f32(h, residual, L->post_norm, rows, hidden, sh->eps);
-        if ((rc = project(&L->gate_up, h, rows, hidden, qkv, 2 * (int64_t)inter, aq, ad, as, sh->threads))) break;
+        if ((rc = project(&L->gate_up, h, rows, hidden, qkv, 2 * (int64_t)inter, &act, sh->threads))) break;
         qp_silu_mul_f32(qkv, 2 * (int64_t)inter, attn, rows, inter);
-        if ((rc = project(&L->down, attn, rows, inter, h, hidden, aq, ad, as, sh->threads))) break;
+        if ((rc = project(&L->down, attn, rows, inter, h, hidden, &act, sh->threads))) break;
     }
     free(qkv);
     free(attn);
     free(aq);
-    free(ad);
-    free(as);
+    free(af);
     return rc;
 }

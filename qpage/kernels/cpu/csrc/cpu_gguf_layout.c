@@ -49,11 +49,11 @@ int qp_gguf_repack(int type, const uint8_t *src, int64_t n, int k, uint8_t *dst,
                         out[at + 256 + 4 * j + u] = hb;
                     }
                 }
-                const int vecs = type == QT_Q8_0 ? 8 : 4;
+                const int vecs = is_q8(type) ? 8 : 4;
                 for (int c = 0; c < vecs; c++) {
                     uint32_t lane;
                     memcpy(&lane, qs + 4 * c, 4);
-                    if (type == QT_Q8_0) lane ^= 0x80808080u;
+                    if (is_q8(type)) lane ^= 0x80808080u;
                     memcpy(out + at + 64 * c + 4 * j, &lane, 4);
                 }
             }
@@ -87,12 +87,13 @@ int qp_gguf_dequant_rows(int type, const uint8_t *w, int64_t n, int k, const int
             const uint8_t *blk = w + (g * nb + b) * (int64_t)ROWS * bs;
             float *o = out + i * k + b * BLOCK;
             const float d = half_to_f32(rd16(blk + 2 * j));
-            if (type == QT_Q8_0) {
-                for (int t = 0; t < BLOCK; t++) o[t] = d * (float)((int)blk[at + 64 * (t / 4) + 4 * j + t % 4] - 128);
+            const float m = has_m(type) ? half_to_f32(rd16(blk + 32 + 2 * j)) : 0.0f;
+            if (is_q8(type)) {
+                for (int t = 0; t < BLOCK; t++)
+                    o[t] = d * (float)((int)blk[at + 64 * (t / 4) + 4 * j + t % 4] - 128) + m;
                 continue;
             }
             const int shift = type == QT_Q4_0 ? 8 : type == QT_Q5_0 ? 16 : 0;
-            const float m = has_m(type) ? half_to_f32(rd16(blk + 32 + 2 * j)) : 0.0f;
             for (int t = 0; t < 16; t++) {
                 const uint8_t q = blk[at + 64 * (t / 4) + 4 * j + t % 4];
                 const uint8_t h = is_q5(type) ? blk[at + 256 + 4 * j + t % 4] : 0;
@@ -106,8 +107,36 @@ int qp_gguf_dequant_rows(int type, const uint8_t *w, int64_t n, int k, const int
 
 /* ------------------------------------------------------------------ activations */
 
-/* x fp32 [m, k] (row stride ldx, k % 32 == 0) -> qx int8 [m, k], dx and xs float [m, k / 32]. */
-void qp_quantize_act(const float *x, int64_t ldx, int m, int k, int8_t *q, float *d, float *s, int threads) {
+/* One block of 32: codes q = round(x / dx), dx = amax / 127; returns dx (NaN for a block with a
+ * NaN or infinity, whose codes are then 0, so its outputs become NaN) and the codes' sum. */
+static inline float quantize_block(const float *x, int8_t *q, int *sum) {
+    float amax = 0.0f;
+    for (int j = 0; j < BLOCK; j++) {
+        const float a = x[j] < 0 ? -x[j] : x[j];
+        amax = (a > amax || a != a) ? a : amax; /* a NaN sticks */
+    }
+    if (!(amax <= 3.4e38f)) {
+        memset(q, 0, BLOCK);
+        *sum = 0;
+        return NAN;
+    }
+    const float inv = amax > 0 ? 127.0f / amax : 0.0f;
+    int total = 0; /* a local sum: through the pointer it could alias the codes and stop vectorizing */
+    for (int j = 0; j < BLOCK; j++) {
+        /* Round to nearest even by adding and subtracting 1.5 * 2^23 (vectorizes). */
+        const float v = (x[j] * inv + 12582912.0f) - 12582912.0f;
+        q[j] = (int8_t)v;
+        total += (int)v;
+    }
+    *sum = total;
+    return amax / 127.0f;
+}
+
+/* x fp32 [m, k] (row stride ldx, k % 32 == 0) -> qx int8 [m, k], dx and xs = dx sum(qx) float
+ * [m, k / 32]; with qr, dr and sr (else NULL) also the residual level: x - dx qx quantized the
+ * same way, its scales and scaled sums. */
+void qp_quantize_act(const float *x, int64_t ldx, int m, int k, int8_t *q, float *d, float *s, int8_t *qr, float *dr,
+                     float *sr, int threads) {
     const int nb = k / BLOCK;
     /* Rows split across `threads` for prefill-sized inputs (a row's blocks are independent). */
 #ifdef _OPENMP
@@ -118,27 +147,17 @@ void qp_quantize_act(const float *x, int64_t ldx, int m, int k, int8_t *q, float
     for (int r = 0; r < m; r++) {
         for (int b = 0; b < nb; b++) {
             const float *xb = x + r * ldx + b * BLOCK;
-            float amax = 0.0f;
-            for (int j = 0; j < BLOCK; j++) {
-                const float a = xb[j] < 0 ? -xb[j] : xb[j];
-                amax = (a > amax || a != a) ? a : amax; /* a NaN sticks */
-            }
-            int8_t *qb = q + (int64_t)r * k + b * BLOCK;
-            if (!(amax <= 3.4e38f)) { /* a NaN or infinity: no codes, and the block's outputs become NaN */
-                memset(qb, 0, BLOCK);
-                d[(int64_t)r * nb + b] = s[(int64_t)r * nb + b] = NAN;
-                continue;
-            }
-            const float inv = amax > 0 ? 127.0f / amax : 0.0f;
+            const int64_t at = (int64_t)r * k + b * BLOCK, bi = (int64_t)r * nb + b;
             int sum = 0;
-            for (int j = 0; j < BLOCK; j++) {
-                /* Round to nearest even by adding and subtracting 1.5 * 2^23 (vectorizes). */
-                const float v = (xb[j] * inv + 12582912.0f) - 12582912.0f;
-                qb[j] = (int8_t)v;
-                sum += (int)v;
-            }
-            d[(int64_t)r * nb + b] = amax / 127.0f;
-            s[(int64_t)r * nb + b] = amax / 127.0f * (float)sum;
+            const float dx = quantize_block(xb, q + at, &sum);
+            d[bi] = dx;
+            s[bi] = dx * (float)sum;
+            if (qr == NULL) continue;
+            float res[BLOCK];
+            for (int j = 0; j < BLOCK; j++) res[j] = xb[j] - dx * (float)q[at + j];
+            const float dxr = quantize_block(res, qr + at, &sum);
+            dr[bi] = dxr;
+            sr[bi] = dxr * (float)sum;
         }
     }
 }

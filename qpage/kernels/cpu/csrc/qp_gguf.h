@@ -9,8 +9,9 @@
 
 enum { QT_Q4_0 = 2, QT_Q4_1 = 3, QT_Q5_0 = 6, QT_Q5_1 = 7, QT_Q8_0 = 8, QT_Q4_K = 12, QT_Q5_K = 13, QT_Q6_K = 14,
        QT_IQ4_NL = 20, QT_IQ4_XS = 23,
-       /* Not ggml's: bitsandbytes' NF4 and FP4 codebooks on IQ4_NL's 32-weight layout (qpage's ids). */
-       QT_NF4 = 200, QT_FP4 = 201 };
+       /* Not ggml's (qpage's ids): bitsandbytes' NF4 and FP4 codebooks on IQ4_NL's 32-weight layout, and
+        * Q8_M, Q8_0's block with an fp16 m after d (w = d c + m, c int8: 8-bit codes with a zero point). */
+       QT_NF4 = 200, QT_FP4 = 201, QT_Q8_M = 202 };
 enum { ISA_AUTO = 0, ISA_SCALAR = 1, ISA_AVX2 = 2, ISA_VNNI = 3 };
 enum { BLOCK = 32, ROWS = 16, QK = 256 };
 /* Activation rows one call of a group function takes: each group's decoded codes serve that
@@ -30,6 +31,8 @@ typedef struct {
     int nb;           /* 32-weight blocks per row */
     const int8_t *xq;
     const float *xd, *xs;
+    const int8_t *xr;        /* the activations' residual codes [MT, k] (8-bit formats; NULL: none) */
+    const float *xrd, *xrs;  /* and their scales and scaled sums [MT, nb] */
     const int32_t *x16; /* sums of the codes per 16 weights, [MT, 2 nb] (Q6_K only, else NULL) */
     float *out;         /* out[r * ldo + j] for row j of the group */
     int64_t ldo;
@@ -85,6 +88,7 @@ static inline int block_bytes(int type) {
     case QT_Q5_0: return 22;
     case QT_Q5_1: return 24;
     case QT_Q8_0: return 34;
+    case QT_Q8_M: return 36;
     default: return 0;
     }
 }
@@ -120,14 +124,22 @@ static inline int64_t file_row_bytes(int type, int k) {
 /* The 32-weight formats whose 4-bit codes index a 16-value codebook (cpu_gguf_iq4.c). */
 static inline int is_codebook32(int type) { return type == QT_IQ4_NL || type == QT_NF4 || type == QT_FP4; }
 
-/* Formats with an m per block, and with a fifth (high) bit per weight. */
-static inline int has_m(int type) { return type == QT_Q4_1 || type == QT_Q5_1; }
+/* Formats with an m per block, with a fifth (high) bit per weight, and with 8-bit codes. */
+static inline int has_m(int type) { return type == QT_Q4_1 || type == QT_Q5_1 || type == QT_Q8_M; }
+static inline int is_q8(int type) { return type == QT_Q8_0 || type == QT_Q8_M; }
+
+/* Whether the format's matmul takes the activations with a residual level (qp_quantize_act). Q8_M
+ * holds qpage's own 8-bit checkpoints, meant to lose nothing: against 8-bit weights one int8
+ * level (amax / 254) is the larger rounding of the two, and a second level makes it negligible,
+ * for twice the integer products. Q8_0 keeps llama.cpp's one level, and its speed. */
+static inline int act_residual(int type) { return type == QT_Q8_M; }
 static inline int is_q5(int type) { return type == QT_Q5_0 || type == QT_Q5_1; }
 
 /* Where a group's 32-weight block keeps its codes (after d, and m). */
 static inline int codes_at(int type) { return has_m(type) ? 64 : 32; }
 
-/* The per-block offset factor o / d for the formats whose offset is a multiple of d. */
+/* The per-block offset factor o / d for the formats whose offset is a multiple of d (Q8_M: the part of
+ * its offset that is, m being added; Q8 codes are held + 128 in the kernels' layout). */
 static inline float offset_mul(int type) { return type == QT_Q4_0 ? -8.0f : type == QT_Q5_0 ? -16.0f : -128.0f; }
 
 
@@ -141,9 +153,11 @@ void qp_iq4_group_vnni(int type, const group_args *a, int mt);
 void qp_iq4xs_repack_row(const uint8_t *src, int k, uint8_t *group, int j);
 void qp_iq4_dequant_row(int type, const uint8_t *group, int k, int j, float *out);
 /* The entry points (cpu_gguf.c, cpu_gguf_layout.c), also called by cpu_decode.c. */
-void qp_quantize_act(const float *x, int64_t ldx, int m, int k, int8_t *q, float *d, float *s, int threads);
+void qp_quantize_act(const float *x, int64_t ldx, int m, int k, int8_t *q, float *d, float *s, int8_t *qr, float *dr,
+                     float *sr, int threads);
 int qp_gguf_matmul(int type, const uint8_t *w, int64_t n, int k, const int8_t *xq, const float *xd, const float *xs,
-                   int m, float *out, int64_t ldo, int threads, int isa);
+                   const int8_t *xr, const float *xrd, const float *xrs, int m, float *out, int64_t ldo, int threads,
+                   int isa);
 /* Q4_K and Q5_K (type says which). */
 void qp_q4k_repack_row(int type, const uint8_t *src, int k, uint8_t *group, int j);
 void qp_q4k_dequant_row(int type, const uint8_t *group, int k, int j, float *out);

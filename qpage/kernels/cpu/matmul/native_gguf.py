@@ -5,7 +5,9 @@ integer one (layout and math in the C file).
 
 Formats the kernels run, by ggml type id: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (``cpu_gguf.c``), Q4_K,
 Q5_K (``cpu_gguf_q4k.c``), Q6_K (``cpu_gguf_q6k.c``), IQ4_NL and IQ4_XS (``cpu_gguf_iq4.c``),
-and bitsandbytes' NF4 and FP4 written at load as IQ4_NL-style blocks (``formats.bnb``).
+bitsandbytes' NF4 and FP4 written at load as IQ4_NL-style blocks (``formats.bnb``), and Q8_M
+(qpage's 8-bit integer weights with a zero point, ``int_blocks``), whose activations carry a
+second, residual int8 level (``needs_residual``).
 ``isa`` picks the instruction path ("vnni", "avx2", "scalar"; "auto" is the best this CPU
 has); the paths agree up to the order of float additions. The reference is
 ``gguf.quants.dequantize`` and an fp32 matmul on the same int8-quantized activations
@@ -37,7 +39,10 @@ NF4, FP4 = 200, 201
 """qpage's ids (past ggml's) for bitsandbytes' 4-bit codebooks, on IQ4_NL's 32-weight block:
 an fp16 d = absmax / c, then the codes of weights j and j + 16 in byte j's low and high
 nibble; a weight is d times its codebook value times c, rounded (c in ``formats.bnb``)."""
-NAMES = {NF4: "NF4", FP4: "FP4"}
+Q8_M = 202
+"""qpage's id for Q8_0's block with an fp16 m after d (36 bytes: d, m, 32 int8 codes c;
+w = d c + m): integer weights with a zero point at 8 bits, as Q4_1 is at 4."""
+NAMES = {NF4: "NF4", FP4: "FP4", Q8_M: "Q8_M"}
 REWRITTEN = {Q2_K: Q8_0, Q3_K: Q6_K}
 """Formats the kernels run as another one, rewritten at load (``block_rewrite``)."""
 ISAS = {"auto": 0, "scalar": 1, "avx2": 2, "vnni": 3}
@@ -93,7 +98,7 @@ def unsupported_reason(ggml_type: int, k: int) -> str | None:
         return "the native CPU kernels are not loaded"
     if ggml_type not in types:
         return (f"ggml type {ggml_type} has no native kernel (those run: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, "
-                "Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, and bitsandbytes NF4/FP4)")
+                "Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, bitsandbytes NF4/FP4, and qpage's Q8_M)")
     size = types[ggml_type].weights
     if k % size:
         return f"rows of {k} weights are not whole {size}-weight blocks"
@@ -147,29 +152,58 @@ def repack(rows: torch.Tensor | np.ndarray | list[np.ndarray], ggml_type: int, k
     return PackedWeight(out, ggml_type, n, k)
 
 
+def needs_residual(ggml_type: int) -> bool:
+    """Whether the format's matmul takes the activations with a residual level (Q8_M: against
+    8-bit weights one int8 level is the larger rounding of the two; ``act_residual`` in C
+    decides)."""
+    lib = load()
+    return lib is not None and bool(lib.qp_gguf_act_residual(ggml_type))
+
+
 @dataclass
 class QuantizedActivations:
-    """x [m, k] as int8 blocks: codes q [m, k], scales d [m, k / 32], d * sum(codes) s."""
+    """x [m, k] as int8 blocks: codes q [m, k], scales d [m, k / 32], d * sum(codes) s; with a
+    residual level, x - d q as int8 blocks the same way (r, rd, rs), else None."""
 
     q: torch.Tensor
     d: torch.Tensor
     s: torch.Tensor
+    r: torch.Tensor | None = None
+    rd: torch.Tensor | None = None
+    rs: torch.Tensor | None = None
+
+    def seen(self) -> torch.Tensor:
+        """The activations the kernels multiply, in fp64 [m, k]."""
+        m, k = self.q.shape
+
+        def level(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+            return (q.double().view(m, k // BLOCK, BLOCK) * d.double()[..., None]).view(m, k)
+
+        return level(self.q, self.d) + (0 if self.r is None or self.rd is None else level(self.r, self.rd))
 
 
-def quantize_activations(x: torch.Tensor, threads: int | None = None) -> QuantizedActivations:
-    """fp32 x [m, k] (rows contiguous, k % 32 == 0) -> int8 blocks, per block amax / 127."""
+def quantize_activations(x: torch.Tensor, threads: int | None = None, residual: bool = False
+                         ) -> QuantizedActivations:
+    """fp32 x [m, k] (rows contiguous, k % 32 == 0) -> int8 blocks, per block amax / 127;
+    ``residual``: also the second level."""
     lib = load()
     assert lib is not None, "quantize_activations needs the native kernels; check load() first"
     m, k = x.shape
     if x.dtype != torch.float32 or x.device.type != "cpu" or x.stride(1) != 1 or k % BLOCK:
         raise ValueError(f"quantize_activations: needs fp32 rows of whole 32-blocks on cpu, got {tuple(x.shape)} "
                          f"{x.dtype} stride {x.stride()}")
-    q = torch.empty(m, k, dtype=torch.int8)
-    d = torch.empty(m, k // BLOCK, dtype=torch.float32)
-    s = torch.empty(m, k // BLOCK, dtype=torch.float32)
-    lib.qp_quantize_act(x.data_ptr(), x.stride(0), m, k, q.data_ptr(), d.data_ptr(), s.data_ptr(),
-                        threads or num_threads())
-    return QuantizedActivations(q, d, s)
+
+    def level() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return (torch.empty(m, k, dtype=torch.int8), torch.empty(m, k // BLOCK), torch.empty(m, k // BLOCK))
+
+    act = QuantizedActivations(*level(), *(level() if residual else (None, None, None)))
+    lib.qp_quantize_act(x.data_ptr(), x.stride(0), m, k, act.q.data_ptr(), act.d.data_ptr(), act.s.data_ptr(),
+                        *(_ptr_or_none(t) for t in (act.r, act.rd, act.rs)), threads or num_threads())
+    return act
+
+
+def _ptr_or_none(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
 
 
 def matmul_into(out: torch.Tensor, act: QuantizedActivations, w: PackedWeight, threads: int | None = None,
@@ -182,7 +216,8 @@ def matmul_into(out: torch.Tensor, act: QuantizedActivations, w: PackedWeight, t
         raise ValueError(f"gguf matmul: activations [{m}, {k}] and weight [{w.n}, {w.k}] need fp32 out [{m}, {w.n}] "
                          f"with contiguous rows, got {out.dtype} {tuple(out.shape)}")
     rc = lib.qp_gguf_matmul(w.ggml_type, w.data.data_ptr(), w.n, k, act.q.data_ptr(), act.d.data_ptr(),
-                            act.s.data_ptr(), m, out.data_ptr(), out.stride(0), threads or num_threads(), ISAS[isa])
+                            act.s.data_ptr(), *(_ptr_or_none(t) for t in (act.r, act.rd, act.rs)), m,
+                            out.data_ptr(), out.stride(0), threads or num_threads(), ISAS[isa])
     if rc != 0:
         raise MemoryError("gguf matmul: no memory for its scratch") if rc == -2 else ValueError(
             f"gguf matmul: the {isa} path cannot run on this CPU")
@@ -233,6 +268,8 @@ class PiecewiseMatmul:
         self.threads = threads or num_threads()
         self._packed = [(c0, w.ggml_type, w.data.data_ptr(), w.n) for c0, _, w in pieces if isinstance(w, PackedWeight)]
         self._dense = [(c0, c1, w) for c0, c1, w in pieces if not isinstance(w, PackedWeight)]
+        self.residual = any(needs_residual(t) for _, t, _, _ in self._packed)
+        """Whether the activations are quantized with their residual level (an 8-bit piece)."""
 
     def weight_bytes(self) -> int:
         return sum(w.data.numel() if isinstance(w, PackedWeight) else w.nbytes for _, _, w in self.pieces)
@@ -245,15 +282,19 @@ class PiecewiseMatmul:
         """(first column, end column, weight) of each dense fp32 piece."""
         return list(self._dense)
 
-    def _activation_buffers(self, m: int) -> tuple[torch.Tensor, int, int, int]:
-        """m rows of quantized activations in this thread's scratch, which every matmul shares
-        (each call quantizes its input and consumes it before returning)."""
+    def _activation_buffers(self, m: int) -> tuple[int, ...]:
+        """Addresses of m rows of quantized activations (q, d, s, then the residual's r, rd,
+        rs or None) in this thread's scratch, which every matmul shares (each call quantizes
+        its input and consumes it before returning)."""
+        levels = 2 if self.residual else 1
+        codes, scales = m * self.k, 4 * m * (self.k // BLOCK)
         buf = getattr(_SCRATCH, "buf", None)
-        need = m * self.k + 8 * m * (self.k // BLOCK)
+        need = levels * (codes + 2 * scales)
         if buf is None or buf.numel() < need:
             buf = _SCRATCH.buf = torch.empty(need, dtype=torch.uint8)
-        base = buf.data_ptr()
-        return buf, base, base + m * self.k, base + m * self.k + 4 * m * (self.k // BLOCK)
+        at = [buf.data_ptr() + i * (codes + 2 * scales) for i in range(levels)]
+        level = [(a, a + codes, a + codes + scales) for a in at]
+        return (*level[0], *(level[1] if self.residual else (None, None, None)))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         shape, dtype = x.shape, x.dtype
@@ -265,12 +306,12 @@ class PiecewiseMatmul:
         m = x2.shape[0]
         out = torch.empty(m, self.n, dtype=torch.float32)
         if self._packed:
-            _, q, d, s = self._activation_buffers(m)
+            act = self._activation_buffers(m)
             lib = self._lib
-            lib.qp_quantize_act(x2.data_ptr(), x2.stride(0), m, self.k, q, d, s, self.threads)
+            lib.qp_quantize_act(x2.data_ptr(), x2.stride(0), m, self.k, *act, self.threads)
             optr = out.data_ptr()
             for c0, t, w, n in self._packed:
-                rc = lib.qp_gguf_matmul(t, w, n, self.k, q, d, s, m, optr + 4 * c0, self.n, self.threads, 0)
+                rc = lib.qp_gguf_matmul(t, w, n, self.k, *act, m, optr + 4 * c0, self.n, self.threads, 0)
                 if rc != 0:
                     raise MemoryError("gguf matmul: no memory for its scratch") if rc == -2 else ValueError(
                         f"gguf matmul: ggml type {t} cannot run on this CPU")
