@@ -11,7 +11,7 @@ size (the target: under 40%). Prints a table and writes JSON.
 ``--scheme`` takes several schemes, each in its own child: qpage's schemes, or llama.cpp
 file types written as GGUF (``q4_k_m``; ``q4_k_m-imatrix`` with ``--calib``).
 
-With ``--calib FILE`` (imatrix, GPTQ, AWQ) the random model gets the default model's tokenizer and vocabulary
+With ``--calib FILE`` (imatrix, GPTQ, AWQ, SignRound) the random model gets the default model's tokenizer and vocabulary
 (49152, so 1.17B parameters) and calibrates on ``--samples`` windows of ``--seq-len`` tokens:
 calibration reads one decoder layer at a time and spills each layer's results to disk.
 
