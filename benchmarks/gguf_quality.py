@@ -91,7 +91,7 @@ def main() -> None:
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "gguf_quality.json"))
     args = p.parse_args()
     sys.path.insert(0, str(ROOT))
-    from qpage.engine.engine import load_tokenizer
+    from qpage.engine.tokenizers import load_tokenizer
     from qpage.eval.perplexity import token_windows
     from qpage.formats.gguf import default_gguf_path
 

@@ -92,8 +92,8 @@ def mask_cost(batch: int) -> dict[str, Any]:
     import xgrammar as xgr
 
     from qpage import StructuredOutputsParams
-    from qpage.engine.engine import eos_token_ids, load_tokenizer
     from qpage.engine.structured import GrammarCompiler, token_masks
+    from qpage.engine.tokenizers import eos_token_ids, load_tokenizer
     from qpage.models.loader import resolve_model_dir
     from qpage.runner.sampler import apply_bitmask
 
@@ -142,7 +142,7 @@ def libraries(args: argparse.Namespace) -> list[dict[str, Any]]:
     import llguidance.torch as llt
     import xgrammar as xgr
 
-    from qpage.engine.engine import load_tokenizer
+    from qpage.engine.tokenizers import load_tokenizer
     from qpage.models.loader import resolve_model_dir
 
     tok = load_tokenizer(resolve_model_dir(None))

@@ -92,7 +92,7 @@ def main() -> None:
         worker(args)
         return
 
-    from qpage.engine.engine import load_tokenizer
+    from qpage.engine.tokenizers import load_tokenizer
     from qpage.eval.perplexity import token_windows
     from qpage.models.loader import resolve_model_dir
 

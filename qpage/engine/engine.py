@@ -4,36 +4,30 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 import logging
 import time
 import weakref
 from collections import Counter
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, TypeVar, cast
 
 import torch
 
 from qpage.config import BLOCK_SIZE, EngineConfig
 from qpage.engine.detokenizer import IncrementalDetokenizer
-from qpage.engine.draft_model import DraftSource, ModelDrafter, check_tokenizers
-from qpage.engine.kv_cache import KVCacheManager
+from qpage.engine.draft_model import ModelDrafter, draft_source, make_drafter
+from qpage.engine.kv_cache import KVCacheManager, decide_max_model_len, plan_capacity
 from qpage.engine.metrics import EngineMetrics
 from qpage.engine.output_processor import OutputProcessor, ParentState
 from qpage.engine.outputs import CompletionOutput, RequestOutput
 from qpage.engine.request import Request, RequestStatus
 from qpage.engine.scheduler import Scheduler
-from qpage.engine.speculative import Drafter, NgramDrafter
 from qpage.engine.structured import GrammarCompiler, Guide, MaskBudget, token_masks
-from qpage.formats import gguf_model
-from qpage.formats.gguf_model import is_gguf
-from qpage.formats.gguf_reader import GgufFile
+from qpage.engine.tokenizers import eos_token_ids, load_tokenizer
 from qpage.layers.attention.kv_calibration import CALIBRATION_TEXT
 from qpage.layers.attention.kv_format import KVCacheSpec
 from qpage.layers.linear.block_linear import BlockLinear
 from qpage.layers.linear.embedding import Embedding
-from qpage.models.arch import ArchConfig
 from qpage.models.loader import read_arch_config, resolve_dtype, resolve_model_dir
 from qpage.models.sharding import check_parallel, plan_shards
 from qpage.parallel.comm import Collectives, TensorParallelError
@@ -45,42 +39,6 @@ from qpage.sampling_params import SamplingParams
 PromptType = str | dict[str, Any]
 T = TypeVar("T")
 log = logging.getLogger("qpage.engine")
-
-
-def load_tokenizer(model_dir: Path) -> Any:
-    if is_gguf(model_dir):
-        return gguf_model.load_tokenizer(GgufFile(model_dir))
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=False)
-    except Exception as e:
-        raise ValueError(
-            f"{model_dir}: could not load the tokenizer ({e}); the folder needs tokenizer.json "
-            "or tokenizer.model with tokenizer_config.json"
-        ) from e
-
-
-def eos_token_ids(model_dir: Path, tokenizer: Any) -> set[int]:
-    ids: set[int] = set()
-    gen = model_dir / "generation_config.json"
-    if is_gguf(model_dir):
-        ids.update(gguf_model.eos_token_ids(GgufFile(model_dir)))
-    elif gen.is_file():
-        eos = json.loads(gen.read_text()).get("eos_token_id")
-        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    if tokenizer.eos_token_id is not None:
-        ids.add(int(tokenizer.eos_token_id))
-    return ids
-
-
-def plan_capacity(arch: ArchConfig, spec: KVCacheSpec, budget: int,
-                  draft: DraftSource | None = None) -> tuple[int, int]:
-    """(blocks, bytes per block) that fit in a KV budget of ``budget`` bytes (scales counted);
-    with a draft model each block holds its K/V too."""
-    per_token = spec.bytes_per_token(arch.num_layers, arch.num_kv_heads, arch.head_dim)
-    block_bytes = (per_token + (draft.kv_bytes_per_token(spec) if draft is not None else 0)) * BLOCK_SIZE
-    return budget // block_bytes, block_bytes
 
 
 def check_prompt_ids(ids: object, max_model_len: int, vocab_size: int) -> None:
@@ -116,9 +74,11 @@ class LLMEngine:
         # Each rank holds its KV heads for every block: the blocks are sized for the rank with most.
         kv_heads = max(p.kv_heads[1] - p.kv_heads[0] for p in plan_shards(self.arch, tp))
         kv_arch = dataclasses.replace(self.arch, num_kv_heads=kv_heads)
-        self.draft = self._draft_source(tp)
-        num_blocks, block_bytes = plan_capacity(kv_arch, self.kv_spec, int(cc.kv_cache_memory), self.draft)
-        self.max_model_len = self._decide_max_model_len(num_blocks * BLOCK_SIZE, block_bytes)
+        self.draft = draft_source(config.speculative_config, self.model_dir, self.arch, tp, self.tokenizer)
+        draft_bytes = self.draft.kv_bytes_per_token(self.kv_spec) if self.draft is not None else 0
+        num_blocks, block_bytes = plan_capacity(kv_arch, self.kv_spec, int(cc.kv_cache_memory), draft_bytes)
+        self.max_model_len = decide_max_model_len(self.arch, mc.max_model_len, num_blocks * BLOCK_SIZE, block_bytes,
+                                                  cc.kv_cache_memory)
         self.kv = KVCacheManager(num_blocks, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.workers: Workers | None = None
@@ -131,7 +91,8 @@ class LLMEngine:
             self.model = self.runner.model
         else:
             self._start_ranks(setup)
-        self.drafter = self._make_drafter(num_blocks)
+        self.drafter = make_drafter(config.speculative_config, self.draft, setup, self.device, self.kv,
+                                    config.scheduler.max_num_batched_tokens)
         if self.kv_spec.centered:
             ids = self.tokenizer.encode(CALIBRATION_TEXT, add_special_tokens=False)[: min(512, self.max_model_len)]
             self._run_ranks(lambda: self.runner.calibrate_kv_shifts(ids))
@@ -152,42 +113,9 @@ class LLMEngine:
                 flush=True,
             )
 
-    def _draft_source(self, tp: int) -> DraftSource | None:
-        """The draft model the speculative config names, if any (its KV shares the blocks)."""
-        spec = self.config.speculative_config
-        if spec is None or spec.method != "draft_model":
-            return None
-        if tp > 1:
-            raise ValueError("speculative_config: a draft model runs with tensor_parallel_size=1 only; use "
-                             "{'method': 'ngram'} with tensor parallelism")
-        draft = DraftSource.resolve(spec, self.model_dir, self.arch)
-        if draft.requantize is None:
-            check_tokenizers(load_tokenizer(draft.path), self.tokenizer, draft.name)
-        return draft
-
-    def _make_drafter(self, num_blocks: int) -> Drafter | None:
-        spec = self.config.speculative_config
-        if spec is None:
-            return None
-        if self.draft is None:
-            return NgramDrafter(spec, self.max_model_len)
-        mc = self.config.model
-        runner = self.draft.build(self.dtype, self.device, self.max_model_len, num_blocks, self.kv_spec,
-                                  mc.attention_backend)
-        return ModelDrafter(spec, self.max_model_len, runner, self.kv,
-                            self.config.scheduler.max_num_batched_tokens, self.arch.vocab_size)
-
     def _speculative_note(self) -> str:
         """'; speculative decoding: ...' for the start line (empty without it)."""
-        if self.drafter is None:
-            return ""
-        k = self.drafter.config.num_speculative_tokens
-        if not isinstance(self.drafter, ModelDrafter) or self.draft is None:
-            return f"; speculative decoding: ngram, up to {k} tokens"
-        mib = sum(m.weight_bytes for m in self.drafter.runner.model.quant_linears()) / 2**20
-        kv = self.draft.kv_bytes_per_token(self.kv_spec)
-        return (f"; speculative decoding: draft {self.draft.name} ({self.draft.arch.num_layers} layers, "
-                f"{mib:.0f} MiB quantized, {kv} B/token of KV in each block), up to {k} tokens")
+        return "" if self.drafter is None else f"; speculative decoding: {self.drafter.describe()}"
 
     def _start_ranks(self, setup: RankSetup) -> None:
         """Start the tensor-parallel group: the workers build their parts while this process
@@ -265,30 +193,6 @@ class LLMEngine:
             note += (f" - {dequantized} layers dequantized: no packed kernel runs them (the 'qpage' logger says "
                      "why at DEBUG level)")
         return note
-
-    def _decide_max_model_len(self, capacity: int, block_bytes: int) -> int:
-        limit = self.arch.max_position_embeddings
-        if self.arch.sliding_window:
-            limit = min(limit, self.arch.sliding_window)
-        want = self.config.model.max_model_len
-        if want is None:
-            if capacity < 2:
-                raise ValueError(
-                    f"kv_cache_memory={self.config.cache.kv_cache_memory} holds no block of "
-                    f"{block_bytes} bytes; raise kv_cache_memory"
-                )
-            return min(limit, capacity)
-        if want > limit:
-            raise ValueError(
-                f"max_model_len={want} exceeds the model's limit of {limit} tokens; lower it"
-            )
-        if want > capacity:
-            need = -(-want // BLOCK_SIZE) * block_bytes
-            raise ValueError(
-                f"max_model_len={want} does not fit the KV cache, which holds {capacity} tokens; "
-                f"raise kv_cache_memory to at least {need} bytes or lower max_model_len"
-            )
-        return want
 
     # ------------------------------------------------------------------ input
     def _prompt_ids(self, prompt: PromptType, add_special_tokens: bool) -> tuple[str | None, list[int]]:
@@ -377,9 +281,11 @@ class LLMEngine:
         if guided:
             g_reqs = [cast(Request, s.request) for s in guided]
             masks, refused = token_masks([r.guide for r in g_reqs], self.arch.vocab_size,  # type: ignore[misc]
-                                         [r.parent_id for r in g_reqs], self.mask_budget)
-            for j, s in enumerate(guided):
-                s.token_mask = masks[j]
+                                         [r.parent_id for r in g_reqs], self.mask_budget,
+                                         [s.draft_token_ids for s in guided])
+            row = 0
+            for s in guided:  # its last token's row, then one per draft
+                s.token_mask, row = masks[row:row + 1 + len(s.draft_token_ids)], row + 1 + len(s.draft_token_ids)
         t0 = time.perf_counter()
         step = self._run_ranks(lambda: self.runner.execute(sched))
         seconds = time.perf_counter() - t0
@@ -399,16 +305,17 @@ class LLMEngine:
         reqs = cast(list[Request], step.sample_requests)
         res = step.sampled
         failed.update({reqs[i].parent_id: why for i, why in step.failed_rows.items()})
-        for req, t in zip(reqs, res.token_ids, strict=True):
-            if req.guide is not None and req.parent_id not in failed and not req.guide.accept(t):
-                failed[req.parent_id] = f"the structured-output grammar refused the sampled token {t}"
         emitted = Counter(r.request_id for r in reqs)
         self.scheduler.update(sched, emitted)
         now = time.monotonic()
         for i, req in enumerate(reqs):  # a request's kept draft tokens come in order, one row each
             if req.parent_id in failed or req.status.finished:
                 continue
-            req.append_token(res.token_ids[i])
+            t = res.token_ids[i]
+            if req.guide is not None and not req.guide.accept(t):  # one token at a time: it may end here
+                failed[req.parent_id] = f"the structured-output grammar refused the sampled token {t}"
+                continue
+            req.append_token(t)
             try:
                 stop_string = self.outputs.add_token(req, res, i, now)
             except Exception as e:
@@ -425,14 +332,10 @@ class LLMEngine:
     def _speculate(self, sched: SchedulerOutput, emitted: Counter[str]) -> None:
         """Count the step's verified drafts, then draft for every request about to decode."""
         assert self.drafter is not None
-        for s in sched.scheduled:
-            if s.draft_token_ids:
-                req, k = cast(Request, s.request), len(s.draft_token_ids)
-                accepted = emitted[req.request_id] - 1
-                self.drafter.record(req, k, accepted)
-                self.metrics.inc("spec_decode_num_drafts")
-                self.metrics.inc("spec_decode_num_draft_tokens", k)
-                self.metrics.inc("spec_decode_num_accepted_tokens", accepted)
+        drafts, tokens, accepted = self.drafter.verified(sched.scheduled, emitted)
+        self.metrics.inc("spec_decode_num_drafts", drafts)
+        self.metrics.inc("spec_decode_num_draft_tokens", tokens)
+        self.metrics.inc("spec_decode_num_accepted_tokens", accepted)
         self.drafter.propose([r for r in self.scheduler.running if r.num_computed_tokens == r.num_tokens - 1])
 
     def _finish_step(self, outs: list[RequestOutput], failed: dict[str, str],

@@ -11,10 +11,41 @@ from dataclasses import dataclass, field
 from qpage.config import BLOCK_SIZE
 from qpage.engine.block_pool import BlockPool, KVBlock
 from qpage.engine.request import Request
+from qpage.layers.attention.kv_format import KVCacheSpec
+from qpage.models.arch import ArchConfig
 
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def plan_capacity(arch: ArchConfig, spec: KVCacheSpec, budget: int, draft_bytes_per_token: int = 0) -> tuple[int, int]:
+    """(blocks, bytes per block) that fit in a KV budget of ``budget`` bytes (scales counted);
+    with a draft model each block holds its K/V too (``draft_bytes_per_token``)."""
+    per_token = spec.bytes_per_token(arch.num_layers, arch.num_kv_heads, arch.head_dim)
+    block_bytes = (per_token + draft_bytes_per_token) * BLOCK_SIZE
+    return budget // block_bytes, block_bytes
+
+
+def decide_max_model_len(arch: ArchConfig, want: int | None, capacity: int, block_bytes: int,
+                         budget: object) -> int:
+    """The context length: ``want`` (the user's max_model_len) checked against the model's limit
+    and the cache's ``capacity`` in tokens, or without one the smaller of the two; ValueError
+    naming both numbers and the fix (``budget``: kv_cache_memory as the user gave it)."""
+    limit = arch.max_position_embeddings
+    if arch.sliding_window:
+        limit = min(limit, arch.sliding_window)
+    if want is None:
+        if capacity < 2:
+            raise ValueError(f"kv_cache_memory={budget} holds no block of {block_bytes} bytes; raise kv_cache_memory")
+        return min(limit, capacity)
+    if want > limit:
+        raise ValueError(f"max_model_len={want} exceeds the model's limit of {limit} tokens; lower it")
+    if want > capacity:
+        need = cdiv(want, BLOCK_SIZE) * block_bytes
+        raise ValueError(f"max_model_len={want} does not fit the KV cache, which holds {capacity} tokens; "
+                         f"raise kv_cache_memory to at least {need} bytes or lower max_model_len")
+    return want
 
 
 @dataclass(slots=True)

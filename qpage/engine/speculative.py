@@ -17,13 +17,17 @@ drafts follows what it has been getting back.
 
 from __future__ import annotations
 
+import math
 import weakref
+from collections import Counter
+from typing import cast
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from qpage.config import SpeculativeConfig
 from qpage.engine.request import Request
+from qpage.runner.batch import ScheduledRequest
 
 
 def ngram_lookup(tokens: np.ndarray, lo: int, hi: int, k: int) -> list[int]:
@@ -43,15 +47,17 @@ def ngram_lookup(tokens: np.ndarray, lo: int, hi: int, k: int) -> list[int]:
 
 class SpeculationStats:
     """One request's drafted and accepted tokens, recent steps weighted most, plus half a
-    prior draft at rate 1/2, so that a request starts by drafting and, once it stops because its
-    drafts failed, slowly returns to trying (its evidence fades while it does not draft)."""
+    prior draft accepted at ``prior_rate``, so that a request starts by drafting and, once it
+    stops because its drafts failed, slowly returns to trying (its evidence fades while it does
+    not draft)."""
 
-    __slots__ = ("accepted", "drafted")
-    PRIOR_DRAFTED, PRIOR_ACCEPTED = 0.5, 0.25
+    __slots__ = ("accepted", "drafted", "prior_rate")
+    PRIOR_DRAFTED = 0.5
 
-    def __init__(self) -> None:
+    def __init__(self, prior_rate: float = 0.5) -> None:
         self.drafted = 0.0
         self.accepted = 0.0
+        self.prior_rate = prior_rate
 
     def record(self, drafted: int, accepted: int, decay: float = 0.9) -> None:
         self.drafted = self.drafted * decay + drafted
@@ -64,7 +70,8 @@ class SpeculationStats:
     @property
     def rate(self) -> float:
         """Estimated chance that a draft token is accepted."""
-        return (self.accepted + self.PRIOR_ACCEPTED) / (self.drafted + self.PRIOR_DRAFTED)
+        prior = self.PRIOR_DRAFTED
+        return (self.accepted + prior * self.prior_rate) / (self.drafted + prior)
 
 
 class StepCost:
@@ -72,14 +79,17 @@ class StepCost:
     what one more row costs. Marginal, not average: on a CPU a few rows cost little more than
     one (the weights are read once), while in a batch each row's arithmetic shows. The cost of
     a row at R rows is the slope of a least-squares line through the counts seen between R/2
-    and 2R + 2 (one count's noise does not decide); with fewer than two counts there, a row is
-    taken to cost ``PRIOR_ROW_SHARE`` of a one-row step."""
+    and the most a step of R requests may take (``span`` rows each; at least 2R + 2), so one
+    count's noise does not decide and the slope covers the rows drafts would add; with fewer
+    than two counts there, through the nearest counts; with fewer than two counts seen, a row
+    is taken to cost ``PRIOR_ROW_SHARE`` of a one-row step."""
 
     PRIOR_ROW_SHARE = 0.1
     FLOOR = 0.02
 
-    def __init__(self, weight: float = 0.2) -> None:
+    def __init__(self, weight: float = 0.2, span: int = 1) -> None:
         self.weight = weight
+        self.span = span
         self.seconds: dict[int, float] = {}
 
     def observe(self, rows: int, seconds: float) -> None:
@@ -90,9 +100,13 @@ class StepCost:
 
     def _fit(self, rows: int) -> tuple[float, float] | None:
         """(seconds per extra row, seconds of a step) at ``rows`` rows, from the line through
-        the counts between rows/2 and 2 rows + 2; None with fewer than two counts there."""
+        the counts in the window above, or, with fewer than two there, through the (at most
+        four) counts nearest it: a batch whose steps always carry drafts is seen only at larger
+        counts, and must still be judged. None with fewer than two counts seen."""
         r = max(rows, 1)
-        pts = [(x, t) for x, t in self.seconds.items() if r / 2 <= x <= 2 * r + 2]
+        pts = [(x, t) for x, t in self.seconds.items() if r / 2 <= x <= max(2 * r + 2, self.span * r)]
+        if len(pts) < 2:
+            pts = sorted(self.seconds.items(), key=lambda p: abs(math.log(p[0] / r)))[:4]
         if len(pts) < 2:
             return None
         n = len(pts)
@@ -134,22 +148,42 @@ class Drafter:
         self.config = config
         self.max_model_len = max_model_len
         self.stats: weakref.WeakKeyDictionary[Request, SpeculationStats] = weakref.WeakKeyDictionary()
-        self.cost = StepCost()
+        self.cost = StepCost(span=1 + config.num_speculative_tokens)
 
-    @staticmethod
-    def unfit_reason(req: Request) -> str | None:
-        """Why ``req`` does not speculate (None: it does)."""
-        if req.guide is not None:
-            return "a structured output's grammar does not check draft tokens"
-        return None
+    def describe(self) -> str:
+        """What drafts, for the start line."""
+        return f"ngram, up to {self.config.num_speculative_tokens} tokens"
+
+    def verified(self, scheduled: list[ScheduledRequest], emitted: Counter[str]) -> tuple[int, int, int]:
+        """Record each verifying request's drafted and kept tokens (``emitted``: tokens each
+        request kept this step, its own included); (verifying requests, drafts, accepted)."""
+        counts = [0, 0, 0]
+        for s in scheduled:
+            if s.draft_token_ids:
+                k = len(s.draft_token_ids)
+                accepted = emitted[s.request.request_id] - 1
+                self.record(cast(Request, s.request), k, accepted)
+                counts = [counts[0] + 1, counts[1] + k, counts[2] + accepted]
+        return counts[0], counts[1], counts[2]
+
+    def prior_rate(self) -> float:
+        """A new request's expected acceptance before its own drafts are checked: one half
+        (n-gram drafts are right for one request and wrong for the next)."""
+        return 0.5
+
+    def request_stats(self, req: Request) -> SpeculationStats:
+        stats = self.stats.get(req)
+        if stats is None:
+            stats = self.stats[req] = SpeculationStats(self.prior_rate())
+        return stats
 
     def record(self, req: Request, drafted: int, accepted: int) -> None:
-        self.stats.setdefault(req, SpeculationStats()).record(drafted, accepted)
+        self.request_stats(req).record(drafted, accepted)
 
     def draft_length(self, req: Request, threshold: float) -> int:
         """Tokens to draft for ``req``: while rate**i > ``threshold``, at most
         ``num_speculative_tokens`` and none past its ``max_tokens`` or the context limit."""
-        stats = self.stats.setdefault(req, SpeculationStats())
+        stats = self.request_stats(req)
         rate = min(stats.rate, 0.99)
         k = 0
         p = rate
@@ -162,8 +196,12 @@ class Drafter:
         return max(0, min(k, room))
 
     def lengths(self, reqs: list[Request], threshold: float) -> list[int]:
-        """``draft_length`` of each request, 0 for those unfit to speculate."""
-        return [self.draft_length(r, threshold) if self.unfit_reason(r) is None else 0 for r in reqs]
+        return [self.draft_length(r, threshold) for r in reqs]
+
+    @staticmethod
+    def grammar_checked(req: Request, tokens: list[int]) -> list[int]:
+        """``tokens`` up to the first that ``req``'s grammar refuses (all without one)."""
+        return tokens if req.guide is None else tokens[: req.guide.allowed_prefix(tokens)]
 
     def propose(self, reqs: list[Request]) -> None:
         raise NotImplementedError
@@ -181,4 +219,5 @@ class NgramDrafter(Drafter):
                 req.draft_token_ids = []
                 continue
             tokens = np.asarray(req.all_token_ids, dtype=np.int64)
-            req.draft_token_ids = ngram_lookup(tokens, c.prompt_lookup_min or 1, c.prompt_lookup_max or 1, k)
+            drafts = ngram_lookup(tokens, c.prompt_lookup_min or 1, c.prompt_lookup_max or 1, k)
+            req.draft_token_ids = self.grammar_checked(req, drafts)

@@ -14,10 +14,12 @@ past ``MAX_CONSTRAINT_CHARS``, ``MAX_SCHEMA_DEPTH`` or ``schema_check.MAX_REPEAT
 their compile time grows without bound.
 
 Matching: each sequence gets a ``Guide`` (its matcher). Before a step the engine writes every
-constrained sampling row's allowed tokens (``token_masks``) into the scheduler's output; the
-runner's sampler masks the batch with them in one operation; the engine feeds each sampled
-token back (``Guide.accept``). A preempted request keeps its tokens (preemption
-recomputes the cache), so its matcher stays where it is: nothing to roll back.
+constrained sampling row's allowed tokens (``token_masks``) into the scheduler's output, with
+speculative decoding one row per draft token too (the tokens allowed after it); the runner's
+sampler masks the batch with them in one operation; the engine feeds each kept token back
+(``Guide.accept``); drafters cut a draft at its first token the grammar refuses. A preempted
+request keeps its tokens (preemption recomputes the cache), so its matcher stays where it
+is: nothing to roll back.
 """
 
 from __future__ import annotations
@@ -254,18 +256,45 @@ class GrammarCompiler:
 
 
 class Guide:
-    """One sequence's matcher: which tokens may come next, advanced by the sampled ones."""
+    """One sequence's matcher: which tokens may come next, advanced by the sampled ones. Draft
+    tokens are checked and masked ahead of the state (``allowed_prefix``, ``fill`` with
+    drafts) and rolled back: the state moves only by tokens the engine keeps."""
 
     def __init__(self, compiled: Any) -> None:
         self.matcher = _xgrammar().GrammarMatcher(compiled)
 
-    def fill(self, bitmask: torch.Tensor, row: int) -> None:
-        """Write this sequence's allowed tokens into ``bitmask[row]``."""
+    def fill(self, bitmask: torch.Tensor, row: int, drafts: list[int] | tuple[int, ...] = ()) -> None:
+        """Write this sequence's allowed tokens into ``bitmask[row]`` and, with ``drafts``, the
+        tokens allowed after each draft into the rows after it (rows past a draft the grammar
+        refuses, or past its end, are left as they are: no sampled token there is kept)."""
         self.matcher.fill_next_token_bitmask(bitmask, row)
+        taken = 0
+        for t in drafts:
+            if self.matcher.is_terminated() or not self.matcher.accept_token(t):
+                break
+            taken += 1
+            if not self.matcher.is_terminated():
+                self.matcher.fill_next_token_bitmask(bitmask, row + taken)
+        self.rollback(taken)
 
     def accept(self, token: int) -> bool:
         """Advance by ``token``; False if the grammar does not allow it (the state is unchanged)."""
         return bool(self.matcher.accept_token(token))
+
+    def rollback(self, tokens: int) -> None:
+        """Undo the last ``tokens`` accepted ones."""
+        if tokens:
+            self.matcher.rollback(tokens)
+
+    def allowed_prefix(self, tokens: list[int]) -> int:
+        """How many leading ``tokens`` the grammar allows from here (the state is unchanged)."""
+        n = 0
+        for t in tokens:
+            if self.matcher.is_terminated() or not self.matcher.accept_token(t):
+                break
+            n += 1
+        self.rollback(n)
+        return n
 
     @property
     def terminated(self) -> bool:
@@ -274,27 +303,32 @@ class Guide:
 
 
 def token_masks(guides: list[Guide], vocab_size: int, owners: list[str] | None = None,
-                budget: MaskBudget | None = None) -> tuple[torch.Tensor, dict[str, str]]:
-    """([len(guides), ceil(vocab_size / 32)] int32, requests to end with why). Row j holds the
-    tokens ``guides[j]`` allows next (bit k of word w = token 32w + k), for the sampler
-    (``runner.sampler.apply_bitmask``). ``owners[j]`` names the request of row j. A request
-    is ended, as its client's error, once its rows have taken more than ``budget`` together
-    (its remaining rows are left unfilled: all tokens allowed), or when a row allows no token:
-    the text so far can only go on with characters no token of the vocabulary produces."""
-    bitmask = torch.full((len(guides), -(-vocab_size // 32)), -1, dtype=torch.int32)
+                budget: MaskBudget | None = None,
+                drafts: list[list[int]] | None = None) -> tuple[torch.Tensor, dict[str, str]]:
+    """([rows, ceil(vocab_size / 32)] int32, requests to end with why): for each guide in turn,
+    1 + len(drafts[j]) consecutive rows (one without drafts), the tokens it allows next and
+    after each of its drafts (``Guide.fill``), for the sampler (``runner.sampler.apply_bitmask``;
+    bit k of word w = token 32w + k). ``owners[j]`` names the request of guide j. A request is
+    ended, as its client's error, once its rows have taken more than ``budget`` together (its
+    remaining rows are left unfilled: all tokens allowed), or when its first row allows no
+    token: the text so far can only go on with characters no token of the vocabulary produces."""
+    drafts = drafts or [[] for _ in guides]
+    bitmask = torch.full((sum(1 + len(d) for d in drafts), -(-vocab_size // 32)), -1, dtype=torch.int32)
     bound = math.inf if budget is None else budget.seconds
     spent: dict[str, float] = {}
     ended: dict[str, str] = {}
-    for j, g in enumerate(guides):
+    row = 0
+    for j, (g, d) in enumerate(zip(guides, drafts, strict=True)):
         owner = owners[j] if owners is not None else ""
+        first, row = row, row + 1 + len(d)
         if owner in ended:
             continue
         t0 = time.perf_counter()
-        g.fill(bitmask, j)
+        g.fill(bitmask, first, d)
         spent[owner] = spent.get(owner, 0.0) + time.perf_counter() - t0
         if spent[owner] > bound:
             ended[owner] = budget.refusal(spent[owner])  # type: ignore[union-attr]
-        elif not bitmask[j].any():
+        elif not bitmask[first].any():
             ended[owner] = ("its constraint allows no token after the text so far: it goes on only with "
                             "characters that no token of this model's vocabulary produces; remove them from it")
     return bitmask, ended

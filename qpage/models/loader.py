@@ -128,8 +128,9 @@ def load_model(
 ) -> torch.nn.Module:
     """The model with its weights, kernels chosen; with ``rank`` (a split model), this rank's
     part of it, its split layers wrapped in their collectives. ``requantize`` (a format of
-    ``gguf_model.REQUANT_TYPES``): every linear and the embedding are requantized to that block
-    format as they are read, from float or GGUF weights (a ``self:`` draft model)."""
+    ``gguf_model.REQUANT_TYPES``): every linear is requantized to that block format as it is
+    read, from float or GGUF weights, the embedding and output head to ``gguf_model.HEAD_FORMAT`` (a
+    ``self:`` draft model)."""
     if requantize is not None:
         arch = dataclasses.replace(arch, quantization={"quant_method": "gguf"})
     cls = model_class(arch.architecture)
@@ -142,7 +143,7 @@ def load_model(
     else:
         tensors = iter_tensors(weight_files(model_dir, allow_pickle), lazy=rank is not None)
     if requantize is not None:
-        tensors = requantized(tensors, set(model.quant_targets()), requantize)
+        tensors = requantized(tensors, set(model.quant_targets()), requantize, {"model.embed_tokens", "lm_head"})
     model.load_weights(tensors, parts)
     model.to_device(device)
     model.prepare(dequantize_weights)

@@ -63,8 +63,9 @@ class ScheduledRequest:
     """Speculative decoding: guessed tokens computed after the request's last one (counted in
     ``num_tokens``); every row of the chunk is sampled and the longest agreeing prefix kept."""
     token_mask: torch.Tensor | None = None
-    """Constrained sampling rows: the tokens its grammar allows next, int32 words (bit k of
-    word w = token 32w + k), set by the engine before the step; None when unconstrained."""
+    """Constrained sampling: [1 + len(draft_token_ids), words] int32, the tokens its grammar
+    allows next and after each draft token (bit k of word w = token 32w + k), set by the engine
+    before the step; None when unconstrained."""
 
 
 @dataclass

@@ -34,7 +34,8 @@ MASKED_LOGPROB = -9999.0
 """The processed log-probability reported for a token that penalties or masks forbid (vLLM's floor)."""
 
 Masks = list[torch.Tensor | None]
-"""Per row, the allowed tokens as int32 words (``batch.ScheduledRequest.token_mask``) or None."""
+"""Per sampled row, the allowed tokens as int32 words or None (``verify`` takes per request
+``batch.ScheduledRequest.token_mask``: one such row for its last token and each draft)."""
 
 
 class Sampler:
@@ -78,7 +79,7 @@ class Sampler:
         states = []
         for r, d, m in zip(reqs, drafts, masks, strict=True):
             rows.extend(with_drafts(r, d[:j]) if j else r for j in range(len(d) + 1))
-            row_masks.extend([m] * (len(d) + 1))
+            row_masks.extend([None] * (len(d) + 1) if m is None else list(m[: len(d) + 1]))
             states.append(r.rng.getstate() if d and r.rng is not None and not r.params.greedy else None)
         res, failed = self.sample(logits, rows, row_masks)
         kept_reqs: list[Sequence] = []

@@ -3,13 +3,15 @@
 Greedy requests give the same tokens and logprobs (the CPU kernels are batch-invariant, so a
 draft row's logits are the bits a one-row decode gives), on the default model packed and
 dequantized, for a batch of mixed prompts and under a KV budget that forces preemption;
-seeded sampled requests give the same tokens too (the sampler rewinds their streams); unseeded
+seeded sampled requests give the same tokens too (the sampler rewinds their streams), and so
+do constrained requests (their grammar checks and masks the drafts); unseeded
 sampling keeps the model's distribution (a chi-square fit to transformers' exact distribution,
 on a tiny model)."""
 
 from __future__ import annotations
 
 import inspect
+import json
 from pathlib import Path
 from typing import Any
 
@@ -17,9 +19,10 @@ import numpy as np
 import pytest
 import torch
 
-from qpage import LLM, SamplingParams
+from qpage import LLM, SamplingParams, StructuredOutputsParams
 from qpage.config import SpeculativeConfig
 from qpage.engine import scheduler as scheduler_module
+from qpage.engine.draft_model import catch_up_pays
 from qpage.engine.request import Request
 from qpage.engine.speculative import NgramDrafter, StepCost, ngram_lookup
 
@@ -89,6 +92,26 @@ def test_config_names_its_errors() -> None:
             SpeculativeConfig.parse(bad)
 
 
+def test_a_catch_up_is_paid_for_only_by_enough_kept_drafts() -> None:
+    # rate 0.9, k 4: 3.10 tokens kept a step for 4 x 0.35 = 1.4 tokens of cost; 100 tokens left
+    # take 24.4 steps, saving 1.70 x 24.4 = 41.4 tokens' time: a catch-up of 40 tokens' time pays.
+    assert catch_up_pays(0.9, 4, 0.35, 100, 0.01, 0.40)
+    assert not catch_up_pays(0.9, 4, 0.35, 100, 0.01, 0.45)
+    assert not catch_up_pays(0.9, 4, 0.35, 10, 0.01, 0.05)  # too few tokens left to win it back
+    assert not catch_up_pays(0.5, 2, 0.6, 1000, 0.01, 0.0)  # drafts that do not pay for their rows
+
+
+def test_step_cost_judges_counts_it_has_not_seen() -> None:
+    """A batch whose steps always carry drafts is seen at more rows than it has requests: the
+    slope comes from the counts drafts would reach, or the nearest ones."""
+    for span in (5, 1):  # the counts drafts would reach (16 to 80 rows), or the nearest ones
+        cost = StepCost(span=span)
+        for rows, ms in ((55, 120.0), (60, 125.0), (75, 140.0), (80, 145.0)):
+            cost.observe(rows, ms / 1000)
+        assert abs(cost.step_seconds(16) - 0.081) < 1e-9  # 1 ms a row over 65 ms, extrapolated to 16
+        assert abs(cost.row_share(16) - 16 / 81) < 1e-9
+
+
 def test_draft_model_needs_the_targets_vocabulary(peaked_tiny_llama: Path) -> None:
     with pytest.raises(ValueError, match="its vocabulary has 24 tokens, the target's 49152"):
         LLM(log_stats=False, speculative_config={"model": str(peaked_tiny_llama)})
@@ -137,6 +160,35 @@ def test_greedy_outputs_equal_without_speculation(dequantize: bool, spec: dict[s
             assert accepted > 0.4 * drafted, m
         if kv != "1GiB":
             assert m["qpage:num_preemptions_total"] > 0
+
+
+RECORD = {"id": 4172, "name": "Ada Lovelace", "born": 1815, "notes": ["first program", "Analytical Engine"]}
+RECORD_SCHEMA = {"type": "object", "required": ["id", "name", "born", "notes"], "properties": {
+    "id": {"type": "integer"}, "name": {"type": "string"}, "born": {"type": "integer"},
+    "notes": {"type": "array", "items": {"type": "string"}}}}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", [NGRAM, DRAFT], ids=["ngram", "draft"])
+@pytest.mark.usefixtures("always_draft")
+def test_constrained_requests_speculate_exactly(spec: dict[str, Any]) -> None:
+    """A constrained request's drafts are cut at the first token its grammar refuses, and each
+    draft row is masked by the grammar's state after the drafts before it: greedy and seeded
+    sampled outputs equal those without speculation, and drafts are kept."""
+    so = StructuredOutputsParams
+    prompts = [f"Return this JSON object exactly, nothing else: {json.dumps(RECORD)}\n",
+               f"Copy this record as JSON: {json.dumps(RECORD)}", "Write 'ab' many times:", "Describe a cat."]
+    params = [SamplingParams(temperature=0, max_tokens=64, structured_outputs=so(json=RECORD_SCHEMA)),
+              SamplingParams(temperature=0.8, seed=5, max_tokens=64, structured_outputs=so(json=RECORD_SCHEMA)),
+              SamplingParams(temperature=0, max_tokens=24, structured_outputs=so(regex=r"(ab ){2,12}(done)?")),
+              SamplingParams(temperature=0, max_tokens=24, structured_outputs=so(choice=["a small cat", "a cat"]))]
+    want = _tokens(LLM(log_stats=False, max_model_len=512).generate(prompts, params, use_tqdm=False))
+    llm = LLM(log_stats=False, max_model_len=512, speculative_config=spec)
+    got = _tokens(llm.generate(prompts, params, use_tqdm=False))
+    assert got == want
+    m = llm.get_metrics()
+    assert 10 < m["qpage:spec_decode_num_accepted_tokens"] < m["qpage:spec_decode_num_draft_tokens"], m
+    json.loads(got[0][0][1])  # the constraint held
 
 
 @pytest.mark.slow

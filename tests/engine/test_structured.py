@@ -15,7 +15,7 @@ import torch
 import xgrammar as xgr
 
 from qpage import GuidedDecodingParams, SamplingParams, StructuredOutputsParams
-from qpage.engine.structured import check_constraint, choice_grammar, token_masks
+from qpage.engine.structured import Guide, check_constraint, choice_grammar, token_masks
 from qpage.runner.sampler import apply_bitmask
 
 CHAT = [{"role": "user", "content": "Describe a person as JSON."}]
@@ -190,7 +190,7 @@ class _FixedGuide:
     def __init__(self, words: torch.Tensor) -> None:
         self.words = words
 
-    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+    def fill(self, bitmask: torch.Tensor, row: int, drafts: list[int] | tuple[int, ...] = ()) -> None:
         bitmask[row] = self.words
 
 
@@ -211,3 +211,30 @@ def test_token_masks_applied_as_xgrammar_applies_them(vocab: int) -> None:
     xgr.apply_token_bitmask_inplace(ref, full)
     assert torch.equal(ours, ref)
     assert torch.equal(ours[[1, 4]], logits[[1, 4]])  # free rows untouched, bit for bit
+
+
+def test_guide_masks_and_checks_drafts_without_moving(llm: Any, tokenizer: Any) -> None:
+    """A draft's rows are the masks after each draft token in turn, a refused token cuts the
+    allowed prefix there, and neither moves the matcher."""
+    eng = llm.llm_engine
+    guide = Guide(eng.grammars.compile(StructuredOutputsParams(json=PERSON)))
+    text = tokenizer.encode('{"name": "Bo", "age": 7}', add_special_tokens=False)
+    assert guide.accept(text[0])
+    drafts = text[1:6]
+    words = -(-eng.arch.vocab_size // 32)
+    ours = torch.zeros((1 + len(drafts), words), dtype=torch.int32)
+    guide.fill(ours, 0, drafts)
+    ref = torch.zeros_like(ours)
+    stepped = Guide(eng.grammars.compile(StructuredOutputsParams(json=PERSON)))
+    assert stepped.accept(text[0])
+    for j in range(len(drafts) + 1):
+        stepped.fill(ref, j)
+        if j < len(drafts):
+            assert stepped.accept(drafts[j])
+    assert torch.equal(ours, ref)
+    bad = tokenizer.encode("]", add_special_tokens=False)[0]
+    assert guide.allowed_prefix([*drafts[:2], bad, drafts[2]]) == 2  # '{"name":' then ']'
+    assert guide.allowed_prefix(drafts) == len(drafts)
+    again = torch.zeros((1, words), dtype=torch.int32)
+    guide.fill(again, 0)
+    assert torch.equal(again[0], ours[0])  # still right after the first token
