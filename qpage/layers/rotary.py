@@ -7,25 +7,46 @@ from typing import Any
 
 import torch
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
-    """Inverse frequencies [head_dim/2] in fp32, after the checkpoint's rope_scaling."""
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None,
+                  max_positions: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [head_dim/2] in fp32 after the checkpoint's rope_scaling, and the
+    factor cos and sin are scaled by (1 but for LongRoPE). ``max_positions``: the context the
+    model runs with, which picks LongRoPE's factors."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
     if rope_type == "default":
-        return inv_freq
+        return inv_freq, 1.0
     if rope_type == "linear":
-        return inv_freq / float(scaling["factor"])  # type: ignore[index]
+        return inv_freq / float(scaling["factor"]), 1.0  # type: ignore[index]
     if rope_type == "llama3":
-        return _llama3_inv_freq(inv_freq, scaling)  # type: ignore[arg-type]
+        return _llama3_inv_freq(inv_freq, scaling), 1.0  # type: ignore[arg-type]
+    if rope_type in ("longrope", "su"):
+        return _longrope(inv_freq, scaling, max_positions)  # type: ignore[arg-type]
     raise ValueError(
         f"rope_scaling type {rope_type!r} is not supported; supported: "
         f"{', '.join(SUPPORTED_ROPE_TYPES)}. ('dynamic' NTK changes the rotation of cached keys "
         "with the batch's length, which a paged cache cannot honour; use a checkpoint without it "
         "or set max_model_len within original_max_position_embeddings and drop rope_scaling.)"
     )
+
+
+def _longrope(inv_freq: torch.Tensor, s: dict[str, Any], max_positions: int) -> tuple[torch.Tensor, float]:
+    """Phi-3's LongRoPE: each frequency divided by its own factor, the long ones where the model
+    runs past ``original_max_position_embeddings``, else the short ones, for every position (as
+    llama.cpp decides by its context size: a cached key's rotation never changes), and cos/sin
+    scaled by sqrt(1 + ln(factor) / ln(original)) (``attention_factor`` where given)."""
+    original = int(s["original_max_position_embeddings"])
+    factors = s["long_factor"] if max_positions > original else s["short_factor"]
+    if len(factors) != inv_freq.numel():
+        raise ValueError(f"rope_scaling: longrope has {len(factors)} factors, the head needs {inv_freq.numel()}")
+    factor = float(s.get("factor") or s["max_position_embeddings"] / original)
+    attention = s.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return inv_freq / torch.tensor(factors, dtype=torch.float32), float(attention)
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
@@ -55,15 +76,15 @@ class RotaryEmbedding:
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
     ) -> None:
-        inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        inv_freq, scale = rope_inv_freq(head_dim, theta, scaling, max_positions)
         pos = torch.arange(max_positions, dtype=torch.int64).float()
         freqs = pos[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         half = head_dim // 2
-        sin = emb.sin()
+        sin = emb.sin() * scale
         # rotate_half(x) * sin == roll(x, half) * signed_sin, with the first half negated.
         sin[:, :half] = -sin[:, :half]
-        self.cos = emb.cos().to(dtype=dtype, device=device)
+        self.cos = (emb.cos() * scale).to(dtype=dtype, device=device)
         self.sin = sin.to(dtype=dtype, device=device)
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

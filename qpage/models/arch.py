@@ -10,7 +10,11 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Phi3ForCausalLM",
 )
+FUSED_CHECKPOINTS = ("Phi3ForCausalLM",)
+"""Architectures whose checkpoints store q/k/v as one ``qkv_proj`` and gate/up as one
+``gate_up_proj`` (qpage's own fused layout)."""
 
 
 @dataclass(frozen=True)
@@ -41,6 +45,11 @@ class ArchConfig:
     columns split by whole quantization groups (``models.sharding.ShardPlan.local_arch``)."""
     down_proj_inputs: int | None = None
     """Likewise for down_proj (else ``intermediate_size``)."""
+
+    @property
+    def fused_checkpoint(self) -> bool:
+        """The checkpoint holds ``qkv_proj`` and ``gate_up_proj`` as they run (``FUSED_CHECKPOINTS``)."""
+        return self.architecture in FUSED_CHECKPOINTS
 
     @property
     def q_size(self) -> int:
@@ -86,15 +95,27 @@ def parse_arch_config(cfg: dict[str, Any], source: str = "config.json") -> ArchC
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
             f"{source}: architecture {arch!r} is not supported; qpage runs "
-            f"{', '.join(SUPPORTED_ARCHITECTURES)} (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, SmolLM)"
+            f"{', '.join(SUPPORTED_ARCHITECTURES)} (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, SmolLM, Phi-3/3.5/4)"
         )
     act = cfg.get("hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"{source}: hidden_act={act!r} is not supported; only 'silu'")
+    rope_params = cfg.get("rope_parameters") or {}
+    partial = float(rope_params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
+    if partial != 1.0:
+        raise ValueError(f"{source}: partial_rotary_factor={partial} (rotary embedding on part of each head, as in "
+                         "Phi-4-mini) is not supported yet; qpage rotates whole heads")
     try:
         hidden = int(cfg["hidden_size"])
         heads = int(cfg["num_attention_heads"])
         theta, scaling = _rope(cfg)
+        if scaling is not None and scaling.get("rope_type", scaling.get("type")) in ("longrope", "su"):
+            scaling = dict(scaling)
+            original = scaling.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings")
+            if not original:
+                raise ValueError(f"{source}: longrope rope scaling needs original_max_position_embeddings")
+            scaling["original_max_position_embeddings"] = int(original)
+            scaling["max_position_embeddings"] = int(cfg.get("max_position_embeddings", 4096))
         is_qwen = arch.startswith("Qwen")
         sliding = cfg.get("sliding_window")
         if is_qwen and not cfg.get("use_sliding_window", False):

@@ -1,7 +1,7 @@
-"""The Llama family (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, SmolLM) over a paged KV cache.
+"""The Llama family (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, SmolLM, Phi-3/3.5/4) over a paged KV cache.
 
 q/k/v and gate/up are fused into one linear each (fewer, larger matmuls); the loader
-slices the checkpoint's separate tensors into them. Linears come from one factory
+slices the checkpoint's separate tensors into them (Phi-3's checkpoints store them fused). Linears come from one factory
 (``make_linear``) so quantized and sharded variants can be swapped in.
 """
 
@@ -43,14 +43,28 @@ _KV_SCALE = re.compile(r"^model\.layers\.(\d+)\.self_attn\.([kv])_scale$")
 
 def projections(c: ArchConfig) -> list[tuple[str, str, int, int]]:
     """Each checkpoint projection of a decoder layer -> (the fused module that holds it,
-    first output row there, rows). q/k/v live in ``qkv_proj``, gate/up in ``gate_up_proj``."""
+    first output row there, rows). q/k/v live in ``qkv_proj``, gate/up in ``gate_up_proj``;
+    a fused checkpoint (Phi-3) stores them so."""
+    n = c.intermediate_size
+    if c.fused_checkpoint:
+        return [("self_attn.qkv_proj", "self_attn.qkv_proj", 0, c.q_size + 2 * c.kv_size),
+                ("self_attn.o_proj", "self_attn.o_proj", 0, c.hidden_size),
+                ("mlp.gate_up_proj", "mlp.gate_up_proj", 0, 2 * n),
+                ("mlp.down_proj", "mlp.down_proj", 0, c.hidden_size)]
     return [("self_attn.q_proj", "self_attn.qkv_proj", 0, c.q_size),
             ("self_attn.k_proj", "self_attn.qkv_proj", c.q_size, c.kv_size),
             ("self_attn.v_proj", "self_attn.qkv_proj", c.q_size + c.kv_size, c.kv_size),
             ("self_attn.o_proj", "self_attn.o_proj", 0, c.hidden_size),
-            ("mlp.gate_proj", "mlp.gate_up_proj", 0, c.intermediate_size),
-            ("mlp.up_proj", "mlp.gate_up_proj", c.intermediate_size, c.intermediate_size),
+            ("mlp.gate_proj", "mlp.gate_up_proj", 0, n),
+            ("mlp.up_proj", "mlp.gate_up_proj", n, n),
             ("mlp.down_proj", "mlp.down_proj", 0, c.hidden_size)]
+
+
+def has_bias(c: ArchConfig, name: str) -> bool:
+    """Whether the checkpoint projection ``name`` (of ``projections``) has a bias."""
+    if name == "self_attn.o_proj":
+        return c.o_bias
+    return c.qkv_bias if name.startswith("self_attn.") else c.mlp_bias
 
 
 def _quant(c: ArchConfig) -> LinearConfig | None:
@@ -233,31 +247,16 @@ class LlamaForCausalLM(nn.Module):
             whole("lm_head.weight", self.lm_head.weight)
         for i, layer in enumerate(self.layers):
             pre = f"model.layers.{i}."
-            attn, mlp = layer.self_attn, layer.mlp
-            parts = (("q_proj", 0, c.q_size), ("k_proj", c.q_size, c.kv_size),
-                     ("v_proj", c.q_size + c.kv_size, c.kv_size))
-            for name, off, rows in parts:
-                if isinstance(attn.qkv_proj, Linear):
-                    out[f"{pre}self_attn.{name}.weight"] = (attn.qkv_proj.weight, off, rows)
-                if c.qkv_bias:
-                    out[f"{pre}self_attn.{name}.bias"] = (attn.qkv_proj.bias, off, rows)
-            if isinstance(attn.o_proj, Linear):
-                whole(f"{pre}self_attn.o_proj.weight", attn.o_proj.weight)
-            if c.o_bias:
-                whole(f"{pre}self_attn.o_proj.bias", attn.o_proj.bias)
+            for name, fused, off, rows in projections(c):
+                mod = layer.get_submodule(fused)
+                if isinstance(mod, Linear):
+                    out[f"{pre}{name}.weight"] = (mod.weight, off, rows)
+                if has_bias(c, name):
+                    out[f"{pre}{name}.bias"] = (mod.bias, off, rows)
+            attn = layer.self_attn
             if attn.q_norm is not None and attn.k_norm is not None:
                 whole(f"{pre}self_attn.q_norm.weight", attn.q_norm.weight)
                 whole(f"{pre}self_attn.k_norm.weight", attn.k_norm.weight)
-            n = c.intermediate_size
-            for name, off in (("gate_proj", 0), ("up_proj", n)):
-                if isinstance(mlp.gate_up_proj, Linear):
-                    out[f"{pre}mlp.{name}.weight"] = (mlp.gate_up_proj.weight, off, n)
-                if c.mlp_bias:
-                    out[f"{pre}mlp.{name}.bias"] = (mlp.gate_up_proj.bias, off, n)
-            if isinstance(mlp.down_proj, Linear):
-                whole(f"{pre}mlp.down_proj.weight", mlp.down_proj.weight)
-            if c.mlp_bias:
-                whole(f"{pre}mlp.down_proj.bias", mlp.down_proj.bias)
             whole(f"{pre}input_layernorm.weight", layer.input_layernorm.weight)
             whole(f"{pre}post_attention_layernorm.weight", layer.post_attention_layernorm.weight)
         return out

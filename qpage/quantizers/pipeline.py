@@ -42,7 +42,9 @@ from qpage.quantizers.fp8 import quantize_fp8
 from qpage.quantizers.nf4 import quantize_nf4
 from qpage.quantizers.rtn import quantize_rtn
 
-LINEAR = re.compile(r"^(model\.layers\.\d+\.(?:self_attn\.[qkvo]_proj|mlp\.(?:gate|up|down)_proj))\.weight$")
+LINEAR = re.compile(r"^(model\.layers\.\d+\.(?:self_attn\.(?:[qkvo]|qkv)_proj"
+                    r"|mlp\.(?:gate|up|down|gate_up)_proj))\.weight$")
+"""A decoder projection's weight: separate (Llama) or fused as stored (Phi-3's qkv_proj, gate_up_proj)."""
 
 
 @dataclass

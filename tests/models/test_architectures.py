@@ -29,7 +29,10 @@ CASES = {
     "mistral": ("MistralConfig", {"sliding_window": None}),
     "qwen2-qkv-bias": ("Qwen2Config", {}),
     "qwen3-qk-norm": ("Qwen3Config", {"head_dim": 32}),
+    "phi3-fused": ("Phi3Config", {"sliding_window": None, "pad_token_id": 0}),
 }
+PHI3_LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 32,
+                 "short_factor": [1.0 + 0.1 * i for i in range(8)], "long_factor": [1.0 + 0.9 * i for i in range(8)]}
 
 
 def build(tmp_path: Path, cls_name: str, extra: dict) -> tuple[Path, torch.nn.Module]:
@@ -71,6 +74,50 @@ def test_prefill_and_decode_logits_match_transformers(tmp_path: Path, case: str)
             for k in reqs:
                 want = ref(torch.tensor([prompts[k]])).logits[0, -1:]
                 torch.testing.assert_close(got[k], want, atol=ATOL, rtol=0, msg=f"{case} seq {k}")
+
+
+@pytest.mark.parametrize("max_len, length", [(32, 29), (512, 61)], ids=["short", "long"])
+def test_phi3_longrope_matches_transformers(tmp_path: Path, max_len: int, length: int) -> None:
+    """LongRoPE takes its long factors for every position when the model runs past
+    original_max_position_embeddings (32 here) and its short ones otherwise; transformers picks
+    by the length of each call, so they agree for prompts that stay within the original length
+    under a context that does too, and for prompts past it."""
+    model_dir, ref = build(tmp_path, "Phi3Config", {"sliding_window": None, "pad_token_id": 0,
+                                                     "rope_parameters": PHI3_LONGROPE})
+    h = RunnerHarness(model_dir, num_blocks=32, max_len=max_len)
+    ids = torch.randint(0, 256, (length - 4,), generator=torch.Generator().manual_seed(2)).tolist()
+    req = h.request("a", ids)
+    got = h.step([(req, len(ids))])["a"]
+    with torch.no_grad():
+        torch.testing.assert_close(got, ref(torch.tensor([ids])).logits[0], atol=ATOL, rtol=0)
+    for t in (5, 9, 17):  # decode steps: still within (short) or past (long) the original length
+        req.append_token(t)
+        got = h.step([(req, 1)])["a"]
+        with torch.no_grad():
+            want = ref(torch.tensor([req.all_token_ids])).logits[0, -1:]
+        torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("scheme, tol", [("int8-rtn", 0.03), ("int4-gptq", 0.25)])
+def test_phi3_quantized_by_qpage_runs_packed(tmp_path: Path, scheme: str, tol: float) -> None:
+    """Phi-3's fused qkv_proj and gate_up_proj are quantized as they are stored (GPTQ's one
+    Hessian per fused input) and run on the packed CPU kernels, within ``tol`` of the float
+    model's logits (relative to their largest)."""
+    from qpage.formats.scheme import QuantScheme
+    from qpage.quantizers.pipeline import quantize_checkpoint
+
+    src, ref = build(tmp_path / "f", "Phi3Config", {"sliding_window": None, "pad_token_id": 0,
+                                                     "intermediate_size": 256})
+    g = torch.Generator().manual_seed(3)
+    calib = [torch.randint(0, 256, (48,), generator=g).tolist() for _ in range(4)]
+    quantize_checkpoint(src, tmp_path / "q", QuantScheme.parse(scheme, group_size=32), progress=False, calib=calib)
+    h = RunnerHarness(tmp_path / "q", num_blocks=32)
+    assert {m.kernel_path for m in h.model.quant_linears()} == {"cpu-blocks"}
+    ids = calib[0][:40]
+    got = h.step([(h.request("a", ids), len(ids))])["a"]
+    with torch.no_grad():
+        want = ref(torch.tensor([ids])).logits[0]
+    assert float((got - want).abs().max()) <= tol * float(want.abs().max())
 
 
 def test_unsupported_architecture_is_refused_by_name(tmp_path: Path) -> None:
