@@ -309,9 +309,10 @@ def token_masks(guides: list[Guide], vocab_size: int, owners: list[str] | None =
     1 + len(drafts[j]) consecutive rows (one without drafts), the tokens it allows next and
     after each of its drafts (``Guide.fill``), for the sampler (``runner.sampler.apply_bitmask``;
     bit k of word w = token 32w + k). ``owners[j]`` names the request of guide j. A request is
-    ended, as its client's error, once its rows have taken more than ``budget`` together (its
-    remaining rows are left unfilled: all tokens allowed), or when its first row allows no
-    token: the text so far can only go on with characters no token of the vocabulary produces."""
+    ended, as its client's error, once its sequences have taken more than ``budget`` together,
+    each counted per row (a verified draft makes a token as a step does; its remaining rows are
+    left unfilled: all tokens allowed), or when its first row allows no token: the text so far
+    can only go on with characters no token of the vocabulary produces."""
     drafts = drafts or [[] for _ in guides]
     bitmask = torch.full((sum(1 + len(d) for d in drafts), -(-vocab_size // 32)), -1, dtype=torch.int32)
     bound = math.inf if budget is None else budget.seconds
@@ -325,7 +326,7 @@ def token_masks(guides: list[Guide], vocab_size: int, owners: list[str] | None =
             continue
         t0 = time.perf_counter()
         g.fill(bitmask, first, d)
-        spent[owner] = spent.get(owner, 0.0) + time.perf_counter() - t0
+        spent[owner] = spent.get(owner, 0.0) + (time.perf_counter() - t0) / (1 + len(d))  # a draft row is a token
         if spent[owner] > bound:
             ended[owner] = budget.refusal(spent[owner])  # type: ignore[union-attr]
         elif not bitmask[first].any():

@@ -30,7 +30,8 @@ from qpage.formats.gguf_reader import BF16, F16, F32, GgufFile, GgufFormatError,
 
 logger = logging.getLogger("qpage")
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "phi3": "Phi3ForCausalLM"}
 """GGUF ``general.architecture`` -> the Hugging Face class qpage runs it as (Mistral files say "llama")."""
 PERMUTED = ("llama",)
 """Architectures whose q/k rows llama.cpp's converter interleaves."""
@@ -39,11 +40,15 @@ _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm", "attn_qkv": "self_attn.qkv_proj",
 }
+_ARCH_LAYER_NAMES = {"phi3": {"ffn_up": "mlp.gate_up_proj"}}
+"""Per architecture, tensors whose name means something else there (phi3's ffn_up holds gate
+then up, as Phi-3's gate_up_proj)."""
 _TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
               "output.weight": "lm_head.weight"}
-_IGNORED = ("rope_freqs.weight",)
+_IGNORED = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
+"""Tensors that are read as configuration (``hf_config``), not weights."""
 
 
 @dataclass(frozen=True)
@@ -104,7 +109,7 @@ def hf_config(f: GgufFile) -> dict[str, Any]:
     arch = f.require("general.architecture")
     if arch not in ARCHITECTURES:
         raise GgufFormatError(f"{f.path}: architecture {arch!r} is not supported; qpage runs GGUF files of "
-                              f"{', '.join(ARCHITECTURES)} (Llama 2/3, Mistral, SmolLM, Qwen2/2.5, Qwen3)")
+                              f"{', '.join(ARCHITECTURES)} (Llama 2/3, Mistral, SmolLM, Qwen2/2.5, Qwen3, Phi-3/4)")
     if "rope_freqs.weight" in f.tensors:
         raise GgufFormatError(f"{f.path}: rope_freqs.weight (Llama 3.1-style rotary frequency factors) is not "
                               "supported yet in GGUF files; run the model's safetensors checkpoint instead")
@@ -113,6 +118,11 @@ def hf_config(f: GgufFile) -> dict[str, Any]:
         raise GgufFormatError(f"{f.path}: rotary scaling {scaling!r} is not supported yet in GGUF files")
     heads = _positive(f, f"{arch}.attention.head_count")
     hidden = _positive(f, f"{arch}.embedding_length")
+    head_dim = int(f.get(f"{arch}.attention.key_length", hidden // heads))
+    rotary = f.get(f"{arch}.rope.dimension_count")
+    if rotary is not None and int(rotary) != head_dim:
+        raise GgufFormatError(f"{f.path}: rotary embedding on {rotary} of each head's {head_dim} dimensions (partial "
+                              "rotary, as in Phi-4-mini) is not supported yet; qpage rotates whole heads")
     vocab = f.get(f"{arch}.vocab_size") or len(f.get("tokenizer.ggml.tokens") or [])
     if not vocab and "token_embd.weight" in f.tensors:
         vocab = f.tensors["token_embd.weight"].shape[0]
@@ -123,7 +133,7 @@ def hf_config(f: GgufFile) -> dict[str, Any]:
         "num_hidden_layers": int(f.require(f"{arch}.block_count")),
         "num_attention_heads": heads,
         "num_key_value_heads": int(f.get(f"{arch}.attention.head_count_kv", heads)),
-        "head_dim": int(f.get(f"{arch}.attention.key_length", hidden // heads)),
+        "head_dim": head_dim,
         "rms_norm_eps": float(f.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
         "rope_theta": float(f.get(f"{arch}.rope.freq_base", 10000.0)),
         "max_position_embeddings": int(f.get(f"{arch}.context_length", 4096)),
@@ -133,11 +143,29 @@ def hf_config(f: GgufFile) -> dict[str, Any]:
         "torch_dtype": "float16",
         "quantization_config": {"quant_method": "gguf"},
     }
+    if "rope_factors_long.weight" in f.tensors:
+        cfg["rope_parameters"] = _longrope(f, arch, cfg["rope_theta"])
     window = f.get(f"{arch}.attention.sliding_window")
     if window:
         cfg["sliding_window"] = int(window)
         cfg["use_sliding_window"] = True
     return cfg
+
+
+def _longrope(f: GgufFile, arch: str, theta: float) -> dict[str, Any]:
+    """Phi-3's LongRoPE as a config's rope_parameters, from the file's factor tensors and keys."""
+    original = f.get(f"{arch}.rope.scaling.original_context_length")
+    if "rope_factors_short.weight" not in f.tensors or not original:
+        raise GgufFormatError(f"{f.path}: rope_factors_long.weight needs rope_factors_short.weight and "
+                              f"{arch}.rope.scaling.original_context_length")
+    params: dict[str, Any] = {
+        "rope_type": "longrope", "rope_theta": theta, "original_max_position_embeddings": int(original),
+        "long_factor": [float(v) for v in f.data("rope_factors_long.weight").reshape(-1)],
+        "short_factor": [float(v) for v in f.data("rope_factors_short.weight").reshape(-1)]}
+    attention = f.get(f"{arch}.rope.scaling.attn_factor")
+    if attention is not None:
+        params["attention_factor"] = float(attention)
+    return params
 
 
 def _positive(f: GgufFile, key: str) -> int:
@@ -154,15 +182,17 @@ def _unpermute(rows: np.ndarray, heads: int) -> np.ndarray:
     return rows[np.arange(n).reshape(heads, n // heads // 2, 2).swapaxes(1, 2).reshape(n)]
 
 
-def hf_name(name: str) -> str | None:
-    """The Hugging Face name of a GGUF tensor, None for tensors qpage does not use."""
+def hf_name(name: str, arch: str = "llama") -> str | None:
+    """The Hugging Face name of a GGUF tensor of architecture ``arch``, None for tensors qpage
+    does not use as weights."""
     if name in _TOP_NAMES:
         return _TOP_NAMES[name]
     if name in _IGNORED:
         return None
     parts = name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    names = {**_LAYER_NAMES, **_ARCH_LAYER_NAMES.get(arch, {})}
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in names:
+        return f"model.layers.{parts[1]}.{names[parts[2]]}.{parts[3]}"
     raise GgufFormatError(f"tensor {name!r} is not part of a model qpage runs")
 
 
@@ -195,7 +225,7 @@ def iter_tensors(f: GgufFile) -> Iterator[tuple[str, str, torch.Tensor | GgufTen
     heads = _positive(f, f"{arch}.attention.head_count")
     kv_heads = f.get(f"{arch}.attention.head_count_kv", heads)
     for name, info in f.tensors.items():
-        target = hf_name(name)
+        target = hf_name(name, arch)
         if target is None:
             continue
         value = tensor_value(f, info)

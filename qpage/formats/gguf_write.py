@@ -130,7 +130,7 @@ def metadata_from_hf(folder: Path, config: dict[str, Any], file_type: str) -> tu
 
 
 _PRE_TOKENIZERS = {
-    "gpt2": [{"type": "ByteLevel", "use_regex": True}],
+    "gpt-2": [{"type": "ByteLevel", "use_regex": True}],
     "smollm": [{"type": "Digits", "individual_digits": True}, {"type": "ByteLevel", "use_regex": True}],
     "llama-bpe": [{"type": "Split", "pattern": {"Regex": "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|"
                                                          "\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|"

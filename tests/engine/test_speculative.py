@@ -182,13 +182,14 @@ def test_constrained_requests_speculate_exactly(spec: dict[str, Any]) -> None:
               SamplingParams(temperature=0.8, seed=5, max_tokens=64, structured_outputs=so(json=RECORD_SCHEMA)),
               SamplingParams(temperature=0, max_tokens=24, structured_outputs=so(regex=r"(ab ){2,12}(done)?")),
               SamplingParams(temperature=0, max_tokens=24, structured_outputs=so(choice=["a small cat", "a cat"]))]
-    want = _tokens(LLM(log_stats=False, max_model_len=512).generate(prompts, params, use_tqdm=False))
-    llm = LLM(log_stats=False, max_model_len=512, speculative_config=spec)
-    got = _tokens(llm.generate(prompts, params, use_tqdm=False))
-    assert got == want
-    m = llm.get_metrics()
-    assert 10 < m["qpage:spec_decode_num_accepted_tokens"] < m["qpage:spec_decode_num_draft_tokens"], m
-    json.loads(got[0][0][1])  # the constraint held
+    want = _tokens(LLM(log_stats=False, max_model_len=256).generate(prompts * 2, params * 2, use_tqdm=False))
+    json.loads(want[0][0][1])  # the constraint held
+    for kv in ("1GiB", "12MiB" if spec is NGRAM else "24MiB"):  # roomy, and tight enough to preempt
+        llm = LLM(log_stats=False, max_model_len=256, kv_cache_memory=kv, speculative_config=spec)
+        assert _tokens(llm.generate(prompts * 2, params * 2, use_tqdm=False)) == want, kv
+        m = llm.get_metrics()
+        assert 10 < m["qpage:spec_decode_num_accepted_tokens"] < m["qpage:spec_decode_num_draft_tokens"], m
+        assert (m["qpage:num_preemptions_total"] > 0) == (kv != "1GiB"), m
 
 
 @pytest.mark.slow

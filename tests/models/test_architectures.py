@@ -83,7 +83,9 @@ def test_phi3_longrope_matches_transformers(tmp_path: Path, max_len: int, length
     by the length of each call, so they agree for prompts that stay within the original length
     under a context that does too, and for prompts past it."""
     model_dir, ref = build(tmp_path, "Phi3Config", {"sliding_window": None, "pad_token_id": 0,
-                                                     "rope_parameters": PHI3_LONGROPE})
+                                                     "rope_parameters": PHI3_LONGROPE,
+                                                     "original_max_position_embeddings": 32})
+    assert ref.config.rope_parameters["original_max_position_embeddings"] == 32
     h = RunnerHarness(model_dir, num_blocks=32, max_len=max_len)
     ids = torch.randint(0, 256, (length - 4,), generator=torch.Generator().manual_seed(2)).tolist()
     req = h.request("a", ids)

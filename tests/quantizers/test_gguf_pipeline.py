@@ -98,7 +98,7 @@ def test_tokenizer_and_chat_template_travel(tiny: Path, tmp_path: Path) -> None:
     out = tmp_path / "tiny.gguf"
     quantize_gguf(tiny, out, "q8_0", progress=False)
     f = GgufFile(out)
-    assert f.metadata["tokenizer.ggml.pre"] == "gpt2"  # the folder's byte-level splitter
+    assert f.metadata["tokenizer.ggml.pre"] == "gpt-2"  # llama.cpp's name for the folder's byte-level splitter
     built = load_tokenizer(f)
     ref = transformers.AutoTokenizer.from_pretrained(tiny)
     text = "Quantized KV caches, 1234 tokens/s — naïve café: <|im_start|>user\nhi<|im_end|>"
