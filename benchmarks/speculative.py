@@ -1,6 +1,7 @@
 """Speculative decoding, side by side in one run: batch-1 decode tokens/s and acceptance.
 
-Engines, each round every one in its own fresh process, alternating, all on 2 threads:
+Engines, each round every one in its own fresh process, alternating (every other round in
+reverse order, so that neither always runs first), all on 2 threads:
 - ``qpage``: no speculation; ``qpage-ngram``: n-gram drafts (``--ngram``, vLLM's dict);
 - with ``--draft JSON`` instead: ``qpage-fp32``, the model's weights decoded to fp32, without
   and with a draft model (``qpage-fp32-draft``; e.g. ``{"model": "self:q4_1"}``, the same
@@ -254,7 +255,7 @@ def main() -> None:
         print("llama-cpp-python is not installed: qpage only")
     rows: dict[str, list[dict[str, Any]]] = {e: [] for e in engines}
     for r in range(args.rounds):
-        for e in engines:
+        for e in engines if r % 2 == 0 else engines[::-1]:  # ABBA: neither engine always runs first
             rows[e].append(one(e, args, work_file))
             print(f"round {r + 1} {e}: " + ", ".join(f"{w} {rows[e][-1][w]:.1f}" for w in MAX_TOKENS), flush=True)
     s = summary(rows, spec, base, label)
