@@ -160,9 +160,11 @@ class ModelDrafter(Drafter):
         """Set the drafts of ``reqs``, the requests about to decode (last token not yet cached)."""
         plan: list[tuple[Request, int]] = []
         threshold = self.threshold(len(reqs))
+        step = self.cost.step_seconds(len(reqs))
+        token_seconds = step / len(reqs) if step is not None else None
         for req, k in zip(reqs, self.lengths(reqs, threshold), strict=True):
             req.draft_token_ids = []
-            if k > 0 and not self._pays_catch_up(req, k, threshold, len(reqs)):
+            if k > 0 and not self._pays_catch_up(req, k, threshold, token_seconds):
                 k = 0
             k = self._reserve(req, k) if k > 0 else 0
             if k > 0:
@@ -188,15 +190,15 @@ class ModelDrafter(Drafter):
         start = min(right, req.num_tokens - 1) if pre == req.num_preemptions else 0
         return start, req.num_tokens - 1 - self.config.num_speculative_tokens
 
-    def _pays_catch_up(self, req: Request, k: int, threshold: float, rows: int) -> bool:
+    def _pays_catch_up(self, req: Request, k: int, threshold: float, token_seconds: float | None) -> bool:
         """Whether drafting ``k`` tokens a step pays for ``req``'s catch-up prefill
-        (``catch_up_pays``); True when there is nothing to catch up, or nothing measured yet."""
+        (``catch_up_pays``; ``token_seconds``: the target's step over its rows); True when there
+        is nothing to catch up, or nothing measured yet."""
         start, end = self._catch_up_span(req)
-        step = self.cost.step_seconds(rows)
-        if end <= start or self.catch_up_seconds is None or step is None:
+        if end <= start or self.catch_up_seconds is None or token_seconds is None:
             return True
         left = min(req.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens, self.HORIZON)
-        return catch_up_pays(min(self.request_stats(req).rate, 0.99), k, threshold, left, step / rows,
+        return catch_up_pays(min(self.request_stats(req).rate, 0.99), k, threshold, left, token_seconds,
                              (end - start) * self.catch_up_seconds)
 
     def _catch_up(self, req: Request) -> int:
