@@ -161,7 +161,7 @@ class ModelDrafter(Drafter):
         plan: list[tuple[Request, int]] = []
         threshold = self.threshold(len(reqs))
         step = self.cost.step_seconds(len(reqs))
-        token_seconds = step / len(reqs) if step is not None else None
+        token_seconds = step / len(reqs) if step is not None and reqs else None
         for req, k in zip(reqs, self.lengths(reqs, threshold), strict=True):
             req.draft_token_ids = []
             if k > 0 and not self._pays_catch_up(req, k, threshold, token_seconds):

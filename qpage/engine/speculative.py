@@ -80,9 +80,9 @@ class StepCost:
     one (the weights are read once), while in a batch each row's arithmetic shows. The cost of
     a row at R rows is the slope of a least-squares line through the counts seen between R/2
     and the most a step of R requests may take (``span`` rows each; at least 2R + 2), so one
-    count's noise does not decide and the slope covers the rows drafts would add; with fewer
-    than two counts there, through the nearest counts; with fewer than two counts seen, a row
-    is taken to cost ``PRIOR_ROW_SHARE`` of a one-row step."""
+    count's noise does not decide and the slope covers the rows drafts would add; where the
+    counts there span less than R/2, through the nearest counts until they do; with fewer than
+    two counts seen, a row is taken to cost ``PRIOR_ROW_SHARE`` of a one-row step."""
 
     PRIOR_ROW_SHARE = 0.1
     FLOOR = 0.02
@@ -100,13 +100,18 @@ class StepCost:
 
     def _fit(self, rows: int) -> tuple[float, float] | None:
         """(seconds per extra row, seconds of a step) at ``rows`` rows, from the line through
-        the counts in the window above, or, with fewer than two there, through the (at most
-        four) counts nearest it: a batch whose steps always carry drafts is seen only at larger
-        counts, and must still be judged. None with fewer than two counts seen."""
+        the counts in the window above; where they span less than rows/2 (a slope between
+        close counts is mostly noise), or lie outside it, through the counts nearest ``rows``
+        until they do: a batch whose steps always carry drafts is seen only at larger counts,
+        and must still be judged. None with fewer than two counts seen."""
         r = max(rows, 1)
         pts = [(x, t) for x, t in self.seconds.items() if r / 2 <= x <= max(2 * r + 2, self.span * r)]
-        if len(pts) < 2:
-            pts = sorted(self.seconds.items(), key=lambda p: abs(math.log(p[0] / r)))[:4]
+        if len(pts) < 2 or max(x for x, _ in pts) - min(x for x, _ in pts) < r / 2:
+            pts = []
+            for p in sorted(self.seconds.items(), key=lambda p: abs(math.log(p[0] / r))):
+                pts.append(p)
+                if len(pts) >= 2 and max(x for x, _ in pts) - min(x for x, _ in pts) >= r / 2:
+                    break
         if len(pts) < 2:
             return None
         n = len(pts)

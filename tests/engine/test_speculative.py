@@ -54,7 +54,8 @@ def test_step_cost_fit_and_draft_lengths() -> None:
     for rows, ms in ((1, 10.0), (2, 10.5), (3, 11.0), (5, 12.0), (16, 26.0), (20, 30.0)):
         cost.observe(rows, ms / 1000)
     assert abs(cost.row_share(1) - 0.05) < 1e-9  # counts 1-4 seen: 0.5 ms a row, 10 ms a step
-    assert abs(cost.row_share(16) - 16 / 26) < 1e-9  # counts 16 and 20: 1 ms a row, 26 ms at 16
+    # counts 16 and 20 span too little alone: the line through 5, 16 and 20 (1.22 ms a row, 25.5 ms at 16)
+    assert abs(cost.row_share(16) - 0.76256) < 1e-4
     cost.observe(3, 0.0092)  # noise at one count moves the slope, it does not make rows free
     assert 0.03 < cost.row_share(1) < 0.05
     drafter = NgramDrafter(SpeculativeConfig(num_speculative_tokens=8), max_model_len=100)
@@ -110,6 +111,12 @@ def test_step_cost_judges_counts_it_has_not_seen() -> None:
             cost.observe(rows, ms / 1000)
         assert abs(cost.step_seconds(16) - 0.081) < 1e-9  # 1 ms a row over 65 ms, extrapolated to 16
         assert abs(cost.row_share(16) - 16 / 81) < 1e-9
+    # Counts 12 to 16 alone would give a flat, noisy slope (free rows); with count 5 the line
+    # spans half the rows and a row costs what it does.
+    cost = StepCost(span=5)
+    for rows, ms in ((5, 30.0), (12, 38.2), (13, 42.1), (16, 38.3)):
+        cost.observe(rows, ms / 1000)
+    assert cost.row_share(16) > 0.2
 
 
 def test_draft_model_needs_the_targets_vocabulary(peaked_tiny_llama: Path) -> None:
