@@ -33,8 +33,8 @@ def decide_max_model_len(arch: ArchConfig, want: int | None, capacity: int, bloc
     and the cache's ``capacity`` in tokens, or without one the smaller of the two; ValueError
     naming both numbers and the fix (``budget``: kv_cache_memory as the user gave it)."""
     limit = arch.max_position_embeddings
-    if arch.sliding_window:
-        limit = min(limit, arch.sliding_window)
+    if arch.uniform_window:  # every layer windowed: the C kernels attend to whole contexts
+        limit = min(limit, arch.uniform_window)
     if want is None:
         if capacity < 2:
             raise ValueError(f"kv_cache_memory={budget} holds no block of {block_bytes} bytes; raise kv_cache_memory")

@@ -31,10 +31,18 @@ from qpage.formats.gguf_reader import BF16, F16, F32, GgufFile, GgufFormatError,
 logger = logging.getLogger("qpage")
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "phi3": "Phi3ForCausalLM"}
+                 "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
 """GGUF ``general.architecture`` -> the Hugging Face class qpage runs it as (Mistral files say "llama")."""
 PERMUTED = ("llama",)
 """Architectures whose q/k rows llama.cpp's converter interleaves."""
+NORM_PLUS_ONE = ("gemma2", "gemma3")
+"""Architectures whose norm weights llama.cpp's converter stores as ``1 + w`` (Gemma's norms
+scale by it); the reader gives back ``w``, the checkpoint's value."""
+GEMMA_PATTERN = {"gemma2": 2, "gemma3": 6}
+"""Every n-th layer is global (the rest local) when the file does not say: llama.cpp's default."""
+GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+"""The 27B models scale attention by (hidden / heads)^-1/2 rather than head_dim^-1/2; llama.cpp
+knows them by their layer count."""
 
 _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
@@ -42,9 +50,12 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm", "attn_qkv": "self_attn.qkv_proj",
 }
-_ARCH_LAYER_NAMES = {"phi3": {"ffn_up": "mlp.gate_up_proj"}}
+_GEMMA_NAMES = {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
+                "post_ffw_norm": "post_feedforward_layernorm"}
+_ARCH_LAYER_NAMES = {"phi3": {"ffn_up": "mlp.gate_up_proj"}, "gemma2": _GEMMA_NAMES, "gemma3": _GEMMA_NAMES}
 """Per architecture, tensors whose name means something else there (phi3's ffn_up holds gate
-then up, as Phi-3's gate_up_proj)."""
+then up, as Phi-3's gate_up_proj; Gemma's ffn_norm is the norm before the MLP, with norms
+after attention and MLP besides)."""
 _TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
               "output.weight": "lm_head.weight"}
 _IGNORED = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
@@ -114,7 +125,7 @@ def hf_config(f: GgufFile) -> dict[str, Any]:
         raise GgufFormatError(f"{f.path}: rope_freqs.weight (Llama 3.1-style rotary frequency factors) is not "
                               "supported yet in GGUF files; run the model's safetensors checkpoint instead")
     scaling = f.get(f"{arch}.rope.scaling.type")
-    if scaling not in (None, "none"):
+    if scaling not in (None, "none") and not (scaling == "linear" and arch in GEMMA_PATTERN):
         raise GgufFormatError(f"{f.path}: rotary scaling {scaling!r} is not supported yet in GGUF files")
     heads = _positive(f, f"{arch}.attention.head_count")
     hidden = _positive(f, f"{arch}.embedding_length")
@@ -146,10 +157,49 @@ def hf_config(f: GgufFile) -> dict[str, Any]:
     if "rope_factors_long.weight" in f.tensors:
         cfg["rope_parameters"] = _longrope(f, arch, cfg["rope_theta"])
     window = f.get(f"{arch}.attention.sliding_window")
-    if window:
+    if arch in GEMMA_PATTERN:
+        cfg.update(_gemma(f, arch, cfg))
+    elif window:
         cfg["sliding_window"] = int(window)
         cfg["use_sliding_window"] = True
     return cfg
+
+
+def _gemma(f: GgufFile, arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 2/3's config fields from a file, read as llama.cpp reads them: its local layers
+    from ``attention.sliding_window_pattern`` (every n-th layer global, or one flag per
+    layer), Gemma 3's local rope base from ``rope.freq_base_swa`` (10000 when absent), the
+    global layers' linear rope scaling, soft caps, and the attention scale (by layer count)."""
+    layers = cfg["num_hidden_layers"]
+    window = f.get(f"{arch}.attention.sliding_window") or (4096 if arch == "gemma2" else None)
+    pattern = f.get(f"{arch}.attention.sliding_window_pattern", GEMMA_PATTERN[arch])
+    if isinstance(pattern, list):
+        if len(pattern) != layers:
+            raise GgufFormatError(f"{f.path}: {arch}.attention.sliding_window_pattern has {len(pattern)} flags for "
+                                  f"{layers} layers")
+        local = [bool(p) for p in pattern]
+    else:
+        local = [(i + 1) % int(pattern) != 0 for i in range(layers)]
+    out: dict[str, Any] = {
+        "hidden_activation": "gelu_pytorch_tanh", "sliding_window": int(window) if window else None,
+        "layer_types": ["sliding_attention" if x else "full_attention" for x in local],
+        "attn_logit_softcapping": f.get(f"{arch}.attn_logit_softcapping", 50.0 if arch == "gemma2" else None),
+        "final_logit_softcapping": f.get(f"{arch}.final_logit_softcapping", 30.0 if arch == "gemma2" else None),
+        "query_pre_attn_scalar": (cfg["hidden_size"] // cfg["num_attention_heads"]
+                                  if layers == GEMMA_27B_LAYERS[arch] else cfg["head_dim"]),
+        "tie_word_embeddings": arch == "gemma2" or "output.weight" not in f.tensors,
+    }
+    if arch == "gemma2":
+        if f.get(f"{arch}.rope.scaling.type") == "linear" or f.get(f"{arch}.rope.freq_base_swa") is not None:
+            raise GgufFormatError(f"{f.path}: rotary scaling or a local rope base on a Gemma 2 file is not supported")
+        return out
+    full: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg["rope_theta"]}
+    if f.get(f"{arch}.rope.scaling.type") == "linear":
+        full = {"rope_type": "linear", "rope_theta": cfg["rope_theta"],
+                "factor": float(f.require(f"{arch}.rope.scaling.factor"))}
+    local = {"rope_type": "default", "rope_theta": float(f.get(f"{arch}.rope.freq_base_swa", 10000.0))}
+    out["rope_parameters"] = {"full_attention": full, "sliding_attention": local}
+    return out
 
 
 def _longrope(f: GgufFile, arch: str, theta: float) -> dict[str, Any]:
@@ -229,6 +279,8 @@ def iter_tensors(f: GgufFile) -> Iterator[tuple[str, str, torch.Tensor | GgufTen
         if target is None:
             continue
         value = tensor_value(f, info)
+        if arch in NORM_PLUS_ONE and name.endswith("norm.weight") and isinstance(value, torch.Tensor):
+            value = value - 1.0
         if arch in PERMUTED and name.endswith(("attn_q.weight", "attn_k.weight", "attn_q.bias", "attn_k.bias")):
             h = heads if ".attn_q." in name else kv_heads
             if not isinstance(h, int) or h <= 0 or info.shape[0] % (2 * h):

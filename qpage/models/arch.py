@@ -11,7 +11,13 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "Phi3ForCausalLM",
+    "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
+    "Gemma3ForConditionalGeneration",
 )
+GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
+"""The Gemma layer (``models.gemma``): (1 + w) norms before and after attention and MLP, GeGLU,
+the embedding scaled by sqrt(hidden), local and global layers."""
 FUSED_CHECKPOINTS = ("Phi3ForCausalLM",)
 """Architectures whose checkpoints store q/k/v as one ``qkv_proj`` and gate/up as one
 ``gate_up_proj`` (qpage's own fused layout)."""
@@ -45,11 +51,40 @@ class ArchConfig:
     columns split by whole quantization groups (``models.sharding.ShardPlan.local_arch``)."""
     down_proj_inputs: int | None = None
     """Likewise for down_proj (else ``intermediate_size``)."""
+    hidden_act: str = "silu"
+    """The MLP's gate activation: "silu" (SwiGLU) or "gelu_pytorch_tanh" (GeGLU)."""
+    layer_types: tuple[str, ...] | None = None
+    """Per layer, "sliding_attention" (attends to the last ``sliding_window`` positions) or
+    "full_attention"; None: every layer is alike (windowed when ``sliding_window`` is set)."""
+    query_pre_attn_scalar: float | None = None
+    """Attention scores are scaled by this to the -1/2 (else by head_dim to the -1/2)."""
+    attn_logit_softcap: float | None = None
+    """Scores pass through ``cap * tanh(s / cap)`` before the softmax (Gemma 2)."""
+    final_logit_softcap: float | None = None
+    """Likewise for the output logits."""
+    local_rope_theta: float | None = None
+    """Rope base of the sliding-window layers when it differs from ``rope_theta`` (Gemma 3's
+    local layers; they take no ``rope_scaling`` then)."""
 
     @property
     def fused_checkpoint(self) -> bool:
         """The checkpoint holds ``qkv_proj`` and ``gate_up_proj`` as they run (``FUSED_CHECKPOINTS``)."""
         return self.architecture in FUSED_CHECKPOINTS
+
+    @property
+    def attention_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def layer_window(self, i: int) -> int | None:
+        """The sliding window of layer ``i`` (positions it attends to, its own included), or None."""
+        if self.layer_types is None:
+            return self.sliding_window
+        return self.sliding_window if self.layer_types[i] == "sliding_attention" else None
+
+    @property
+    def uniform_window(self) -> int | None:
+        """The window when every layer has the same one (Mistral, Qwen), else None."""
+        return self.sliding_window if self.layer_types is None else None
 
     @property
     def q_size(self) -> int:
@@ -97,9 +132,13 @@ def parse_arch_config(cfg: dict[str, Any], source: str = "config.json") -> ArchC
             f"{source}: architecture {arch!r} is not supported; qpage runs "
             f"{', '.join(SUPPORTED_ARCHITECTURES)} (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, SmolLM, Phi-3/3.5/4)"
         )
-    act = cfg.get("hidden_act", "silu")
-    if act != "silu":
-        raise ValueError(f"{source}: hidden_act={act!r} is not supported; only 'silu'")
+    if arch == "Gemma3ForConditionalGeneration":
+        cfg = _gemma3_text(cfg, source)
+    gemma = arch in GEMMA_ARCHITECTURES
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or ("gelu_pytorch_tanh" if gemma else "silu")
+    if act != ("gelu_pytorch_tanh" if gemma else "silu"):
+        raise ValueError(f"{source}: hidden activation {act!r} is not supported for {arch}; qpage runs "
+                         f"{'gelu_pytorch_tanh' if gemma else 'silu'}")
     rope_params = cfg.get("rope_parameters") or {}
     partial = float(rope_params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
     if partial != 1.0:
@@ -116,6 +155,8 @@ def parse_arch_config(cfg: dict[str, Any], source: str = "config.json") -> ArchC
                 raise ValueError(f"{source}: longrope rope scaling needs original_max_position_embeddings")
             scaling["original_max_position_embeddings"] = int(original)
             scaling["max_position_embeddings"] = int(cfg.get("max_position_embeddings", 4096))
+        if gemma:
+            return _gemma(cfg, source, arch, scaling)
         is_qwen = arch.startswith("Qwen")
         sliding = cfg.get("sliding_window")
         if is_qwen and not cfg.get("use_sliding_window", False):
@@ -145,3 +186,64 @@ def parse_arch_config(cfg: dict[str, Any], source: str = "config.json") -> ArchC
         )
     except KeyError as e:
         raise ValueError(f"{source}: required field {e.args[0]!r} is missing") from None
+
+
+def _gemma3_text(cfg: dict[str, Any], source: str) -> dict[str, Any]:
+    """The language model's config inside a Gemma 3 vision-language config (qpage runs its text
+    part; the vision tower's weights are not loaded)."""
+    text = cfg.get("text_config")
+    if not isinstance(text, dict):
+        raise ValueError(f"{source}: a Gemma3ForConditionalGeneration config needs its text_config")
+    return {**text, "architectures": ["Gemma3ForConditionalGeneration"],
+            "quantization_config": cfg.get("quantization_config", text.get("quantization_config")),
+            "torch_dtype": cfg.get("torch_dtype") or cfg.get("dtype") or text.get("torch_dtype")}
+
+
+def _gemma(cfg: dict[str, Any], source: str, arch: str, scaling: dict[str, Any] | None) -> ArchConfig:
+    """Gemma 2 and 3: pre- and post-norms, GeGLU, local (sliding-window) and global layers;
+    Gemma 3's local layers have their own rope base, Gemma 2 caps attention and output logits.
+    Defaults are the reference configs' where a config leaves a field out."""
+    gemma2 = arch == "Gemma2ForCausalLM"
+    layers = int(cfg["num_hidden_layers"])
+    heads = int(cfg["num_attention_heads"])
+    pattern = 2 if gemma2 else int(cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6)
+    types = cfg.get("layer_types") or ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+                                       for i in range(layers)]
+    if len(types) != layers or set(types) - {"sliding_attention", "full_attention"}:
+        raise ValueError(f"{source}: layer_types must name sliding_attention or full_attention for each of the "
+                         f"{layers} layers")
+    theta, local_theta = float(cfg.get("rope_theta", 10000.0)), None
+    params = cfg.get("rope_parameters")
+    if isinstance(params, dict) and "full_attention" in params:  # per layer type (transformers >= 5)
+        full, local = params["full_attention"], params.get("sliding_attention", {})
+        theta = float(full.get("rope_theta", 1e6))
+        local_theta = float(local.get("rope_theta", 10000.0))
+        if local.get("rope_type", "default") != "default":
+            raise ValueError(f"{source}: rope scaling on the sliding-window layers is not supported")
+        scaling = None if full.get("rope_type", "default") == "default" else dict(full)
+    elif not gemma2:
+        local_theta = float(cfg.get("rope_local_base_freq", 10000.0))
+    if cfg.get("use_bidirectional_attention"):
+        raise ValueError(f"{source}: bidirectional attention (an embedding model) is not supported; qpage "
+                         "runs causal language models")
+    hidden = int(cfg["hidden_size"])
+    attn_cap = cfg.get("attn_logit_softcapping", 50.0 if gemma2 else None)  # an explicit null: no cap
+    final_cap = cfg.get("final_logit_softcapping", 30.0 if gemma2 else None)
+    window = cfg.get("sliding_window", 4096)
+    return ArchConfig(
+        architecture=arch, vocab_size=int(cfg["vocab_size"]), hidden_size=hidden,
+        intermediate_size=int(cfg["intermediate_size"]), num_layers=layers, num_heads=heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or heads), head_dim=int(cfg.get("head_dim") or 256),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_scaling=scaling,
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 8192)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+        qkv_bias=bool(cfg.get("attention_bias", False)), o_bias=bool(cfg.get("attention_bias", False)),
+        mlp_bias=False, qk_norm=not gemma2, sliding_window=int(window) if window else None,
+        torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"),
+        quantization=_quantization(cfg, source), hidden_act="gelu_pytorch_tanh",
+        layer_types=tuple(types) if window else None,
+        query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar", 256)),
+        attn_logit_softcap=float(attn_cap) if attn_cap else None,
+        final_logit_softcap=float(final_cap) if final_cap else None,
+        local_rope_theta=local_theta,
+    )

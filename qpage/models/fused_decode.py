@@ -43,6 +43,10 @@ def build_decode_stack(model: Any) -> DecodeStack | None:
     try:
         if not isinstance(model.ops, CpuNativeOps):
             raise ValueError(f"the model's ops are {model.ops.name}, not the C kernels")
+        if model.unfused_reason is not None:
+            raise ValueError(model.unfused_reason)
+        if model.attention_features():
+            raise ValueError(f"its attention needs {', '.join(sorted(model.attention_features()))}")
         if c.qk_norm or c.o_bias or c.mlp_bias:
             raise ValueError("q/k norms or biases beyond qkv")
         layers = []

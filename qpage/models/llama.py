@@ -72,7 +72,8 @@ def _quant(c: ArchConfig) -> LinearConfig | None:
 
 
 class Attention(nn.Module):
-    def __init__(self, c: ArchConfig) -> None:
+    def __init__(self, c: ArchConfig, window: int | None = None) -> None:
+        """``window``: the layer attends to its last ``window`` positions only (None: all)."""
         super().__init__()
         self.c = c
         q = _quant(c)
@@ -80,7 +81,9 @@ class Attention(nn.Module):
         self.o_proj: nn.Module = make_linear(c.o_proj_inputs or c.q_size, c.hidden_size, c.o_bias, q)
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
-        self.scale = c.head_dim**-0.5
+        self.scale = c.attention_scale
+        self.window = window
+        self.softcap = c.attn_logit_softcap
         self.ops: TorchOps = TORCH_OPS
 
     def forward(
@@ -99,7 +102,8 @@ class Attention(nn.Module):
         v = qkv[:, nq + c.num_kv_heads :]
         q, k, v = cache.transform.apply(q, k, v)  # centering/rotation of a quantized cache (exact)
         backend.write_cache(k, v, cache, meta.slot_mapping)
-        out = cache.transform.restore(backend.attend(q, k, v, cache, meta, self.scale))
+        out = cache.transform.restore(backend.attend(q, k, v, cache, meta, self.scale, self.window,
+                                                              self.softcap))
         return self.o_proj.forward(out.reshape(t, c.q_size))
 
 
@@ -117,10 +121,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, c: ArchConfig) -> None:
+    def __init__(self, c: ArchConfig, window: int | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.self_attn = Attention(c)
+        self.self_attn = Attention(c, window)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = MLP(c)
 
@@ -159,7 +163,7 @@ class LlamaForCausalLM(nn.Module):
         self.dtype = dtype
         gguf = isinstance(_quant(c), GgufConfig)  # a GGUF file: every tensor keeps its own format
         self.embed_tokens = Embedding(c.vocab_size, c.hidden_size, packed=gguf, tied=c.tie_word_embeddings)
-        self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_layers))
+        self.layers = nn.ModuleList(self.build_layer(c, i, max_positions) for i in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         head_quant = _quant(c) if gguf else None  # only a GGUF file's head may be quantized
         self.lm_head: nn.Module | None = (
@@ -172,6 +176,27 @@ class LlamaForCausalLM(nn.Module):
         The runner drops it at start when its attention backend or KV cache do not fit."""
         self.kv_scales: dict[int, tuple[float, float]] = {}
         """Static FP8 KV scales per layer from the checkpoint (vLLM's ``self_attn.k_scale``)."""
+
+    embed_scale = 1.0
+    """The embedding's rows are multiplied by this (Gemma's sqrt(hidden))."""
+    unfused_reason: str | None = None
+    """Why this family's decode steps cannot run as one C call (``models.fused_decode``), or None."""
+
+    def build_layer(self, c: ArchConfig, i: int, max_positions: int) -> nn.Module:
+        """Decoder layer ``i``; a window as long as the context is no window."""
+        window = c.layer_window(i)
+        return DecoderLayer(c, window if window is not None and window < max_positions else None)
+
+    def rotary_for(self, i: int) -> RotaryEmbedding:
+        """The rotary tables of layer ``i`` (one for all layers here)."""
+        return self.rotary
+
+    def attention_features(self) -> frozenset[str]:
+        """What the layers ask of the attention backend beyond plain causal attention
+        (``layers.attention.selector.FEATURES``)."""
+        attns = [layer.self_attn for layer in self.layers]
+        return frozenset({*(["sliding-window"] if any(a.window is not None for a in attns) else []),
+                          *(["softcap"] if any(a.softcap is not None for a in attns) else [])})
 
     def to_device(self, device: torch.device) -> None:
         self.to(device)

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from torch import nn
 
-from qpage.models.arch import SUPPORTED_ARCHITECTURES
+from qpage.models.arch import GEMMA_ARCHITECTURES, SUPPORTED_ARCHITECTURES
+from qpage.models.gemma import GemmaForCausalLM
 from qpage.models.llama import LlamaForCausalLM
 
-_REGISTRY: dict[str, type[nn.Module]] = {name: LlamaForCausalLM for name in SUPPORTED_ARCHITECTURES}
+_REGISTRY: dict[str, type[nn.Module]] = {
+    name: GemmaForCausalLM if name in GEMMA_ARCHITECTURES else LlamaForCausalLM for name in SUPPORTED_ARCHITECTURES}
 
 
 def model_class(architecture: str) -> type[nn.Module]:

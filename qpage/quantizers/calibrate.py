@@ -26,6 +26,7 @@ from qpage.formats.scheme import QuantScheme
 from qpage.layers.attention.backends import TorchPagedAttention
 from qpage.layers.attention.kv_format import KVCacheSpec, make_layer_kv
 from qpage.layers.attention.metadata import AttentionBatch, SeqSpan
+from qpage.models.arch import GEMMA_ARCHITECTURES
 from qpage.models.llama import projections
 from qpage.quantizers.gptq import gptq_quantize
 from qpage.quantizers.layer_source import LayerSource, Result, ResultStore
@@ -121,7 +122,7 @@ def calibrate_layers(src: Path, windows: list[list[int]], store: ResultSink,
 def _layer_by_layer(src: Path, windows: list[list[int]], store: ResultSink,
                     on_layer: Callable[[int, int], None] | None, quantize: Quantize, diagonal_only: bool) -> None:
     source = LayerSource(src, max(len(w) for w in windows) + 1)
-    model, c = source.model, source.arch
+    c = source.arch
     backend = TorchPagedAttention(KVCacheSpec(torch.float32))
     hidden = source.embed(windows)
     parts: dict[str, list[tuple[str, int, int]]] = {}
@@ -132,7 +133,7 @@ def _layer_by_layer(src: Path, windows: list[list[int]], store: ResultSink,
         out: dict[str, Any] = {}
         linears = {fused: layer.get_submodule(fused) for fused in parts}
         hess = {k: _Hessian(m.in_features, diagonal_only) for k, m in linears.items()}
-        _run_layer(model, layer, hidden, backend, c, record=(linears, hess))
+        _run_layer(source.shell(li), layer, hidden, backend, c, record=(linears, hess))
         pre = f"model.layers.{li}."
         for key, mod in linears.items():
             # Rows are independent (GPTQ's share H): the fused weight is quantized in one
@@ -142,14 +143,15 @@ def _layer_by_layer(src: Path, windows: list[list[int]], store: ResultSink,
             out.update(results)
             w.copy_(dequantized)  # also updates the BLAS copy
         store.put_layer(li, out)
-        hidden = _run_layer(model, layer, hidden, backend, c, record=None)
+        hidden = _run_layer(source.shell(li), layer, hidden, backend, c, record=None)
         if on_layer is not None:
             on_layer(li + 1, c.num_layers)
 
 
 def _run_layer(model: Any, layer: Any, hidden: list[torch.Tensor], backend: Any, c: Any,
                record: tuple[dict[str, Any], dict[str, _Hessian]] | None) -> list[torch.Tensor]:
-    """Each window through one decoder layer (a fresh prefill), recording linear inputs if asked."""
+    """Each window through one decoder layer (a fresh prefill), recording linear inputs if asked;
+    ``model``: the one-layer shell that holds ``layer`` (its rotary tables)."""
     saved = {}
     if record is not None:
         linears, hess = record
@@ -170,7 +172,7 @@ def _run_layer(model: Any, layer: Any, hidden: list[torch.Tensor], backend: Any,
             cache = make_layer_kv(spec, nb, c.num_kv_heads, c.head_dim, torch.device("cpu"))
             pos = torch.arange(t)
             meta = backend.build_metadata(AttentionBatch(pos, prefills=[SeqSpan(0, t, t, list(range(nb)))]), pos.device)
-            cos, sin = model.rotary.lookup(pos)
+            cos, sin = model.rotary_for(0).lookup(pos)
             outs.append(layer.forward(h, cos, sin, cache, meta, backend))
         return outs
     finally:
@@ -198,7 +200,10 @@ def _awq(src: Path, scheme: QuantScheme, windows: list[list[int]], store: Result
     from qpage.quantizers.awq import InputRecorder, search_clip, search_scale
 
     source = LayerSource(src, max(len(w) for w in windows) + 1)
-    model, c = source.model, source.arch
+    c = source.arch
+    if c.architecture in GEMMA_ARCHITECTURES:
+        raise ValueError(f"{src}: AWQ folds its scales into the norm before each linear, and Gemma's norms scale "
+                         "by 1 + w after a post-norm; quantize Gemma with gptq or rtn")
     backend = TorchPagedAttention(KVCacheSpec(torch.float32))
     hidden = source.embed(windows)
     parts: dict[str, list[tuple[str, int, int]]] = {}
@@ -211,7 +216,7 @@ def _awq(src: Path, scheme: QuantScheme, windows: list[list[int]], store: Result
         out: dict[str, Result] = {}
         linears = {fused: layer.get_submodule(fused) for fused in parts}
         rec = {k: InputRecorder(m.in_features) for k, m in linears.items()}
-        _run_layer(model, layer, hidden, backend, c, record=(linears, rec))  # type: ignore[arg-type]
+        _run_layer(source.shell(li), layer, hidden, backend, c, record=(linears, rec))  # type: ignore[arg-type]
         inter, v0 = c.intermediate_size, c.q_size + c.kv_size
         # (fused linear, what absorbs 1/s: a norm weight or rows of an earlier linear)
         plan: list[tuple[str, torch.Tensor]] = [
@@ -241,7 +246,7 @@ def _awq(src: Path, scheme: QuantScheme, windows: list[list[int]], store: Result
         norms[pre + "input_layernorm.weight"] = layer.input_layernorm.weight.data.clone()
         norms[pre + "post_attention_layernorm.weight"] = layer.post_attention_layernorm.weight.data.clone()
         store.put_layer(li, out)
-        hidden = _run_layer(model, layer, hidden, backend, c, record=None)
+        hidden = _run_layer(source.shell(li), layer, hidden, backend, c, record=None)
         if on_layer is not None:
             on_layer(li + 1, c.num_layers)
     return store, norms

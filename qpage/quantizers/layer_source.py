@@ -2,12 +2,12 @@
 spilled to disk layer by layer: what keeps GPTQ and AWQ calibration in bounded memory.
 
 ``LayerSource`` builds a one-layer shell of the model (vocabulary of 1, so no embedding
-matrix is allocated) and refills its layer from the shards for each decoder layer, reading
-only that layer's tensors with positioned reads. The embedding is read once to embed the
-calibration windows and dropped. ``ResultStore`` writes each layer's integers (uint8),
-scales, zeros and g_idx to a safetensors file in the job's temporary folder and reads one
-layer back at a time while the checkpoint is written. Peak memory: one decoder layer in
-fp32, the calibration activations, and one layer's results.
+matrix is allocated; one per kind of layer, local and global) and refills its layer from
+the shards for each decoder layer, reading only that layer's tensors with positioned reads.
+The embedding is read once to embed the calibration windows and dropped. ``ResultStore``
+writes each layer's integers (uint8), scales, zeros and g_idx to a safetensors file in the
+job's temporary folder and reads one layer back at a time while the checkpoint is written.
+Peak memory: one decoder layer in fp32, the calibration activations, and one layer's results.
 """
 
 from __future__ import annotations
@@ -35,10 +35,20 @@ class LayerSource:
         for f in weight_files(src, allow_pickle=False):
             for name in read_header(f)[0]:
                 self.where[name] = f
-        shell = dataclasses.replace(self.arch, num_layers=1, vocab_size=1)
-        self.model: Any = model_class(self.arch.architecture)(shell, max_positions, torch.float32)
-        self._targets = {n: t for n, t in self.model.weight_targets().items() if n.startswith("model.layers.0.")}
-        self._prepared = False
+        kinds = self.arch.layer_types or ("all",) * self.arch.num_layers
+        self._kinds = kinds
+        self._shells: dict[str, Any] = {}
+        for kind in dict.fromkeys(kinds):
+            shell = dataclasses.replace(self.arch, num_layers=1, vocab_size=1,
+                                        layer_types=None if kind == "all" else (kind,))
+            self._shells[kind] = model_class(self.arch.architecture)(shell, max_positions, torch.float32)
+        self.model: Any = self._shells[kinds[0]]
+        """The shell of the first layer (every layer's, when they are all alike)."""
+        self._prepared: set[str] = set()
+
+    def shell(self, i: int) -> Any:
+        """The one-layer model that runs layer ``i`` (its window and rotary tables)."""
+        return self._shells[self._kinds[i]]
 
     def read(self, names: list[str]) -> dict[str, torch.Tensor]:
         by_file: dict[Path, set[str]] = {}
@@ -55,14 +65,16 @@ class LayerSource:
         want = (self.arch.vocab_size, self.arch.hidden_size)
         if tuple(e.shape) != want:
             raise ValueError(f"{self.where[name]}: {name} has shape {tuple(e.shape)}, expected {want} from config.json")
-        return [F.embedding(torch.tensor(w), e).float() for w in windows]
+        return [F.embedding(torch.tensor(w), e).float() * self.model.embed_scale for w in windows]
 
     @torch.no_grad()
     def layer(self, i: int) -> Any:
         """The shell's decoder layer, holding layer ``i`` of the checkpoint (fp32)."""
         pre = f"model.layers.{i}."
         tensors = self.read([n for n in self.where if n.startswith(pre)])
-        for name, (dest, off, rows) in self._targets.items():
+        shell, kind = self.shell(i), self._kinds[i]
+        targets = {n: t for n, t in shell.weight_targets().items() if n.startswith("model.layers.0.")}
+        for name, (dest, off, rows) in targets.items():
             src_name = pre + name[len("model.layers.0."):]
             t = tensors.get(src_name)
             if t is None:
@@ -73,12 +85,12 @@ class LayerSource:
                 raise ValueError(f"{self.where[src_name]}: tensor {src_name!r} has shape {tuple(t.shape)}, "
                                  f"expected {want} from config.json")
             dest[off : off + rows].copy_(t)
-        layer = self.model.layers[0]
-        if not self._prepared:  # the BLAS copies share storage with the weights: refills reach them
+        layer = shell.layers[0]
+        if kind not in self._prepared:  # the BLAS copies share storage with the weights: refills reach them
             for m in layer.modules():
                 if isinstance(m, Linear):
                     m.prepare(in_place=True)
-            self._prepared = True
+            self._prepared.add(kind)
         return layer
 
 

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from qpage.formats.scheme import QuantScheme
 from qpage.layers.rotary import apply_rotary
+from qpage.models.arch import GEMMA_ARCHITECTURES
 from qpage.models.llama import projections
 from qpage.quantizers.layer_source import LayerSource, ResultStore
 from qpage.quantizers.rtn import quantize_rtn
@@ -154,8 +155,9 @@ def signround_calibrate(src: Path, scheme: QuantScheme, windows: list[list[int]]
     parts: dict[str, list[tuple[str, int, int]]] = {}
     for name, fused, off, rows in projections(c):
         parts.setdefault(fused, []).append((name, off, rows))
-    if set(parts) != set(FUSED):
-        raise ValueError(f"sign-gradient rounding runs the Llama family's layer; {c.architecture} has {sorted(parts)}")
+    if set(parts) != set(FUSED) or c.architecture in GEMMA_ARCHITECTURES:
+        raise ValueError(f"sign-gradient rounding runs the Llama family's layer, not {c.architecture}'s; "
+                         "use gptq or rtn")
     h_fp = source.embed(windows)
     h_q = [h.clone() for h in h_fp]
     cos, sin = model.rotary.lookup(torch.arange(max(len(w) for w in windows)))

@@ -61,7 +61,8 @@ class ModelRunner:
         self.broadcast = broadcast
         set_threads(model, device)
         spec = kv_spec or KVCacheSpec(dtype)
-        self.backend = select_attention_backend(device, spec, arch.head_dim, attention_backend)
+        self.backend = select_attention_backend(device, spec, arch.head_dim, attention_backend,
+                                                model.attention_features())
         scales: dict[int, tuple[float, float]] = getattr(model, "kv_scales", {})
         if spec.fp8_format is not None and not spec.per_token and len(scales) < arch.num_layers:
             logger.warning("kv_cache_scales=per_tensor: the checkpoint has no k_scale/v_scale for %d of %d "
@@ -91,7 +92,8 @@ class ModelRunner:
         scratch = [make_layer_kv(spec, nb, self.arch.num_kv_heads, self.arch.head_dim, self.device)
                    for _ in range(self.arch.num_layers)]
         means: list[tuple[torch.Tensor, torch.Tensor]] = []
-        inner = select_attention_backend(self.device, spec, self.arch.head_dim, "torch")
+        inner = select_attention_backend(self.device, spec, self.arch.head_dim, "torch",
+                                         self.model.attention_features())
 
         class _Recorder:
             name = "calibration"

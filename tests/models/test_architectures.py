@@ -31,6 +31,16 @@ CASES = {
     "qwen3-qk-norm": ("Qwen3Config", {"head_dim": 32}),
     "phi3-fused": ("Phi3Config", {"sliding_window": None, "pad_token_id": 0}),
 }
+GEMMA_CASES = {
+    # Soft caps small enough that tanh bends the scores and logits; windows shorter than the prompts.
+    "gemma2": ("Gemma2Config", {"head_dim": 16, "sliding_window": 8, "attn_logit_softcapping": 1.5,
+                                "final_logit_softcapping": 3.0, "query_pre_attn_scalar": 12, "num_hidden_layers": 4}),
+    "gemma3": ("Gemma3TextConfig", {"head_dim": 16, "sliding_window": 8, "num_hidden_layers": 6,
+                                    "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 4.0,
+                                                                           "rope_theta": 1e6},
+                                                        "sliding_attention": {"rope_type": "default",
+                                                                              "rope_theta": 1e4}}}),
+}
 PHI3_LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 32,
                  "short_factor": [1.0 + 0.1 * i for i in range(8)], "long_factor": [1.0 + 0.9 * i for i in range(8)]}
 
@@ -47,9 +57,9 @@ def build(tmp_path: Path, cls_name: str, extra: dict) -> tuple[Path, torch.nn.Mo
     return tmp_path, model
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("case", sorted(CASES) + sorted(GEMMA_CASES))
 def test_prefill_and_decode_logits_match_transformers(tmp_path: Path, case: str) -> None:
-    cls_name, extra = CASES[case]
+    cls_name, extra = {**CASES, **GEMMA_CASES}[case]
     model_dir, ref = build(tmp_path, cls_name, extra)
     h = RunnerHarness(model_dir, num_blocks=32)
     g = torch.Generator().manual_seed(1)
@@ -134,3 +144,4 @@ def test_dynamic_rope_is_refused_with_reason(tmp_path: Path) -> None:
                          {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}})
     with pytest.raises(ValueError, match="dynamic"):
         RunnerHarness(model_dir)
+

@@ -44,8 +44,11 @@ class AttentionBackend(Protocol):
     def write_cache(self, k: torch.Tensor, v: torch.Tensor, cache: LayerKV, slot_mapping: torch.Tensor) -> None: ...
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKV, meta: Any,
-               scale: float) -> torch.Tensor:
-        """q: [T, H, D]; k, v: [T, KVH, D] (this step's, already written) -> [T, H, D]."""
+               scale: float, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+        """q: [T, H, D]; k, v: [T, KVH, D] (this step's, already written) -> [T, H, D].
+        ``window``: each row attends to its last ``window`` positions only; ``softcap``: scores
+        pass through ``softcap * tanh(s / softcap)`` (only backends that declare these
+        features are given them: ``selector.FEATURES``)."""
         ...
 
 
@@ -67,13 +70,15 @@ class TorchPagedAttention:
 
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKV, meta: AttentionMetadata,
-        scale: float,
+        scale: float, window: int | None = None, softcap: float | None = None,
     ) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, KVH, D] (this step's, already written). Returns [T, H, D].
 
         With a quantized cache every key and value is read back from the cache, this step's
         included, so all paths (and the Triton kernels) attend to the same quantized K/V.
         """
+        if window is not None or softcap is not None:
+            return masked_attention(q, cache, meta, scale, window, softcap)
         outs = [self._decode(q[d.start : d.end], cache, d, scale) for d in meta.decode_groups]
         for p in meta.prefills:
             if self.read_back and p.mask is None:
@@ -199,14 +204,59 @@ class CpuNativePagedAttention(CpuBlasPagedAttention):
 
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKV, meta: AttentionMetadata,
-        scale: float,
+        scale: float, window: int | None = None, softcap: float | None = None,
     ) -> torch.Tensor:
-        """q: [T, H, D] (this step's K/V are already in the cache). Returns [T, H, D]."""
+        """q: [T, H, D] (this step's K/V are already in the cache). Returns [T, H, D]. Plain
+        causal attention only (``window`` and ``softcap`` None)."""
         outs = [self._rows(q[d.start : d.end], cache, d.block_table, _seq_lens(d), scale) for d in meta.decode_groups]
         for p in meta.prefills:
             assert p.row_lens is not None, "build_torch_metadata sets each prompt row's context length"
             outs.append(self._rows(q[p.start : p.end], cache, p.block_ids[None], p.row_lens, scale))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+
+
+def masked_attention(q: torch.Tensor, cache: LayerKV, meta: AttentionMetadata, scale: float, window: int | None,
+                     softcap: float | None) -> torch.Tensor:
+    """Attention with a sliding window and/or soft-capped scores, every row over K/V read back
+    from the cache (this step's included): a decode row at context length n sees positions
+    [n - window, n), a prompt row at position p sees (p - window, p]."""
+    outs = []
+    for d in meta.decode_groups:
+        keys, values = gather_kv(cache, d.block_table)  # [n, L, kvh, hd]
+        lens = _seq_lens(d).to(q.device)
+        pos = torch.arange(keys.shape[1], device=q.device)
+        mask = pos[None, :] < lens[:, None]
+        if window is not None:
+            mask &= pos[None, :] >= (lens - window)[:, None]
+        out = scaled_attention(q[d.start : d.end].unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2),
+                               mask[:, None, None, :], scale, softcap)
+        outs.append(out.squeeze(2))
+    for p in meta.prefills:
+        n = p.end - p.start
+        keys, values = gather_kv(cache, p.block_ids[None], p.context_len)  # [1, ctx, kvh, hd]
+        qpos = torch.arange(p.context_len - n, p.context_len, device=q.device)[:, None]
+        kpos = torch.arange(p.context_len, device=q.device)[None, :]
+        mask = kpos <= qpos
+        if window is not None:
+            mask &= kpos > qpos - window
+        out = scaled_attention(q[p.start : p.end].transpose(0, 1)[None], keys.transpose(1, 2),
+                               values.transpose(1, 2), mask[None, None], scale, softcap)
+        outs.append(out[0].transpose(0, 1))
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+
+
+def scaled_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float,
+                     softcap: float | None) -> torch.Tensor:
+    """q [B, H, Tq, D], keys/values [B, KVH, Tk, D], mask bool broadcasting to [B, H, Tq, Tk]
+    (True: attend). Soft-capped scores take the reference's eager path: scores, cap, mask,
+    softmax in fp32."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+    group = q.shape[1] // keys.shape[1]
+    keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
+    s = torch.matmul(q, keys.transpose(-1, -2)) * scale
+    s = (torch.tanh(s / softcap) * softcap).masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype), values)
 
 
 def _seq_lens(d: DecodeGroup) -> torch.Tensor:

@@ -22,6 +22,10 @@ from qpage.layers.attention.triton_backend import TritonPagedAttention
 
 logger = logging.getLogger("qpage")
 
+FEATURES = ("sliding-window", "softcap")
+"""What a model may ask of attention beyond plain causal attention: layers that attend to a
+sliding window of positions, scores soft-capped before the softmax (Gemma)."""
+
 
 @dataclass(frozen=True)
 class AttentionCapabilities:
@@ -39,8 +43,11 @@ class AttentionCapabilities:
     """The backend for a cache format (it binds its kernels to the format once)."""
     unavailable: Callable[[], str | None] | None = None
     """Why it cannot run in this process (e.g. its native code did not build), or None."""
+    features: frozenset[str] = frozenset()
+    """Which of ``FEATURES`` it implements."""
 
-    def reject(self, device: torch.device, spec: KVCacheSpec, head_dim: int, by_name: bool) -> str | None:
+    def reject(self, device: torch.device, spec: KVCacheSpec, head_dim: int, by_name: bool,
+               needs: frozenset[str] = frozenset()) -> str | None:
         """Why this backend does not fit, or None."""
         if self.needs_triton and not INSTALLED:
             return "Triton is not installed (pip install triton)"
@@ -54,6 +61,8 @@ class AttentionCapabilities:
             return f"does not read a kv cache of {spec.describe()}"
         if head_dim > self.max_head_dim:
             return f"head_dim {head_dim} > {self.max_head_dim}"
+        if needs - self.features:
+            return f"does not implement {', '.join(sorted(needs - self.features))} attention, which the model needs"
         if not by_name and not self.auto:
             return "picked only by name"
         return self.unavailable() if self.unavailable is not None else None
@@ -68,19 +77,21 @@ ATTENTION_CAPABILITIES = (
     AttentionCapabilities("cpu-blas", ("cpu",), (torch.float32,), ALL_KV, 1024,
                           needs_triton=False, auto=True, make=CpuBlasPagedAttention),
     AttentionCapabilities("torch", ("cpu", "cuda", "mps"), (torch.float16, torch.bfloat16, torch.float32), ALL_KV,
-                          1024, needs_triton=False, auto=True, make=TorchPagedAttention),
+                          1024, needs_triton=False, auto=True, make=TorchPagedAttention, features=frozenset(FEATURES)),
 )
 
 
-def select_attention_backend(device: torch.device, spec: KVCacheSpec, head_dim: int, prefer: str = "auto") -> object:
-    """The first backend that fits (``prefer`` = a name to insist on one)."""
+def select_attention_backend(device: torch.device, spec: KVCacheSpec, head_dim: int, prefer: str = "auto",
+                             needs: frozenset[str] = frozenset()) -> object:
+    """The first backend that fits (``prefer`` = a name to insist on one) and implements
+    ``needs`` (of ``FEATURES``)."""
     if prefer not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend={prefer!r} is not one of {', '.join(ATTENTION_BACKENDS)}")
     reasons = []
     for cap in ATTENTION_CAPABILITIES:
         if prefer != "auto" and cap.name != prefer:
             continue
-        why = cap.reject(device, spec, head_dim, by_name=prefer != "auto")
+        why = cap.reject(device, spec, head_dim, by_name=prefer != "auto", needs=needs)
         if why is None:
             for r in reasons:
                 logger.info("attention: skipped %s", r)
@@ -88,5 +99,6 @@ def select_attention_backend(device: torch.device, spec: KVCacheSpec, head_dim: 
         reasons.append(f"{cap.name}: {why}")
     raise ValueError(
         f"no attention backend fits device={device.type}, dtype={spec.dtype}, kv cache {spec.describe()}, "
-        f"head_dim={head_dim}: " + "; ".join(reasons) + ". Use attention_backend='auto' or another device/dtype."
+        f"head_dim={head_dim}{', ' + ', '.join(sorted(needs)) if needs else ''}: " + "; ".join(reasons)
+        + ". Use attention_backend='auto' or another device/dtype."
     )
