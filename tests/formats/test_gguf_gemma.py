@@ -39,10 +39,12 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
-def gemma(arch: str, folder: Path, default_model_dir: Path) -> transformers.PreTrainedModel:
+def gemma(arch: str, folder: Path, default_model_dir: Path, **shape: Any) -> transformers.PreTrainedModel:
+    """A seeded random ``arch`` of ``SHAPE`` (``shape`` overrides it) and the default model's
+    tokenizer files in ``folder``."""
     cls_name, extra = CONFIGS[arch]
     torch.manual_seed(0)
-    cfg = getattr(transformers, cls_name)(**SHAPE, **extra)
+    cfg = getattr(transformers, cls_name)(**{**SHAPE, **extra, **shape})
     cfg._attn_implementation = "eager"
     model = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
     with torch.no_grad():

@@ -1,0 +1,95 @@
+"""Perplexity of Gemma 2 and Gemma 3 GGUF files in qpage and in llama.cpp on the same
+wikitext-2 windows, as ``gguf_quality.py`` does for the default model: the same weights, so
+the two must agree (the bar is 1%).
+
+The models are random (seeded) with the default model's tokenizer: hidden 256 and MLP 512
+(whole K-quant super-blocks), 6 layers (Gemma 3: five local, one global; Gemma 2: alternating),
+a 128-token window under 512-token windows of text, soft caps of 4 and 8 on Gemma 2 so they
+bend the scores. Each is written as F32 under llama.cpp's names (``tests/formats/test_gguf_gemma``)
+and quantized by llama.cpp to Q8_0 and Q4_K_M.
+
+Needs llama-cpp-python (quantizing and the peer's scores).
+
+    python benchmarks/gguf_families.py [--windows 8] [--window 512] [--out F.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+from common import write_json
+from gguf_quality import DATA, llamacpp_logprobs, qpage_logprobs
+
+ROOT = Path(__file__).resolve().parents[1]
+TYPES = {"Q8_0": 7, "Q4_K_M": 15}  # llama.cpp file types
+SHAPE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+             query_pre_attn_scalar=64, sliding_window=128, max_position_embeddings=1024, num_hidden_layers=6)
+CAPS = {"gemma2": dict(attn_logit_softcapping=4.0, final_logit_softcapping=8.0), "gemma3": {}}
+
+
+def make_files(arch: str, out_dir: Path, tokenizer_dir: Path) -> list[Path]:
+    import gguf
+    import llama_cpp
+
+    sys.path.insert(0, str(ROOT))
+    from tests.formats.test_gguf_gemma import gemma, write_gemma_gguf
+
+    folder = out_dir / arch
+    folder.mkdir(parents=True, exist_ok=True)
+    model = gemma(arch, folder, tokenizer_dir, **SHAPE, **CAPS[arch])
+    f32 = write_gemma_gguf(arch, model, folder, folder / f"{arch}.F32.gguf", gguf.GGMLQuantizationType.F32)
+    files = [f32]
+    for name, ftype in TYPES.items():
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.ftype, params.nthread = ftype, 2
+        dst = folder / f"{arch}.{name}.gguf"
+        if llama_cpp.llama_model_quantize(str(f32).encode(), str(dst).encode(), params) != 0:
+            raise SystemExit(f"llama.cpp could not quantize {arch} to {name}")
+        files.append(dst)
+    return files
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--data", default=str(DATA))
+    p.add_argument("--windows", type=int, default=8)
+    p.add_argument("--window", type=int, default=512)
+    p.add_argument("--chunk", type=int, default=128)
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "gguf_families.json"))
+    args = p.parse_args()
+    sys.path.insert(0, str(ROOT))
+    from qpage.engine.tokenizers import load_tokenizer
+    from qpage.eval.perplexity import token_windows
+    from qpage.formats.gguf import default_model_dir
+
+    tok_dir = default_model_dir()
+    tok = load_tokenizer(tok_dir)
+    windows = token_windows(tok, Path(args.data), args.window, args.windows, max_chars=200 * args.window * args.windows)
+    targets = np.array([w[1:] for w in windows])
+    rows = []
+    print(f"{'file':<24} {'qpage':>11} {'llama.cpp':>11} {'diff %':>7} {'KL':>9}")
+    with tempfile.TemporaryDirectory() as tmp:
+        wf = Path(tmp) / "windows.json"
+        wf.write_text(json.dumps([list(map(int, w)) for w in windows]))
+        for arch in CAPS:
+            for path in make_files(arch, Path(tmp), tok_dir):
+                ours = qpage_logprobs(path, windows, args.chunk)
+                peer = llamacpp_logprobs(path, wf, args.window, args.chunk, Path(tmp))
+                nll = [float(-np.take_along_axis(lp, targets[..., None], -1).mean()) for lp in (ours, peer)]
+                kl = float((np.exp(peer) * (peer - ours)).sum(-1).mean())
+                row = dict(file=path.name, qpage=math.exp(nll[0]), llamacpp=math.exp(nll[1]),
+                           diff_pct=100 * (math.exp(nll[0] - nll[1]) - 1), kl_vs_llamacpp=kl)
+                rows.append(row)
+                print(f"{path.name:<24} {row['qpage']:11.2f} {row['llamacpp']:11.2f} {row['diff_pct']:+7.3f} "
+                      f"{kl:9.2e}", flush=True)
+    print(f"wrote {write_json(dict(windows=len(windows), window=args.window, chunk=args.chunk, rows=rows), args.out)}")
+
+
+if __name__ == "__main__":
+    main()
