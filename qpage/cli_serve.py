@@ -64,6 +64,8 @@ def add_parsers(sub: Any, engine_args: Any) -> None:
     p.add_argument("--context-len", type=int, default=None, help="tokens per request (default: min(8192, model limit))")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="cards the model is split over; the figures are per card (default: 1)")
+    p.add_argument("--full-kv-cache", action="store_true",
+                   help="plan as if sliding-window layers kept every token (the saving of their windowed cache)")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
 
     d = sub.add_parser("doctor", help="explain a slow server from its /metrics")
@@ -79,7 +81,7 @@ def run(args: argparse.Namespace, build_engine_config: Any) -> int:
             from qpage.plan import run_plan
 
             print(run_plan(args.model, args.gpu_memory, args.overhead, args.context_len, args.json,
-                           args.tensor_parallel_size))
+                           args.tensor_parallel_size, not args.full_kv_cache))
             return 0
         if args.command == "doctor":
             return _doctor(args)

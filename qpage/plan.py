@@ -8,7 +8,8 @@ Weights: every linear of the decoder at the scheme's bits plus its scales (and z
 KV bytes per token: the engine's own formula (``KVCacheSpec.bytes_per_token``), the FP8, int8
 and int4 caches' per-token scales (and int4's zeros) included. Token capacity: what is left
 of the card after the weights and a fixed allowance for activations and the runtime, in
-whole 16-token blocks.
+whole 16-token blocks. A model with sliding-window layers beside global ones is planned with
+the engine's layout, its local layers keeping only their window (``kv_layout``).
 """
 
 from __future__ import annotations
@@ -19,9 +20,11 @@ from pathlib import Path
 
 import torch
 
-from qpage.config import BLOCK_SIZE, parse_size
+from qpage.config import BLOCK_SIZE, SchedulerConfig, parse_size
+from qpage.engine.kv_cache import kv_layout
 from qpage.layers.attention.kv_format import KVCacheSpec
-from qpage.models.arch import ArchConfig, parse_arch_config
+from qpage.layers.attention.kv_layout import KVLayout
+from qpage.models.arch import GEMMA_ARCHITECTURES, ArchConfig, parse_arch_config
 from qpage.models.sharding import check_parallel, plan_shards
 
 CONFIG_DIR = Path(__file__).parent / "data" / "configs"
@@ -86,7 +89,8 @@ def linear_shapes(a: ArchConfig) -> list[tuple[int, int]]:
 def fp16_params(a: ArchConfig) -> int:
     """Parameters kept in FP16 under every scheme: embeddings, head, norms, biases."""
     n = a.vocab_size * a.hidden_size * (1 if a.tie_word_embeddings else 2)
-    n += a.hidden_size * (2 * a.num_layers + 1)
+    norms = 4 if a.architecture in GEMMA_ARCHITECTURES else 2  # Gemma: before and after attention and MLP
+    n += a.hidden_size * (norms * a.num_layers + 1)
     if a.qk_norm:
         n += 2 * a.head_dim * a.num_layers
     if a.qkv_bias:
@@ -120,31 +124,43 @@ class PlanRow:
     fits: bool
 
 
-def plan(a: ArchConfig, gpu_memory: int, overhead: int, context_len: int, tp: int = 1) -> list[PlanRow]:
-    """One row per weight scheme x KV dtype; per card, for the largest of ``tp`` ranks' parts."""
+def plan(a: ArchConfig, gpu_memory: int, overhead: int, context_len: int, tp: int = 1,
+         windowed: bool = True) -> list[PlanRow]:
+    """One row per weight scheme x KV dtype; per card, for the largest of ``tp`` ranks' parts.
+    With sliding-window layers (``windowed``; else as if they kept every token) a request holds
+    the engine's layout (``kv_layout``): the KV bytes per token are then its average over a
+    request of ``context_len``, the tokens the longest request that fits."""
     parts = [p.local_arch(a) for p in plan_shards(a, tp)] if tp > 1 else [a]
+    layout = kv_layout(a, context_len) if windowed else KVLayout.plan([None] * a.num_layers)
+    chunk = SchedulerConfig().max_num_batched_tokens
+    per_req = layout.pages_for(context_len, chunk)
     rows = []
     for s in WEIGHT_SCHEMES:
         wb = max(weight_bytes(part, s) for part in parts)
         for kv_name, kv_dtype in KV_DTYPES:
             spec = KVCacheSpec.from_config(kv_dtype, "per_token", torch.float16)
-            per_tok = max(spec.bytes_per_token(p.num_layers, p.num_kv_heads, p.head_dim) for p in parts)
-            free = gpu_memory - overhead - wb
-            blocks = max(free, 0) // (per_tok * BLOCK_SIZE)
-            tokens = blocks * BLOCK_SIZE
-            per_req = -(-context_len // BLOCK_SIZE)
-            rows.append(PlanRow(s.name, kv_name, wb, per_tok, tokens, blocks // per_req, tokens >= context_len))
+            page = max(spec.bytes_per_token(layout.slots, p.num_kv_heads, p.head_dim) for p in parts) * BLOCK_SIZE
+            per_tok = page // BLOCK_SIZE if len(layout.groups) == 1 else round(per_req * page / context_len)
+            pages = max(gpu_memory - overhead - wb, 0) // page
+            tokens = (pages * BLOCK_SIZE if len(layout.groups) == 1
+                      else layout.max_tokens(pages, chunk, max(a.max_position_embeddings, context_len)))
+            rows.append(PlanRow(s.name, kv_name, wb, per_tok, tokens, pages // per_req, tokens >= context_len))
     return rows
 
 
 def format_table(name: str, a: ArchConfig, rows: list[PlanRow], gpu_memory: int, overhead: int, ctx: int,
-                 tp: int = 1) -> str:
+                 tp: int = 1, windowed: bool = True) -> str:
     gb = 1e9
     cards = f"{tp} cards of" if tp > 1 else "card"
     each = " each" if tp > 1 else ""
     head = (f"{name}: {num_params(a) / 1e9:.2f} B parameters, {a.num_layers} layers, {a.num_kv_heads} KV heads x "
             f"{a.head_dim}; {cards} {gpu_memory / 2**30:.1f} GiB, {overhead / 2**30:.1f} GiB{each} kept for "
             f"activations and runtime; requests of {ctx} tokens")
+    local = sum(w is not None for w in a.attention_windows(ctx))
+    if local:
+        how = ("they keep only that window: KV tokens is the longest request, KV bytes/token the average over one "
+               f"of {ctx}" if windowed else "planned as if they kept every token (--full-kv-cache)")
+        head += f"\n{local} of {a.num_layers} layers attend to a {a.sliding_window}-token window; {how}"
     per = " per card" if tp > 1 else ""
     lines = [head, "",
              f"| weights | KV cache | weights GB{per} | KV bytes/token{per} | KV tokens | concurrent @ ctx | fits |",
@@ -157,16 +173,16 @@ def format_table(name: str, a: ArchConfig, rows: list[PlanRow], gpu_memory: int,
 
 
 def run_plan(model_or_config: str, gpu_memory: str, overhead: str, context_len: int | None,
-             as_json: bool = False, tp: int = 1) -> str:
+             as_json: bool = False, tp: int = 1, windowed: bool = True) -> str:
     name, a = load_arch(model_or_config)
     check_parallel(a, tp, name)
     mem, over = parse_size(gpu_memory, "gpu_memory"), parse_size(overhead, "overhead")
     ctx = context_len or min(a.max_position_embeddings, 8192)
     if ctx < 1:
         raise ValueError(f"context_len={ctx} must be at least 1")
-    rows = plan(a, mem, over, ctx, tp)
+    rows = plan(a, mem, over, ctx, tp, windowed)
     if as_json:
         return json.dumps({"model": name, "gpu_memory": mem, "overhead": over, "context_len": ctx,
-                           "tensor_parallel_size": tp, "params": num_params(a), "rows": [r.__dict__ for r in rows]},
-                          indent=2)
-    return format_table(name, a, rows, mem, over, ctx, tp)
+                           "tensor_parallel_size": tp, "windowed_kv": windowed, "params": num_params(a),
+                           "rows": [r.__dict__ for r in rows]}, indent=2)
+    return format_table(name, a, rows, mem, over, ctx, tp, windowed)

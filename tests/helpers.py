@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from qpage.engine.kv_cache import KVCacheManager
+from qpage.engine.kv_cache import KVCacheManager, kv_layout
 from qpage.engine.request import Request
 from qpage.models.loader import load_model, read_arch_config
 from qpage.runner.batch import ScheduledRequest, SchedulerOutput
@@ -25,8 +25,9 @@ class RunnerHarness:
         self.arch = read_arch_config(model_dir)
         self.model = load_model(model_dir, self.arch, dtype, torch.device("cpu"), max_len,
                                 dequantize_weights=dequantize_weights)
-        self.kv = KVCacheManager(num_blocks, enable_caching=False)
-        self.runner = ModelRunner(self.model, self.arch, num_blocks, dtype, torch.device("cpu"))
+        layout = kv_layout(self.arch, max_len)
+        self.kv = KVCacheManager(num_blocks, enable_caching=False, layout=layout)
+        self.runner = ModelRunner(self.model, self.arch, num_blocks, dtype, torch.device("cpu"), kv_layout=layout)
 
     def request(self, rid: str, ids: list[int]) -> Request:
         return Request(rid, ids, SamplingParams(prompt_logprobs=0), 1000, set())
@@ -38,7 +39,7 @@ class RunnerHarness:
         for req, n in work:
             assert self.kv.allocate_slots(req, n) is not None
             done = req.num_computed_tokens + n >= req.num_tokens
-            sched.scheduled.append(ScheduledRequest(req, n, done, list(self.kv.block_ids(req.request_id))))
+            sched.scheduled.append(ScheduledRequest(req, n, done, self.kv.block_tables(req.request_id)))
         out = self.runner.logits(sched)
         logits: dict[str, list[torch.Tensor]] = {}
         for rid, (_, lg) in out.prompt_logits.items():

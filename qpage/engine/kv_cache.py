@@ -12,6 +12,7 @@ from qpage.config import BLOCK_SIZE
 from qpage.engine.block_pool import BlockPool, KVBlock
 from qpage.engine.request import Request
 from qpage.layers.attention.kv_format import KVCacheSpec
+from qpage.layers.attention.kv_layout import KVLayout
 from qpage.models.arch import ArchConfig
 
 
@@ -19,22 +20,37 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def plan_capacity(arch: ArchConfig, spec: KVCacheSpec, budget: int, draft_bytes_per_token: int = 0) -> tuple[int, int]:
+def kv_layout(arch: ArchConfig, max_model_len: int) -> KVLayout:
+    """The cache layout of ``arch`` run at ``max_model_len`` (``kv_layout``)."""
+    return KVLayout.plan(arch.attention_windows(max_model_len))
+
+
+def plan_capacity(arch: ArchConfig, spec: KVCacheSpec, budget: int, draft_bytes_per_token: int = 0,
+                  layout: KVLayout | None = None) -> tuple[int, int]:
     """(blocks, bytes per block) that fit in a KV budget of ``budget`` bytes (scales counted);
-    with a draft model each block holds its K/V too (``draft_bytes_per_token``)."""
-    per_token = spec.bytes_per_token(arch.num_layers, arch.num_kv_heads, arch.head_dim)
+    a block holds ``layout.slots`` layers (all of them without a layout); with a draft model
+    each block holds its K/V too (``draft_bytes_per_token``)."""
+    layers = layout.slots if layout is not None else arch.num_layers
+    per_token = spec.bytes_per_token(layers, arch.num_kv_heads, arch.head_dim)
     block_bytes = (per_token + draft_bytes_per_token) * BLOCK_SIZE
     return budget // block_bytes, block_bytes
 
 
-def decide_max_model_len(arch: ArchConfig, want: int | None, capacity: int, block_bytes: int,
-                         budget: object) -> int:
-    """The context length: ``want`` (the user's max_model_len) checked against the model's limit
-    and the cache's ``capacity`` in tokens, or without one the smaller of the two; ValueError
-    naming both numbers and the fix (``budget``: kv_cache_memory as the user gave it)."""
+def model_limit(arch: ArchConfig) -> int:
+    """The longest context the model runs: its positions, or a window every layer has (the C
+    kernels attend to whole contexts)."""
     limit = arch.max_position_embeddings
-    if arch.uniform_window:  # every layer windowed: the C kernels attend to whole contexts
-        limit = min(limit, arch.uniform_window)
+    return min(limit, arch.uniform_window) if arch.uniform_window else limit
+
+
+def decide_max_model_len(arch: ArchConfig, want: int | None, layout: KVLayout, num_blocks: int, block_bytes: int,
+                         chunk: int, budget: object) -> int:
+    """The context length: ``want`` (the user's max_model_len) checked against the model's limit
+    and the longest request ``num_blocks`` blocks of ``layout`` hold (computing ``chunk``
+    tokens a step), or without one the smaller of the two; ValueError naming both numbers and
+    the fix (``budget``: kv_cache_memory as the user gave it)."""
+    limit = model_limit(arch)
+    capacity = layout.max_tokens(num_blocks, chunk, max(limit, want or 0))
     if want is None:
         if capacity < 2:
             raise ValueError(f"kv_cache_memory={budget} holds no block of {block_bytes} bytes; raise kv_cache_memory")
@@ -42,7 +58,7 @@ def decide_max_model_len(arch: ArchConfig, want: int | None, capacity: int, bloc
     if want > limit:
         raise ValueError(f"max_model_len={want} exceeds the model's limit of {limit} tokens; lower it")
     if want > capacity:
-        need = cdiv(want, BLOCK_SIZE) * block_bytes
+        need = layout.pages_for(want, chunk) * block_bytes
         raise ValueError(f"max_model_len={want} does not fit the KV cache, which holds {capacity} tokens; "
                          f"raise kv_cache_memory to at least {need} bytes or lower max_model_len")
     return want
@@ -50,21 +66,35 @@ def decide_max_model_len(arch: ArchConfig, want: int | None, capacity: int, bloc
 
 @dataclass(slots=True)
 class ComputedBlocks:
-    """A prefix-cache hit: blocks whose KV is already computed, and how many tokens they hold."""
+    """A prefix-cache hit: per group of the layout, the blocks whose KV is already computed
+    (None where a local group's window no longer reaches), and how many tokens they hold."""
 
-    blocks: list[KVBlock] = field(default_factory=list)
+    tables: list[list[KVBlock | None]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
-        return len(self.blocks) * BLOCK_SIZE
+        return len(self.tables[0]) * BLOCK_SIZE if self.tables else 0
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    """Per request, one block table per group of the KV layout (``kv_layout``), all from one
+    pool. A local group's blocks that its window no longer reaches are given back as the
+    request moves on (they stay in the prefix cache until evicted) and read as block 0 in its
+    table, which the attention masks out. Prefix-cache entries are per group."""
+
+    def __init__(self, num_blocks: int, enable_caching: bool = True, layout: KVLayout | None = None) -> None:
         self.pool = BlockPool(num_blocks, enable_caching)
         self.enable_caching = enable_caching
-        self._blocks: dict[str, list[KVBlock]] = {}
+        self.windows = [g.window for g in layout.groups] if layout is not None else [None]
+        self._blocks: dict[str, list[list[KVBlock | None]]] = {}
         self._num_cached: dict[str, int] = {}
+        self._released: dict[str, int] = {}
+        """Per request, the logical blocks below which its local groups' blocks are given back."""
+        self.table_entries = 0
+        """Blocks in the requests' tables, given-back ones included: what a cache without
+        windows would hold for them."""
+        self.held_entries = 0
+        """Of which held (not given back)."""
         self.prefix_queries = 0  # prompt tokens looked up
         self.prefix_hits = 0  # of which found in the cache
 
@@ -75,23 +105,54 @@ class KVCacheManager:
     def usage(self) -> float:
         return self.pool.usage()
 
+    def block_tables(self, request_id: str) -> list[list[int]]:
+        """The request's block table of each group (block 0 where a block was given back)."""
+        return [[0 if b is None else b.block_id for b in t] for t in self._blocks.get(request_id, [[]])]
+
     def block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self._blocks.get(request_id, ())]
+        """The block table of a one-group layout."""
+        assert len(self.windows) == 1, "a layout of several groups has a table per group: block_tables"
+        return self.block_tables(request_id)[0]
+
+    def _key(self, group: int, block_hash: bytes) -> bytes:
+        """The prefix-cache key of a block's content in ``group`` (the hash itself in group 0)."""
+        return block_hash if group == 0 else bytes([group]) + block_hash
 
     def get_computed_blocks(self, request: Request) -> ComputedBlocks:
-        """Longest cached prefix of the request, leaving at least its last token to compute."""
+        """Longest cached prefix of the request, leaving at least its last token to compute: the
+        blocks of every global group, and of each local group those its window still reaches."""
         if not self.enable_caching or request.needs_prompt_logprobs:
             return ComputedBlocks()
         max_blocks = (request.num_tokens - 1) // BLOCK_SIZE
-        hit: list[KVBlock] = []
-        for block_hash in request.block_hashes[:max_blocks]:
-            block = self.pool.get_cached_block(block_hash)
+        hashes = request.block_hashes[:max_blocks]
+        full: list[KVBlock] = []
+        for h in hashes:
+            block = self.pool.get_cached_block(h)
             if block is None:
                 break
-            hit.append(block)
+            full.append(block)
         self.prefix_queries += request.num_tokens
-        self.prefix_hits += len(hit) * BLOCK_SIZE
-        return ComputedBlocks(hit)
+        for n in range(len(full), 0, -1):  # the longest prefix whose windows are cached too
+            tables = self._window_hit(hashes, n)
+            if tables is not None:
+                self.prefix_hits += n * BLOCK_SIZE
+                return ComputedBlocks([full[:n], *tables])
+        return ComputedBlocks()
+
+    def _window_hit(self, hashes: list[bytes], n: int) -> list[list[KVBlock | None]] | None:
+        """Each group's (after the first) table for a hit of ``n`` blocks, or None when a block
+        a local window reaches is not cached."""
+        tables: list[list[KVBlock | None]] = []
+        for g, window in enumerate(self.windows[1:], start=1):
+            first = 0 if window is None else max(0, n * BLOCK_SIZE - window + 1) // BLOCK_SIZE
+            table: list[KVBlock | None] = [None] * first
+            for h in hashes[first:n]:
+                block = self.pool.get_cached_block(self._key(g, h))
+                if block is None:
+                    return None
+                table.append(block)
+            tables.append(table)
+        return tables
 
     def allocate_slots(
         self,
@@ -102,41 +163,73 @@ class KVCacheManager:
         """Give the request blocks for ``num_new_tokens`` more tokens, or None if they don't fit.
 
         ``computed`` is a prefix hit for a request that has no blocks yet; its blocks are
-        taken (ref count +1) before new ones are handed out.
+        taken (ref count +1) before new ones are handed out. Blocks of local groups that the
+        new tokens' windows no longer reach are given back first. Returns the new block ids.
         """
         rid = request.request_id
-        owned = self._blocks.setdefault(rid, [])
-        hit = computed.blocks if computed is not None else []
-        num_computed = request.num_computed_tokens + len(hit) * BLOCK_SIZE
+        owned = self._blocks.setdefault(rid, [[] for _ in self.windows])
+        hits = computed.tables if computed is not None and computed.tables else [[] for _ in self.windows]
+        num_computed = request.num_computed_tokens + len(hits[0]) * BLOCK_SIZE
         total = num_computed + num_new_tokens
-        need = max(cdiv(total, BLOCK_SIZE) - len(owned) - len(hit), 0)
+        self._release(rid, owned, num_computed)
+        blocks = cdiv(total, BLOCK_SIZE)
+        need = [max(blocks - len(o) - len(h), 0) for o, h in zip(owned, hits, strict=True)]
         # Hit blocks that sit in the free queue stop being free once touched.
-        hit_free = sum(1 for b in hit if b.ref_cnt == 0)
-        if need > self.pool.num_free_blocks - hit_free:
-            if not owned:
+        hit_free = sum(1 for h in hits for b in h if b is not None and b.ref_cnt == 0)
+        if sum(need) > self.pool.num_free_blocks - hit_free:
+            if not any(owned):
                 del self._blocks[rid]
             return None
-        self.pool.touch(hit)
-        owned.extend(hit)
-        new = self.pool.allocate(need)
-        owned.extend(new)
+        new_ids: list[int] = []
+        for o, h, n in zip(owned, hits, need, strict=True):
+            touched = [b for b in h if b is not None]
+            self.pool.touch(touched)
+            o.extend(h)
+            new = self.pool.allocate(n)
+            o.extend(new)
+            new_ids.extend(b.block_id for b in new)
+            self.table_entries += len(h) + n
+            self.held_entries += len(touched) + n
         if self.enable_caching:
             self._cache_full_blocks(request, owned, total)
-        return [b.block_id for b in new]
+        return new_ids
 
-    def _cache_full_blocks(self, request: Request, owned: list[KVBlock], total: int) -> None:
+    def _release(self, rid: str, owned: list[list[KVBlock | None]], num_computed: int) -> None:
+        """Give back local groups' blocks wholly before the window of the token at ``num_computed``."""
+        start = self._released.get(rid, 0)
+        for g, window in enumerate(self.windows):
+            if window is None:
+                continue
+            end = min(max(0, num_computed - window + 1) // BLOCK_SIZE, len(owned[g]))
+            for i in range(start, end):
+                block = owned[g][i]
+                if block is not None:
+                    self.pool.free([block])
+                    owned[g][i] = None
+                    self.held_entries -= 1
+            self._released[rid] = max(start, end)
+
+    def _cache_full_blocks(self, request: Request, owned: list[list[KVBlock | None]], total: int) -> None:
         rid = request.request_id
         start = self._num_cached.get(rid, 0)
         end = min(total // BLOCK_SIZE, len(request.block_hashes))
-        for i in range(start, end):
-            self.pool.cache_block(owned[i], request.block_hashes[i])
+        for g, table in enumerate(owned):
+            for i in range(start, end):
+                block = table[i]
+                if block is not None:
+                    self.pool.cache_block(block, self._key(g, request.block_hashes[i]))
         self._num_cached[rid] = max(start, end)
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first, so its last blocks are evicted first."""
-        blocks = self._blocks.pop(request.request_id, [])
+        tables = self._blocks.pop(request.request_id, [])
         self._num_cached.pop(request.request_id, None)
-        self.pool.free(list(reversed(blocks)))
+        self._released.pop(request.request_id, None)
+        for table in tables:
+            held = [b for b in reversed(table) if b is not None]
+            self.pool.free(held)
+            self.table_entries -= len(table)
+            self.held_entries -= len(held)
 
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset_prefix_cache()

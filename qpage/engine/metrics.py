@@ -61,7 +61,10 @@ COUNTERS = (
     "spec_decode_num_accepted_tokens",
 )
 GAUGES = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "spec_decode_acceptance_rate",
-          "spec_decode_mean_acceptance_length")
+          "spec_decode_mean_acceptance_length", "kv_cache_blocks_held", "kv_cache_blocks_without_windows")
+"""``kv_cache_blocks_held``: blocks in the running requests' tables (shared prefix blocks once per
+request); ``kv_cache_blocks_without_windows``: what they would hold if sliding-window layers
+kept every block (equal without such layers)."""
 
 
 def spec_acceptance(drafts: float, draft_tokens: float, accepted: float) -> tuple[float, float]:

@@ -73,7 +73,7 @@ class Scheduler:
         """``req`` runs ``n`` tokens on the blocks just allocated to it (a later preemption in
         the same step takes only requests scheduled after it, so its table holds)."""
         return ScheduledRequest(req, n, req.num_computed_tokens + n >= req.num_tokens,
-                                list(self.kv.block_ids(req.request_id)))
+                                self.kv.block_tables(req.request_id))
 
     def _add_drafts(self, budget: int, out: SchedulerOutput) -> int:
         """Extend each scheduled decode by its drafts where the budget and free blocks allow."""
@@ -84,7 +84,7 @@ class Scheduler:
             if k and s.num_tokens == 1 and s.samples and self.kv.allocate_slots(req, 1 + k) is not None:
                 s.draft_token_ids = drafts[:k]
                 s.num_tokens += k
-                s.block_ids = list(self.kv.block_ids(req.request_id))
+                s.block_tables = self.kv.block_tables(req.request_id)
                 budget -= k
         return budget
 

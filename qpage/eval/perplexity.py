@@ -70,7 +70,7 @@ def score_window(engine: Any, ids: list[int], chunk: int) -> torch.Tensor:
                 raise ValueError("the KV cache cannot hold the window; raise kv_cache_memory")
             sched = SchedulerOutput()
             sched.scheduled.append(ScheduledRequest(req, n, req.num_computed_tokens + n >= len(ids),
-                                                    list(kv.block_ids(req.request_id))))
+                                                    kv.block_tables(req.request_id)))
             out = runner.logits(sched)
             if req.request_id in out.prompt_logits:
                 parts.append(out.prompt_logits[req.request_id][1])

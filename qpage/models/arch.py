@@ -81,6 +81,14 @@ class ArchConfig:
             return self.sliding_window
         return self.sliding_window if self.layer_types[i] == "sliding_attention" else None
 
+    def attention_windows(self, max_positions: int) -> list[int | None]:
+        """Each layer's window where it is shorter than the context, else None. A window every
+        layer has caps the context instead (``uniform_window``)."""
+        if self.uniform_window:
+            return [None] * self.num_layers
+        windows = [self.layer_window(i) for i in range(self.num_layers)]
+        return [w if w is not None and w < max_positions else None for w in windows]
+
     @property
     def uniform_window(self) -> int | None:
         """The window when every layer has the same one (Mistral, Qwen), else None."""

@@ -110,9 +110,8 @@ class GemmaForCausalLM(LlamaForCausalLM):
         self.embed_scale = float(torch.tensor(c.hidden_size**0.5, dtype=dtype))  # as the reference rounds it
 
     def build_layer(self, c: ArchConfig, i: int, max_positions: int) -> nn.Module:
-        window = c.layer_window(i)
-        local = window is not None and c.local_rope_theta is not None
-        return GemmaDecoderLayer(c, window if window is not None and window < max_positions else None, int(local))
+        local = c.layer_window(i) is not None and c.local_rope_theta is not None  # its rope, whatever the context
+        return GemmaDecoderLayer(c, c.attention_windows(max_positions)[i], int(local))
 
     def rotary_for(self, i: int) -> RotaryEmbedding:
         layer = self.layers[i]
@@ -134,15 +133,15 @@ class GemmaForCausalLM(LlamaForCausalLM):
     @torch.inference_mode()
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[KVCache],
-        meta: StepMetadata, backend: AttentionBackend,
+        metas: list[StepMetadata], backend: AttentionBackend,
     ) -> torch.Tensor:
-        """Hidden states after the final norm, [num_tokens, hidden]."""
+        """Hidden states after the final norm, [num_tokens, hidden] (``LlamaForCausalLM.forward``)."""
         h = self.embed_tokens.forward(input_ids) * self.embed_scale
         ropes = [self.rotary.lookup(positions)]
         if self.local_rotary is not None:
             ropes.append(self.local_rotary.lookup(positions))
         residual = None
-        for layer, cache in zip(self.layers, caches, strict=True):
+        for layer, cache, meta in zip(self.layers, caches, metas, strict=True):
             cos, sin = ropes[min(layer.rope_index, len(ropes) - 1)]
             h, residual = layer.step(h, residual, cos, sin, cache, meta, backend)
         assert residual is not None

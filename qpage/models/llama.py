@@ -183,9 +183,8 @@ class LlamaForCausalLM(nn.Module):
     """Why this family's decode steps cannot run as one C call (``models.fused_decode``), or None."""
 
     def build_layer(self, c: ArchConfig, i: int, max_positions: int) -> nn.Module:
-        """Decoder layer ``i``; a window as long as the context is no window."""
-        window = c.layer_window(i)
-        return DecoderLayer(c, window if window is not None and window < max_positions else None)
+        """Decoder layer ``i`` (its window: ``ArchConfig.attention_windows``)."""
+        return DecoderLayer(c, c.attention_windows(max_positions)[i])
 
     def rotary_for(self, i: int) -> RotaryEmbedding:
         """The rotary tables of layer ``i`` (one for all layers here)."""
@@ -232,16 +231,17 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[KVCache],
-        meta: StepMetadata, backend: AttentionBackend,
+        metas: list[StepMetadata], backend: AttentionBackend,
     ) -> torch.Tensor:
-        """Hidden states after the final norm, [num_tokens, hidden]."""
+        """Hidden states after the final norm, [num_tokens, hidden]; ``caches`` and ``metas``
+        (the step's attention metadata of each layer's KV group) one per layer."""
         h = self.embed_tokens.forward(input_ids)
         cos, sin = self.rotary.lookup(positions)
-        if self.decode_stack is not None and decode_only(meta):
-            h, res = run_decode_stack(self.decode_stack, h, cos, sin, caches, meta)  # type: ignore[arg-type]
+        if self.decode_stack is not None and decode_only(metas[0]):  # one KV group: every layer's the same
+            h, res = run_decode_stack(self.decode_stack, h, cos, sin, caches, metas[0])  # type: ignore[arg-type]
             return self.norm.forward(h, res)[0]
         residual = None
-        for layer, cache in zip(self.layers, caches, strict=True):
+        for layer, cache, meta in zip(self.layers, caches, metas, strict=True):
             h, residual = layer.step(h, residual, cos, sin, cache, meta, backend)
         return self.norm.forward(h) if residual is None else self.norm.forward(h, residual)[0]
 

@@ -125,6 +125,9 @@ def check_parallel(arch: ArchConfig, world: int, source: str) -> None:
     if arch.fused_checkpoint:
         raise ValueError(f"{source}: tensor_parallel_size={world} does not split a {arch.architecture}'s fused "
                          "qkv_proj and gate_up_proj tensors yet; run it with tensor_parallel_size=1")
+    if arch.layer_types is not None:
+        raise ValueError(f"{source}: tensor_parallel_size={world} does not run {arch.architecture}'s local and "
+                         "global layers yet; run it with tensor_parallel_size=1")
     q = arch.quantization
     quant = linear_config(q, source) if q is not None else None
     if quant is not None and not isinstance(quant, (*SPLITS, GgufConfig)):

@@ -57,8 +57,9 @@ class ScheduledRequest:
     """Tokens computed for it this step, starting at ``request.num_computed_tokens``."""
     samples: bool
     """True when the step reaches the end of its known tokens, so a new token is sampled."""
-    block_ids: list[int] = field(default_factory=list)
-    """Its block table for this step (every block its tokens up to the step's end use)."""
+    block_tables: list[list[int]] = field(default_factory=list)
+    """Its block table of each KV group for this step (every block its tokens up to the
+    step's end use; ``layers.attention.kv_layout``)."""
     draft_token_ids: list[int] = field(default_factory=list)
     """Speculative decoding: guessed tokens computed after the request's last one (counted in
     ``num_tokens``); every row of the chunk is sampled and the longest agreeing prefix kept."""

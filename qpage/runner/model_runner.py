@@ -3,9 +3,11 @@ logprobs (``batch.StepResult``; full logits stay here, or go to a caller that sc
 
 The batch is flattened: decode rows first (one per request, or one per token for a request
 verifying draft tokens), then prefill chunks, each a contiguous row range. Per step this
-builds ``input_ids``, ``positions``, ``slot_mapping`` (block_id * BLOCK_SIZE + offset for each
-new token) and the backend-neutral ``AttentionBatch``, from which the attention backend builds
-its own metadata once; every layer reuses them.
+builds ``input_ids``, ``positions``, and for each group of the KV layout (``kv_layout``: one
+group unless the model has sliding-window layers beside global ones) a ``slot_mapping``
+(block_id * BLOCK_SIZE + offset for each new token) and the backend-neutral
+``AttentionBatch``, from which the attention backend builds its own metadata once; every
+layer of the group reuses them.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ import torch
 from qpage.config import BLOCK_SIZE
 from qpage.kernels.cpu.matmul import blas
 from qpage.kernels.kv_int import hadamard
-from qpage.layers.attention.kv_format import KVCacheSpec, make_layer_kv
+from qpage.layers.attention.kv_format import KVCacheSpec, layer_view, make_layer_kv
+from qpage.layers.attention.kv_layout import KVLayout
 from qpage.layers.attention.metadata import AttentionBatch, SeqSpan
 from qpage.layers.attention.selector import select_attention_backend
 from qpage.models.arch import ArchConfig
@@ -32,16 +35,30 @@ logger = logging.getLogger("qpage")
 
 
 @dataclass
+class GroupRows:
+    """One KV group's part of a step: where each new token's K/V goes, and each row's span
+    with the group's block table."""
+
+    slots: list[torch.Tensor] = field(default_factory=list)
+    decodes: list[SeqSpan] = field(default_factory=list)
+    prefills: list[SeqSpan] = field(default_factory=list)
+
+
+@dataclass
 class StepInputs:
     """One step's model inputs, all a rank needs to run it (sent to tensor-parallel workers)."""
 
     input_ids: list[int] = field(default_factory=list)
     positions: list[torch.Tensor] = field(default_factory=list)
-    slots: list[torch.Tensor] = field(default_factory=list)
-    decodes: list[SeqSpan] = field(default_factory=list)
-    prefills: list[SeqSpan] = field(default_factory=list)
+    groups: list[GroupRows] = field(default_factory=list)
+    """Per group of the KV layout."""
     logit_rows: list[torch.Tensor] = field(default_factory=list)
     """Rows of the hidden states whose logits are computed, one tensor per ``compute_logits`` call."""
+
+    def group(self, g: int) -> GroupRows:
+        while len(self.groups) <= g:
+            self.groups.append(GroupRows())
+        return self.groups[g]
 
 
 class ModelRunner:
@@ -50,10 +67,12 @@ class ModelRunner:
         dtype: torch.dtype, device: torch.device,
         kv_spec: KVCacheSpec | None = None, attention_backend: str = "auto",
         sampler: Sampler | None = None, broadcast: Callable[[Any], None] | None = None,
+        kv_layout: KVLayout | None = None,
     ) -> None:
         """``arch`` is the shape the model holds (a tensor-parallel rank's part); ``num_blocks``
-        the KV blocks of every layer. The driver (rank 0, or the only rank) has a ``sampler``;
-        ``broadcast`` (the driver of a tensor-parallel group) sends each command to the workers first."""
+        the KV blocks of each slot of ``kv_layout`` (one group of every layer when None). The
+        driver (rank 0, or the only rank) has a ``sampler``; ``broadcast`` (the driver of a
+        tensor-parallel group) sends each command to the workers first."""
         self.model = model
         self.arch = arch
         self.device = device
@@ -72,10 +91,17 @@ class ModelRunner:
         if spec.kv_bits is not None and spec.rotate and block < arch.head_dim:
             logger.info("head_dim %d is not a power of two: the %s cache rotates K/V by a block-diagonal "
                         "Hadamard matrix of %d-wide blocks", arch.head_dim, spec.format, block)
-        self.caches = [
-            make_layer_kv(spec, num_blocks, arch.num_kv_heads, arch.head_dim, device, scales.get(i))
-            for i in range(arch.num_layers)
-        ]
+        self.layout = kv_layout or KVLayout.plan([None] * arch.num_layers)
+        self.layer_groups = [g for g, _ in self.layout.slot_of()]
+        if len(self.layout.groups) == 1:
+            self.caches = [make_layer_kv(spec, num_blocks, arch.num_kv_heads, arch.head_dim, device, scales.get(i))
+                           for i in range(arch.num_layers)]
+        else:  # layer j of every group shares slot j's storage
+            slots = [make_layer_kv(spec, num_blocks, arch.num_kv_heads, arch.head_dim, device)
+                     for _ in range(self.layout.slots)]
+            self.caches = [layer_view(slots[j], scales.get(i)) for i, (_, j) in enumerate(self.layout.slot_of())]
+        if len(self.layout.groups) > 1:
+            model.decode_stack = None  # the fused step reads one block table for every layer
         if getattr(model, "decode_stack", None) is not None and (why := unfit_reason_for(self.backend, spec)):
             logger.debug("decode steps run layer by layer in Python: %s", why)
             model.decode_stack = None
@@ -111,7 +137,7 @@ class ModelRunner:
         pos = torch.arange(n, device=self.device)
         recorder = _Recorder()
         meta = recorder.build_metadata(AttentionBatch(pos, prefills=[SeqSpan(0, n, n, list(range(nb)))]), self.device)
-        self.model(torch.tensor(token_ids, device=self.device), pos, scratch, meta, recorder)
+        self.model(torch.tensor(token_ids, device=self.device), pos, scratch, [meta] * len(scratch), recorder)
         for cache, (k_mean, v_mean) in zip(self.caches, means, strict=True):
             cache.set_shifts(k_mean, v_mean)
 
@@ -158,9 +184,9 @@ class ModelRunner:
         dev = self.device
         input_ids = torch.tensor(batch.input_ids, dtype=torch.long, device=dev)
         positions = torch.cat(batch.positions).to(dev)
-        step = AttentionBatch(torch.cat(batch.slots).to(dev), batch.decodes, batch.prefills)
-        meta = self.backend.build_metadata(step, dev)
-        hidden = self.model(input_ids, positions, self.caches, meta, self.backend)
+        metas = [self.backend.build_metadata(AttentionBatch(torch.cat(g.slots).to(dev), g.decodes, g.prefills), dev)
+                 for g in batch.groups]
+        hidden = self.model(input_ids, positions, self.caches, [metas[g] for g in self.layer_groups], self.backend)
         out = []
         for rows in batch.logit_rows:
             logits = self.model.compute_logits(hidden[rows.to(hidden.device)])
@@ -178,36 +204,34 @@ class ModelRunner:
         if not decodes:
             return
         pos: list[int] = []
-        slots: list[int] = []
+        slots: list[list[int]] = []
         for s in decodes:
             p = s.request.num_computed_tokens
             tokens = [s.request.all_token_ids[p], *s.draft_token_ids]
-            _decode_rows(batch, pos, slots, tokens, p, s.block_ids)
-        batch.positions.append(torch.tensor(pos, dtype=torch.long))
-        batch.slots.append(torch.tensor(slots, dtype=torch.long))
+            _decode_rows(batch, pos, slots, tokens, p, s.block_tables)
+        _append_decodes(batch, pos, slots)
 
     def _prepare_prefills(self, prefills: list[ScheduledRequest], batch: StepInputs) -> None:
         for s in prefills:
             start = s.request.num_computed_tokens
-            _prefill_rows(batch, s.request.all_token_ids[start:start + s.num_tokens], start, s.block_ids)
+            _prefill_rows(batch, s.request.all_token_ids[start:start + s.num_tokens], start, s.block_tables)
 
     @torch.inference_mode()
     def decode_logits(self, seqs: list[tuple[list[int], int, list[int]]]) -> torch.Tensor:
         """Run each of ``seqs`` (token ids, position of the first, block table) as decode rows,
         one per token at consecutive positions, as a step runs a request's drafts; the fp32
         logits of each sequence's last row, in the order given. A draft model's runner runs its
-        steps here (one rank, no sampler)."""
+        steps here (one rank, one KV group, no sampler)."""
         order = sorted(range(len(seqs)), key=lambda i: -(seqs[i][1] + len(seqs[i][0])))
         batch = StepInputs()
         pos: list[int] = []
-        slots: list[int] = []
+        slots: list[list[int]] = []
         last: list[int] = []
         for i in order:
             tokens, start, table = seqs[i]
-            _decode_rows(batch, pos, slots, tokens, start, table)
+            _decode_rows(batch, pos, slots, tokens, start, [table])
             last.append(len(pos) - 1)
-        batch.positions.append(torch.tensor(pos, dtype=torch.long))
-        batch.slots.append(torch.tensor(slots, dtype=torch.long))
+        _append_decodes(batch, pos, slots)
         batch.logit_rows.append(torch.tensor(last, dtype=torch.long))
         logits = self.run(batch)[0]
         out = torch.empty_like(logits)
@@ -218,7 +242,7 @@ class ModelRunner:
     def prefill(self, tokens: list[int], start: int, table: list[int]) -> None:
         """Write the K/V of ``tokens`` at positions from ``start`` on (one prefill chunk, no logits)."""
         batch = StepInputs()
-        _prefill_rows(batch, tokens, start, table)
+        _prefill_rows(batch, tokens, start, [table])
         self.run(batch)
 
     @staticmethod
@@ -245,26 +269,37 @@ class ModelRunner:
         return step
 
 
-def _decode_rows(batch: StepInputs, pos: list[int], slots: list[int], tokens: list[int], start: int,
-                 table: list[int]) -> None:
+def _decode_rows(batch: StepInputs, pos: list[int], slots: list[list[int]], tokens: list[int], start: int,
+                 tables: list[list[int]]) -> None:
     """Append ``tokens`` as decode rows at positions ``start``, ``start + 1``, ...: each row's
-    block table holds the blocks its own context uses."""
+    block table (one per KV group) holds the blocks its own context uses."""
     batch.input_ids.extend(tokens)
+    while len(slots) < len(tables):
+        slots.append([])
     for q in range(start, start + len(tokens)):
-        batch.decodes.append(SeqSpan(len(pos), len(pos) + 1, q + 1, table[: q // BLOCK_SIZE + 1]))
+        for g, table in enumerate(tables):
+            batch.group(g).decodes.append(SeqSpan(len(pos), len(pos) + 1, q + 1, table[: q // BLOCK_SIZE + 1]))
+            slots[g].append(table[q // BLOCK_SIZE] * BLOCK_SIZE + q % BLOCK_SIZE)
         pos.append(q)
-        slots.append(table[q // BLOCK_SIZE] * BLOCK_SIZE + q % BLOCK_SIZE)
 
 
-def _prefill_rows(batch: StepInputs, tokens: list[int], start: int, table: list[int]) -> None:
+def _append_decodes(batch: StepInputs, pos: list[int], slots: list[list[int]]) -> None:
+    batch.positions.append(torch.tensor(pos, dtype=torch.long))
+    for g, group_slots in enumerate(slots):
+        batch.group(g).slots.append(torch.tensor(group_slots, dtype=torch.long))
+
+
+def _prefill_rows(batch: StepInputs, tokens: list[int], start: int, tables: list[list[int]]) -> None:
     """Append ``tokens`` as one prefill chunk at positions from ``start`` on."""
     row, ctx = len(batch.input_ids), start + len(tokens)
     batch.input_ids.extend(tokens)
     pos = torch.arange(start, ctx, dtype=torch.long)
-    blocks = torch.tensor(table, dtype=torch.long)
     batch.positions.append(pos)
-    batch.slots.append(blocks[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE)
-    batch.prefills.append(SeqSpan(row, ctx - start + row, ctx, list(table)))
+    for g, table in enumerate(tables):
+        blocks = torch.tensor(table, dtype=torch.long)
+        group = batch.group(g)
+        group.slots.append(blocks[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE)
+        group.prefills.append(SeqSpan(row, ctx - start + row, ctx, list(table)))
 
 
 def prompt_logprobs(s: ScheduledRequest, first: int, logits: torch.Tensor) -> list[dict[int, Logprob]]:

@@ -31,6 +31,7 @@ import torch.multiprocessing as mp
 from qpage.config import BLOCK_SIZE
 from qpage.kernels.cpu.matmul import blas
 from qpage.layers.attention.kv_format import KVCacheSpec
+from qpage.layers.attention.kv_layout import KVLayout
 from qpage.models.arch import ArchConfig
 from qpage.models.loader import load_model
 from qpage.models.sharding import Rank, plan_shards
@@ -55,6 +56,8 @@ class RankSetup:
     attention_backend: str
     allow_pickle: bool
     dequantize_weights: bool
+    kv_layout: KVLayout | None = None
+    """Groups of layers sharing block tables (``layers.attention.kv_layout``); None: one group."""
 
 
 @dataclass
@@ -114,8 +117,9 @@ def build_rank(setup: RankSetup, comm: Collectives, sampler: Sampler | None = No
                        setup.allow_pickle, setup.dequantize_weights, rank if comm.world > 1 else None)
     local = rank.plan.local_arch(setup.arch)
     runner = ModelRunner(model, local, setup.num_blocks, setup.dtype, device, kv_spec=setup.kv_spec,
-                         attention_backend=setup.attention_backend, sampler=sampler, broadcast=broadcast)
-    kv = setup.kv_spec.bytes_per_token(local.num_layers, local.num_kv_heads, local.head_dim)
+                         attention_backend=setup.attention_backend, sampler=sampler, broadcast=broadcast,
+                         kv_layout=setup.kv_layout)
+    kv = setup.kv_spec.bytes_per_token(runner.layout.slots, local.num_kv_heads, local.head_dim)
     return runner, RankReport(comm.rank, weight_bytes(model), kv * setup.num_blocks * BLOCK_SIZE, local.num_kv_heads)
 
 

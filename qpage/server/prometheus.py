@@ -21,6 +21,8 @@ HELP = {
     "num_requests_running": "Requests in the running batch.",
     "num_requests_waiting": "Requests waiting to be scheduled.",
     "kv_cache_usage_perc": "Share of KV-cache blocks in use (1 = full).",
+    "kv_cache_blocks_held": "KV blocks in the running requests' tables (sliding-window layers keep their window).",
+    "kv_cache_blocks_without_windows": "KV blocks those requests would hold if every layer kept every token.",
     "prefix_cache_queries": "Prompt tokens looked up in the prefix cache.",
     "prefix_cache_hits": "Prompt tokens found in the prefix cache.",
     "num_preemptions_total": "Requests preempted (KV blocks freed, recomputed later).",

@@ -54,13 +54,13 @@ def test_prefix_hit_exact_blocks_and_cap_at_last_token() -> None:
     # Same prompt: both full blocks hit, the partial third is computed again.
     r2 = make_req("r2", prompt)
     hit = kv.get_computed_blocks(r2)
-    assert [b.block_id for b in hit.blocks] == [0, 1]
+    assert [b.block_id for b in hit.tables[0]] == [0, 1]
     assert kv.allocate_slots(r2, 40 - hit.num_tokens, hit) == [3]
     assert kv.block_ids("r2") == [0, 1, 3]
     assert kv.pool.blocks[0].ref_cnt == 2
     # A prompt of exactly 2 blocks hits only 1: the last token must be computed for logits.
     r3 = make_req("r3", list(range(32)))
-    assert len(kv.get_computed_blocks(r3).blocks) == 1
+    assert len(kv.get_computed_blocks(r3).tables[0]) == 1
     assert kv.prefix_hits == 2 * BLOCK_SIZE + BLOCK_SIZE
     kv.free(r1)
     kv.free(r2)

@@ -27,6 +27,7 @@ head_dim / 2 bytes, two codes a byte); token slot ``s`` is block ``s // BLOCK_SI
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -282,6 +283,18 @@ def make_layer_kv(
         ks = torch.tensor([kf], dtype=torch.float32, device=device)
         vs = torch.tensor([vf], dtype=torch.float32, device=device)
     return Fp8KV(k, v, spec.dtype, KVTransform(), ks, vs, spec.fp8_format)
+
+
+def layer_view(slot: LayerKV, static_scales: tuple[float, float] | None = None) -> LayerKV:
+    """A layer's cache over a slot tensor that layers of other groups share (``kv_layout``):
+    the slot's storage (codes and per-token scales), the layer's own transform (its K/V
+    shifts) and, for a per-tensor FP8 cache, its own scales."""
+    view = dataclasses.replace(slot, transform=KVTransform(rotation=slot.transform.rotation))
+    if isinstance(view, Fp8KV) and not view.per_token:
+        kf, vf = static_scales or (1.0, 1.0)
+        view.k_scale = torch.tensor([kf], dtype=torch.float32, device=slot.k.device)
+        view.v_scale = torch.tensor([vf], dtype=torch.float32, device=slot.k.device)
+    return view
 
 
 def _int_tensors(shape: tuple[int, int, int, int], bits: int, device: torch.device
