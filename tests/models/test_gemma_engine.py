@@ -123,3 +123,28 @@ def test_gemma3_preemption_prefix_caching_and_chunks_match_a_roomy_run(gemma_mod
             assert m["qpage:num_preemptions_total"] > 0, m
         if setup.get("enable_prefix_caching"):
             assert m["qpage:prefix_cache_hits"] > 0, m
+
+
+def test_gemma3_holds_its_windows_not_its_whole_context(gemma_models: dict) -> None:
+    """Four requests of 8 windows (128 tokens) at once: the engine's metrics show the blocks
+    held against those a cache without windows would hold, at every step. Bound: the global
+    layer's 8 blocks per request and 2 per local layer (a 16-token window and the next token
+    span at most 2 blocks)."""
+    folder, _ = gemma_models["gemma3"]
+    llm = LLM(model=str(folder), kv_cache_memory="64MiB", max_model_len=1024, log_stats=False)
+    eng = llm.llm_engine
+    assert [g.window for g in eng.layout.groups] == [None] + [WINDOW] * 5
+    g = torch.Generator().manual_seed(3)
+    for _ in range(4):
+        ids = torch.randint(3, 49152, (8 * WINDOW - 28,), generator=g).tolist()
+        eng.add_request({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=28, ignore_eos=True))
+    peak = (0, 0)
+    while eng.has_unfinished_requests():
+        eng.step()
+        m = eng.get_metrics()
+        held, full = m["qpage:kv_cache_blocks_held"], m["qpage:kv_cache_blocks_without_windows"]
+        assert held <= full
+        peak = max(peak, (full, held))
+    full, held = peak
+    assert full == 4 * 6 * 8  # 6 groups x 8 blocks of 16 tokens, each request
+    assert held <= 4 * (8 + 5 * 2), peak
