@@ -13,10 +13,10 @@ from typing import Any, TypeVar, cast
 
 import torch
 
-from qpage.config import BLOCK_SIZE, EngineConfig
+from qpage.config import EngineConfig
 from qpage.engine.detokenizer import IncrementalDetokenizer
 from qpage.engine.draft_model import ModelDrafter, draft_source, make_drafter
-from qpage.engine.kv_cache import KVCacheManager, decide_max_model_len, kv_layout, model_limit, plan_capacity
+from qpage.engine.kv_cache import KVCacheManager, plan_cache
 from qpage.engine.metrics import EngineMetrics
 from qpage.engine.output_processor import OutputProcessor, ParentState
 from qpage.engine.outputs import CompletionOutput, RequestOutput
@@ -26,10 +26,8 @@ from qpage.engine.structured import GrammarCompiler, Guide, MaskBudget, token_ma
 from qpage.engine.tokenizers import eos_token_ids, load_tokenizer
 from qpage.layers.attention.kv_calibration import CALIBRATION_TEXT
 from qpage.layers.attention.kv_format import KVCacheSpec
-from qpage.layers.attention.kv_layout import KVLayout
 from qpage.layers.linear.block_linear import BlockLinear
 from qpage.layers.linear.embedding import Embedding
-from qpage.models.arch import ArchConfig
 from qpage.models.loader import read_arch_config, resolve_dtype, resolve_model_dir
 from qpage.models.sharding import check_parallel, plan_shards
 from qpage.parallel.comm import Collectives, TensorParallelError
@@ -78,7 +76,12 @@ class LLMEngine:
         kv_arch = dataclasses.replace(self.arch, num_kv_heads=kv_heads)
         self.draft = draft_source(config.speculative_config, self.model_dir, self.arch, tp, self.tokenizer)
         draft_bytes = self.draft.kv_bytes_per_token(self.kv_spec) if self.draft is not None else 0
-        self.layout, num_blocks, block_bytes = self._plan_cache(kv_arch, draft_bytes)
+        cache = plan_cache(self.arch, kv_arch, self.kv_spec, int(cc.kv_cache_memory), mc.max_model_len,
+                           config.scheduler.max_num_batched_tokens, draft_bytes)
+        if len(cache.layout.groups) > 1 and self.draft is not None:
+            raise ValueError(f"{self.model_dir}: a draft model is not supported yet with sliding-window layers "
+                             "beside global ones; use ngram speculation")
+        self.layout, self.max_model_len, num_blocks = cache.layout, cache.max_model_len, cache.num_blocks
         self.kv = KVCacheManager(num_blocks, config.cache.enable_prefix_caching, self.layout)
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.workers: Workers | None = None
@@ -103,37 +106,14 @@ class LLMEngine:
         self._ids = itertools.count()
         self._requests: dict[str, list[Request]] = {}
         if config.log_stats:
-            cap = num_blocks * BLOCK_SIZE
             print(
                 f"qpage: {self.model_dir.name} ({self.arch.architecture}, {self.dtype}) on "
-                f"{self.device}; KV cache {self.kv_spec.describe()}, {num_blocks} blocks x {BLOCK_SIZE} = "
-                f"{cap} tokens ({block_bytes // BLOCK_SIZE} B/token); attention {self.runner.backend.name}; "
+                f"{self.device}; KV cache {self.kv_spec.describe()}, {cache.describe(self.arch.num_layers)}; "
+                f"attention {self.runner.backend.name}; "
                 f"max_model_len {self.max_model_len}{self._quantized_note()}{self._parallel_note()}"
                 f"{self._speculative_note()}",
                 flush=True,
             )
-
-    def _plan_cache(self, kv_arch: ArchConfig, draft_bytes: int) -> tuple[KVLayout, int, int]:
-        """(KV layout, blocks, bytes per block) for the budget, and ``max_model_len``: the layout
-        depends on the context length (a window as long as it is no window) and the length on
-        what the layout's blocks hold, so a layout that changes with the decided length is
-        planned again."""
-        mc, cc = self.config.model, self.config.cache
-        chunk = self.config.scheduler.max_num_batched_tokens
-        length = mc.max_model_len or model_limit(self.arch)
-        for _ in range(2):
-            layout = kv_layout(self.arch, length)
-            num_blocks, block_bytes = plan_capacity(kv_arch, self.kv_spec, int(cc.kv_cache_memory), draft_bytes,
-                                                    layout)
-            length = decide_max_model_len(self.arch, mc.max_model_len, layout, num_blocks, block_bytes, chunk,
-                                          cc.kv_cache_memory)
-            if kv_layout(self.arch, length) == layout:
-                break
-        self.max_model_len = length
-        if len(layout.groups) > 1 and self.draft is not None:
-            raise ValueError(f"{self.model_dir}: a draft model is not supported yet with sliding-window layers "
-                             "beside global ones; use ngram speculation")
-        return layout, num_blocks, block_bytes
 
     def _speculative_note(self) -> str:
         """'; speculative decoding: ...' for the start line (empty without it)."""

@@ -64,6 +64,44 @@ def decide_max_model_len(arch: ArchConfig, want: int | None, layout: KVLayout, n
     return want
 
 
+@dataclass(frozen=True)
+class CachePlan:
+    layout: KVLayout
+    num_blocks: int
+    block_bytes: int
+    max_model_len: int
+    chunk: int
+    """Tokens a step computes at most (``max_num_batched_tokens``)."""
+
+    def describe(self, num_layers: int) -> str:
+        """The cache's size for the start line; with local layers, what they save."""
+        layout, n = self.layout, self.num_blocks
+        if len(layout.groups) == 1:
+            return f"{n} blocks x {BLOCK_SIZE} = {n * BLOCK_SIZE} tokens ({self.block_bytes // BLOCK_SIZE} B/token)"
+        local = sum(len(g.layers) for g in layout.groups if g.window is not None)
+        longest = layout.max_tokens(n, self.chunk, 1 << 30)
+        without = n * layout.slots // num_layers * BLOCK_SIZE
+        return (f"{n} blocks x {BLOCK_SIZE} tokens x {layout.slots} layers ({self.block_bytes} B); {local} of "
+                f"{num_layers} layers keep a {layout.groups[1].window}-token window: one request holds {longest} "
+                f"tokens ({without} if they kept every token)")
+
+
+def plan_cache(arch: ArchConfig, kv_arch: ArchConfig, spec: KVCacheSpec, budget: int, want: int | None,
+               chunk: int, draft_bytes: int = 0) -> CachePlan:
+    """The layout, blocks and ``max_model_len`` for a KV budget of ``budget`` bytes
+    (``kv_arch``: the shape a block is sized for). The layout depends on the
+    context length (a window as long as it is no window) and the length on what the layout's
+    blocks hold, so a layout that changes with the decided length is planned again."""
+    length = want or model_limit(arch)
+    for _ in range(2):
+        layout = kv_layout(arch, length)
+        num_blocks, block_bytes = plan_capacity(kv_arch, spec, budget, draft_bytes, layout)
+        length = decide_max_model_len(arch, want, layout, num_blocks, block_bytes, chunk, budget)
+        if kv_layout(arch, length) == layout:
+            break
+    return CachePlan(layout, num_blocks, block_bytes, length, chunk)
+
+
 @dataclass(slots=True)
 class ComputedBlocks:
     """A prefix-cache hit: per group of the layout, the blocks whose KV is already computed
