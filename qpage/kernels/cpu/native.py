@@ -121,7 +121,7 @@ def load() -> ctypes.CDLL | None:
         try:
             lib = ctypes.CDLL(str(_build(cc)))
             lib.qp_paged_decode_f32.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _ptr, _ptr,
-                                                _int, _int, _int, _int, _int, _float, _i64, _int]
+                                                _int, _int, _int, _int, _int, _float, _i64, _int, _i64, _float]
             lib.qp_paged_decode_f32.restype = _int
             lib.qp_write_kv_f32.argtypes = [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _int, _i64, _i64]
             lib.qp_write_kv_f32.restype = _int
@@ -140,12 +140,13 @@ def load() -> ctypes.CDLL | None:
             lib.qp_write_kv_fp8.restype = _int
             lib.qp_paged_decode_fp8.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _float, _float, _ptr, _int, _ptr,
                                                 _i64, _i64, _ptr, _ptr, _int, _int, _int, _int, _int, _float, _i64,
-                                                _int]
+                                                _int, _i64, _float]
             lib.qp_paged_decode_fp8.restype = _int
             lib.qp_write_int.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _int, _int, _int, _i64, _int]
             lib.qp_write_int.restype = _int
             lib.qp_paged_decode_int.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _int, _int, _ptr, _i64, _i64,
-                                                _ptr, _ptr, _int, _int, _int, _int, _int, _float, _i64, _int]
+                                                _ptr, _ptr, _int, _int, _int, _int, _int, _float, _i64, _int,
+                                                _i64, _float]
             lib.qp_paged_decode_int.restype = _int
             lib.qp_quantize_act.argtypes = [_ptr, _i64, _int, _int, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _int]
             lib.qp_quantize_act.restype = None

@@ -188,7 +188,8 @@ class CpuNativePagedAttention(CpuBlasPagedAttention):
     def __init__(self, spec: KVCacheSpec) -> None:
         super().__init__(spec)
         self._rows: Callable[..., torch.Tensor]
-        """(q rows, cache, block table [rows or 1, blocks], context lengths, scale) -> attention."""
+        """(q rows, cache, block table [rows or 1, blocks], context lengths, scale, window, soft cap)
+        -> attention."""
         if spec.kv_bits is not None:
             self.write_cache = _write_int  # type: ignore[method-assign]
             self._rows = _rows_int
@@ -206,12 +207,12 @@ class CpuNativePagedAttention(CpuBlasPagedAttention):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKV, meta: AttentionMetadata,
         scale: float, window: int | None = None, softcap: float | None = None,
     ) -> torch.Tensor:
-        """q: [T, H, D] (this step's K/V are already in the cache). Returns [T, H, D]. Plain
-        causal attention only (``window`` and ``softcap`` None)."""
-        outs = [self._rows(q[d.start : d.end], cache, d.block_table, _seq_lens(d), scale) for d in meta.decode_groups]
+        """q: [T, H, D] (this step's K/V are already in the cache). Returns [T, H, D]."""
+        outs = [self._rows(q[d.start : d.end], cache, d.block_table, _seq_lens(d), scale, window, softcap)
+                for d in meta.decode_groups]
         for p in meta.prefills:
             assert p.row_lens is not None, "build_torch_metadata sets each prompt row's context length"
-            outs.append(self._rows(q[p.start : p.end], cache, p.block_ids[None], p.row_lens, scale))
+            outs.append(self._rows(q[p.start : p.end], cache, p.block_ids[None], p.row_lens, scale, window, softcap))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
 
 
@@ -267,18 +268,19 @@ def _write_plain(k: torch.Tensor, v: torch.Tensor, cache: LayerKV, slot_mapping:
     native_fp32.write_kv(k, v, cache.k, cache.v, slot_mapping)
 
 
-def _rows_plain(q: torch.Tensor, cache: LayerKV, table: torch.Tensor, lens: torch.Tensor,
-                scale: float) -> torch.Tensor:
-    return native_fp32.paged_decode(q, cache.k, cache.v, table, lens, scale)
+def _rows_plain(q: torch.Tensor, cache: LayerKV, table: torch.Tensor, lens: torch.Tensor, scale: float,
+                window: int | None, softcap: float | None) -> torch.Tensor:
+    return native_fp32.paged_decode(q, cache.k, cache.v, table, lens, scale, window, softcap)
 
 
 def _write_fp8(k: torch.Tensor, v: torch.Tensor, cache: Fp8KV, slot_mapping: torch.Tensor) -> None:
     native_fp8.write_kv_fp8(k, v, cache.k, cache.v, slot_mapping, cache.k_scale, cache.v_scale, cache.fp8_format)
 
 
-def _rows_fp8(q: torch.Tensor, cache: Fp8KV, table: torch.Tensor, lens: torch.Tensor, scale: float) -> torch.Tensor:
+def _rows_fp8(q: torch.Tensor, cache: Fp8KV, table: torch.Tensor, lens: torch.Tensor, scale: float,
+              window: int | None, softcap: float | None) -> torch.Tensor:
     return native_fp8.paged_decode_fp8(q, cache.k, cache.v, cache.k_scale, cache.v_scale, cache.fp8_format,
-                                       table, lens, scale)
+                                       table, lens, scale, window, softcap)
 
 
 def _write_int(k: torch.Tensor, v: torch.Tensor, cache: IntKV, slot_mapping: torch.Tensor) -> None:
@@ -286,6 +288,7 @@ def _write_int(k: torch.Tensor, v: torch.Tensor, cache: IntKV, slot_mapping: tor
     native_int.write_int(v, cache.v, cache.v_scale, slot_mapping, cache.v_bits)
 
 
-def _rows_int(q: torch.Tensor, cache: IntKV, table: torch.Tensor, lens: torch.Tensor, scale: float) -> torch.Tensor:
+def _rows_int(q: torch.Tensor, cache: IntKV, table: torch.Tensor, lens: torch.Tensor, scale: float,
+              window: int | None, softcap: float | None) -> torch.Tensor:
     return native_int.paged_decode_int(q, cache.k, cache.v, cache.k_scale, cache.v_scale, cache.k_bits,
-                                       cache.v_bits, table, lens, scale)
+                                       cache.v_bits, table, lens, scale, window, softcap)

@@ -43,9 +43,11 @@ def write_int(x: torch.Tensor, cache: torch.Tensor, params: torch.Tensor, slot_m
 def paged_decode_int(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_params: torch.Tensor, v_params: torch.Tensor,
     k_bits: int, v_bits: int, block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+    window: int | None = None, softcap: float | None = None,
 ) -> torch.Tensor:
     """Decode attention over integer codes; q fp32 [n, H, hd] (heads contiguous) -> fp32 [n, H, hd];
-    block_table int64 [n or 1, >= blocks used] (one row: one prompt chunk's queries share it)."""
+    block_table int64 [n or 1, >= blocks used] (one row: one prompt chunk's queries share it);
+    ``window`` and ``softcap`` as ``native_fp32.paged_decode``."""
     lib = load()
     assert lib is not None, "paged_decode_int needs the native kernels; check load() first"
     n, h, hd = q.shape
@@ -62,6 +64,6 @@ def paged_decode_int(
     rc = lib.qp_paged_decode_int(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
                                  k_params.data_ptr(), v_params.data_ptr(), k_bits, v_bits, bt.data_ptr(),
                                  table_stride, bt.shape[1], lens.data_ptr(), out.data_ptr(), n, h, kvh, hd, bs, scale,
-                                 nb, num_threads())
+                                 nb, num_threads(), window or 0, softcap or 0.0)
     check_decode(rc, "paged_decode_int", nb)
     return out

@@ -38,37 +38,41 @@ static inline void prefetch_row(const float *p, int64_t n) {
  * m: scratch [num_heads]. */
 static inline __attribute__((always_inline)) void attend_seq(
     const float *q, const float *k_cache, const float *v_cache, const int64_t *blocks, int64_t seq_len,
-    int num_heads, int num_kv_heads, int head_dim, int block_size, float scale, float *scores, float *m, float *out) {
+    int num_heads, int num_kv_heads, int head_dim, int block_size, float scale, int64_t window, float softcap,
+    float *scores, float *m, float *out) {
     const int group = num_heads / num_kv_heads;
     const int64_t tok_stride = (int64_t)num_kv_heads * head_dim, block_stride = block_size * tok_stride;
+    const int64_t start = qp_window_start(seq_len, window), first = start - start % block_size;
     for (int h = 0; h < num_heads; h++) m[h] = -INFINITY;
-    /* Pass 1: scores, and each head's maximum. */
-    for (int64_t b0 = 0; b0 < seq_len; b0 += block_size) {
+    /* Pass 1: scores of positions start.. (blocks before the window are not read), and each
+     * head's maximum. */
+    for (int64_t b0 = first; b0 < seq_len; b0 += block_size) {
         const float *kb = k_cache + blocks[b0 / block_size] * block_stride;
         const int64_t count = seq_len - b0 < block_size ? seq_len - b0 : block_size;
         const float *next = b0 + block_size < seq_len ? k_cache + blocks[b0 / block_size + 1] * block_stride : NULL;
-        for (int64_t t = 0; t < count; t++) {
+        for (int64_t t = b0 < start ? start - b0 : 0; t < count; t++) {
             if (next) prefetch_row(next + t * tok_stride, tok_stride);
             for (int h = 0; h < num_heads; h++) {
-                const float s = dot(q + (int64_t)h * head_dim, kb + t * tok_stride + (int64_t)(h / group) * head_dim,
-                                    head_dim) * scale;
+                const float s = qp_softcap(dot(q + (int64_t)h * head_dim, kb + t * tok_stride +
+                                               (int64_t)(h / group) * head_dim, head_dim) * scale, softcap);
                 scores[(int64_t)h * seq_len + b0 + t] = s;
                 m[h] = s > m[h] ? s : m[h];
             }
         }
     }
     /* Softmax numerators in place; m[h] becomes 1 / denominator. */
-    qp_softmax_numerators(scores, seq_len, m, num_heads, seq_len);
+    qp_softmax_numerators(scores + start, seq_len, m, num_heads, seq_len - start);
     memset(out, 0, sizeof(float) * (size_t)num_heads * head_dim);
     /* Pass 2: weighted sum of V. */
-    for (int64_t b0 = 0; b0 < seq_len; b0 += block_size) {
+    for (int64_t b0 = first; b0 < seq_len; b0 += block_size) {
         const float *vb = v_cache + blocks[b0 / block_size] * block_stride;
         const int64_t count = seq_len - b0 < block_size ? seq_len - b0 : block_size;
+        const int64_t t0 = b0 < start ? start - b0 : 0;
         if (b0 + block_size < seq_len) prefetch_row(v_cache + blocks[b0 / block_size + 1] * block_stride,
                                                     count * tok_stride);
         for (int h = 0; h < num_heads; h++)
-            weighted_rows(out + (int64_t)h * head_dim, scores + (int64_t)h * seq_len + b0,
-                          vb + (int64_t)(h / group) * head_dim, tok_stride, count, head_dim);
+            weighted_rows(out + (int64_t)h * head_dim, scores + (int64_t)h * seq_len + b0 + t0,
+                          vb + t0 * tok_stride + (int64_t)(h / group) * head_dim, tok_stride, count - t0, head_dim);
     }
     qp_scale_rows(out, m, num_heads, head_dim);
 }
@@ -78,13 +82,13 @@ static inline __attribute__((always_inline)) void attend_seq(
 static __attribute__((noinline)) void decode_row(const float *q, const float *k_cache, const float *v_cache,
                                                  const int64_t *blocks, int64_t seq_len, int num_heads,
                                                  int num_kv_heads, int head_dim, int block_size, float scale,
-                                                 float *scores, float *m, float *out) {
+                                                 int64_t window, float softcap, float *scores, float *m, float *out) {
     if (head_dim == 64)
-        attend_seq(q, k_cache, v_cache, blocks, seq_len, num_heads, num_kv_heads, 64, block_size, scale, scores, m,
-                   out);
+        attend_seq(q, k_cache, v_cache, blocks, seq_len, num_heads, num_kv_heads, 64, block_size, scale, window,
+                   softcap, scores, m, out);
     else
-        attend_seq(q, k_cache, v_cache, blocks, seq_len, num_heads, num_kv_heads, head_dim, block_size, scale, scores,
-                   m, out);
+        attend_seq(q, k_cache, v_cache, blocks, seq_len, num_heads, num_kv_heads, head_dim, block_size, scale, window,
+                   softcap, scores, m, out);
 }
 
 /* Rows of one prompt chunk attended together, a tile at a time, so each cache block is read
@@ -99,26 +103,33 @@ static __attribute__((noinline)) void decode_row(const float *q, const float *k_
 static inline __attribute__((always_inline)) void attend_rows(
     const float *q, int64_t q_stride, int rows, const float *k_cache, const float *v_cache, const int64_t *blocks,
     const int64_t *seq_lens, int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,
-    float *scores, float *m, float *out) {
+    int64_t window, float softcap, float *scores, float *m, float *out) {
     const int group = num_heads / num_kv_heads;
     const int64_t tok_stride = (int64_t)num_kv_heads * head_dim, block_stride = block_size * tok_stride;
-    int64_t longest = 0;
-    for (int r = 0; r < rows; r++) longest = seq_lens[r] > longest ? seq_lens[r] : longest;
+    int64_t longest = 0, first = INT64_MAX;
+    for (int r = 0; r < rows; r++) {
+        const int64_t start = qp_window_start(seq_lens[r], window);
+        longest = seq_lens[r] > longest ? seq_lens[r] : longest;
+        first = start < first ? start : first;
+    }
+    first -= first % block_size;
     for (int i = 0; i < rows * num_heads; i++) m[i] = -INFINITY;
-    /* Pass 1: scores, and each row and head's maximum. */
-    for (int64_t b0 = 0; b0 < longest; b0 += block_size) {
+    /* Pass 1: scores of each row's positions in its window, and each row and head's maximum. */
+    for (int64_t b0 = first; b0 < longest; b0 += block_size) {
         const float *kb = k_cache + blocks[b0 / block_size] * block_stride;
         for (int r = 0; r < rows; r++) {
-            if (seq_lens[r] <= b0) continue;
+            const int64_t start = qp_window_start(seq_lens[r], window);
+            if (seq_lens[r] <= b0 || b0 + block_size <= start) continue;
             const int64_t count = seq_lens[r] - b0 < block_size ? seq_lens[r] - b0 : block_size;
+            const int64_t t0 = b0 < start ? start - b0 : 0;
             for (int h = 0; h < num_heads; h++) {
                 const int64_t at = (int64_t)r * num_heads + h;
                 float *row = scores + at * longest + b0;
-                block_dots(q + r * q_stride + (int64_t)h * head_dim, kb + (int64_t)(h / group) * head_dim, tok_stride,
-                           count, block_size, head_dim, row);
+                block_dots(q + r * q_stride + (int64_t)h * head_dim, kb + t0 * tok_stride + (int64_t)(h / group) *
+                           head_dim, tok_stride, count - t0, block_size - t0, head_dim, row + t0);
                 float mx = m[at]; /* in a register: m and row share one allocation */
-                for (int64_t t = 0; t < count; t++) {
-                    row[t] *= scale;
+                for (int64_t t = t0; t < count; t++) {
+                    row[t] = qp_softcap(row[t] * scale, softcap);
                     mx = row[t] > mx ? row[t] : mx;
                 }
                 m[at] = mx;
@@ -126,20 +137,24 @@ static inline __attribute__((always_inline)) void attend_rows(
         }
     }
     /* Softmax numerators in place; m becomes 1 / denominator. */
-    for (int r = 0; r < rows; r++)
-        qp_softmax_numerators(scores + (int64_t)r * num_heads * longest, longest, m + (int64_t)r * num_heads,
-                              num_heads, seq_lens[r]);
+    for (int r = 0; r < rows; r++) {
+        const int64_t start = qp_window_start(seq_lens[r], window);
+        qp_softmax_numerators(scores + (int64_t)r * num_heads * longest + start, longest, m + (int64_t)r * num_heads,
+                              num_heads, seq_lens[r] - start);
+    }
     memset(out, 0, sizeof(float) * (size_t)rows * num_heads * head_dim);
     /* Pass 2: weighted sum of V. */
-    for (int64_t b0 = 0; b0 < longest; b0 += block_size) {
+    for (int64_t b0 = first; b0 < longest; b0 += block_size) {
         const float *vb = v_cache + blocks[b0 / block_size] * block_stride;
         for (int r = 0; r < rows; r++) {
-            if (seq_lens[r] <= b0) continue;
+            const int64_t start = qp_window_start(seq_lens[r], window);
+            if (seq_lens[r] <= b0 || b0 + block_size <= start) continue;
             const int64_t count = seq_lens[r] - b0 < block_size ? seq_lens[r] - b0 : block_size;
+            const int64_t t0 = b0 < start ? start - b0 : 0;
             for (int h = 0; h < num_heads; h++) {
                 const int64_t at = (int64_t)r * num_heads + h;
-                weighted_rows(out + at * head_dim, scores + at * longest + b0, vb + (int64_t)(h / group) * head_dim,
-                              tok_stride, count, head_dim);
+                weighted_rows(out + at * head_dim, scores + at * longest + b0 + t0,
+                              vb + t0 * tok_stride + (int64_t)(h / group) * head_dim, tok_stride, count - t0, head_dim);
             }
         }
     }
@@ -151,9 +166,9 @@ typedef struct {
     const float *q, *k_cache, *v_cache;
     const int64_t *block_table, *seq_lens;
     float *out;
-    int64_t q_seq_stride, table_stride, longest;
+    int64_t q_seq_stride, table_stride, longest, window;
     int num_seqs, num_heads, num_kv_heads, head_dim, block_size, tile;
-    float scale;
+    float scale, softcap;
 } qp_attention_call;
 
 /* Tiles first, first + step, ... of a call (one thread's share), with their own scratch.
@@ -170,13 +185,13 @@ static int attend_tiles(const qp_attention_call *c, int first, int step) {
         /* A constant head_dim lets the compiler unroll the dot products fully. */
         if (c->table_stride != 0)
             decode_row(qs, c->k_cache, c->v_cache, bt, c->seq_lens[s], c->num_heads, c->num_kv_heads, c->head_dim,
-                       c->block_size, c->scale, scores, m, os);
+                       c->block_size, c->scale, c->window, c->softcap, scores, m, os);
         else if (c->head_dim == 64)
             attend_rows(qs, c->q_seq_stride, rows, c->k_cache, c->v_cache, bt, c->seq_lens + s, c->num_heads,
-                        c->num_kv_heads, 64, c->block_size, c->scale, scores, m, os);
+                        c->num_kv_heads, 64, c->block_size, c->scale, c->window, c->softcap, scores, m, os);
         else
             attend_rows(qs, c->q_seq_stride, rows, c->k_cache, c->v_cache, bt, c->seq_lens + s, c->num_heads,
-                        c->num_kv_heads, c->head_dim, c->block_size, c->scale, scores, m, os);
+                        c->num_kv_heads, c->head_dim, c->block_size, c->scale, c->window, c->softcap, scores, m, os);
     }
     free(scores);
     return 0;
@@ -187,19 +202,22 @@ static int attend_tiles(const qp_attention_call *c, int first, int step) {
  * block_table: int64 [num_seqs, table_cols], rows table_stride apart; table_stride 0: one
  * table for all, the rows of one prompt chunk, attended QP_TILE_ROWS at a time;
  * seq_lens: int64 [num_seqs] (>= 1, this row's token included); out: [num_seqs, num_heads,
- * head_dim] contiguous; threads: the most to use (qp_attention_threads). Returns 0; -1 when
- * the scratch cannot be allocated; -2 when a seq_len is < 1 or a block id it reaches is
- * outside [0, num_blocks) (nothing is read then). */
+ * head_dim] contiguous; threads: the most to use (qp_attention_threads); window > 0: each row
+ * attends to its last `window` positions only (the blocks before them are not read: their
+ * ids may be any valid block); softcap > 0: scores are soft-capped (qp_softcap). Returns 0; -1 when the scratch
+ * cannot be allocated; -2 when a seq_len is < 1 or a block id it reaches is outside
+ * [0, num_blocks) (nothing is read then). */
 int qp_paged_decode_f32(const float *q, int64_t q_seq_stride, const float *k_cache, const float *v_cache,
                         const int64_t *block_table, int64_t table_stride, int64_t table_cols,
                         const int64_t *seq_lens, float *out, int num_seqs, int num_heads, int num_kv_heads,
-                        int head_dim, int block_size, float scale, int64_t num_blocks, int threads) {
+                        int head_dim, int block_size, float scale, int64_t num_blocks, int threads, int64_t window,
+                        float softcap) {
     const int64_t longest =
         qp_check_decode_tables(block_table, table_stride, table_cols, seq_lens, num_seqs, block_size, num_blocks);
     if (longest < 0) return -2;
     const qp_attention_call c = {q, k_cache, v_cache, block_table, seq_lens, out, q_seq_stride, table_stride,
-                                 longest, num_seqs, num_heads, num_kv_heads, head_dim, block_size,
-                                 table_stride == 0 ? QP_TILE_ROWS : 1, scale};
+                                 longest, window, num_seqs, num_heads, num_kv_heads, head_dim, block_size,
+                                 table_stride == 0 ? QP_TILE_ROWS : 1, scale, softcap};
     const int n = qp_attention_threads(seq_lens, num_seqs, num_heads, head_dim, threads);
     if (n == 1) return attend_tiles(&c, 0, 1); /* no thread team for a decode step's few rows */
     int failed = 0;

@@ -28,7 +28,8 @@ int qp_rope_f32(float *x, int64_t x_stride, const float *cos, const float *sin, 
 int qp_paged_decode_f32(const float *q, int64_t q_seq_stride, const float *k_cache, const float *v_cache,
                         const int64_t *block_table, int64_t table_stride, int64_t table_cols,
                         const int64_t *seq_lens, float *out, int num_seqs, int num_heads, int num_kv_heads,
-                        int head_dim, int block_size, float scale, int64_t num_blocks, int threads);
+                        int head_dim, int block_size, float scale, int64_t num_blocks, int threads, int64_t window,
+                        float softcap);
 int qp_write_kv_f32(const float *k, int64_t k_stride, const float *v, int64_t v_stride, float *k_cache,
                     float *v_cache, const int64_t *slots, int num_tokens, int64_t row, int64_t num_slots);
 
@@ -135,7 +136,7 @@ int qp_gguf_decode_layers(const qp_layer *layers, int num_layers, const qp_shape
             const int r = qp_paged_decode_f32(qkv + G->start * qkv_n, qkv_n, L->k_cache, L->v_cache, G->block_table,
                                               G->table_stride, G->table_cols, G->seq_lens, attn + G->start * q_n,
                                               G->end - G->start, sh->heads, sh->kv_heads, hd, sh->block_size,
-                                              sh->scale, sh->num_blocks, sh->threads);
+                                              sh->scale, sh->num_blocks, sh->threads, 0, 0.0f);
             rc = r == -2 ? -2 : r != 0 ? -3 : 0; /* the attention's -1: its scratch allocation failed */
         }
         if (rc) break;

@@ -159,38 +159,43 @@ static inline void decode_block(float *buf, float *w, const uint8_t *cache, cons
 static inline __attribute__((always_inline)) void attend_seq_fp8(
     const float *q, const uint8_t *k_cache, const uint8_t *v_cache, const uint16_t *ks, const uint16_t *vs,
     float k_mul, float v_mul, const float *lut, int e5m2, const int64_t *blocks, int64_t seq_len,
-    int num_heads, int num_kv_heads, int head_dim, int block_size, float scale, float *scores, float *m, float *buf,
-    float *w, float *out) {
+    int num_heads, int num_kv_heads, int head_dim, int block_size, float scale, int64_t window, float softcap,
+    float *scores, float *m, float *buf, float *w, float *out) {
     const int group = num_heads / num_kv_heads;
+    const int64_t start = qp_window_start(seq_len, window), from = start - start % block_size;
     for (int h = 0; h < num_heads; h++) m[h] = -INFINITY;
-    for (int64_t b0 = 0; b0 < seq_len; b0 += block_size) {
+    for (int64_t b0 = from; b0 < seq_len; b0 += block_size) {
         const int64_t first = blocks[b0 / block_size] * block_size;
         const int64_t count = seq_len - b0 < block_size ? seq_len - b0 : block_size;
+        const int64_t t0 = b0 < start ? start - b0 : 0;
         for (int kh = 0; kh < num_kv_heads; kh++) {
             decode_block(buf, w, k_cache, ks, k_mul, scale, lut, e5m2, first, count, kh, num_kv_heads, head_dim);
             for (int h = kh * group; h < (kh + 1) * group; h++) {
                 float *row = scores + (int64_t)h * seq_len + b0;
-                block_dots(q + (int64_t)h * head_dim, buf, head_dim, count, block_size, head_dim, row);
+                block_dots(q + (int64_t)h * head_dim, buf + t0 * head_dim, head_dim, count - t0, block_size - t0,
+                           head_dim, row + t0);
                 float mx = m[h]; /* in a register (m and row share one allocation) */
-                for (int64_t t = 0; t < count; t++) {
-                    row[t] *= w[t];
+                for (int64_t t = t0; t < count; t++) {
+                    row[t] = qp_softcap(row[t] * w[t], softcap);
                     mx = row[t] > mx ? row[t] : mx;
                 }
                 m[h] = mx;
             }
         }
     }
-    qp_softmax_numerators(scores, seq_len, m, num_heads, seq_len);
+    qp_softmax_numerators(scores + start, seq_len, m, num_heads, seq_len - start);
     memset(out, 0, sizeof(float) * (size_t)num_heads * head_dim);
     float *pw = w + block_size;
-    for (int64_t b0 = 0; b0 < seq_len; b0 += block_size) {
+    for (int64_t b0 = from; b0 < seq_len; b0 += block_size) {
         const int64_t first = blocks[b0 / block_size] * block_size;
         const int64_t count = seq_len - b0 < block_size ? seq_len - b0 : block_size;
+        const int64_t t0 = b0 < start ? start - b0 : 0;
         for (int kh = 0; kh < num_kv_heads; kh++) {
             decode_block(buf, w, v_cache, vs, v_mul, 1.0f, lut, e5m2, first, count, kh, num_kv_heads, head_dim);
             for (int h = kh * group; h < (kh + 1) * group; h++) {
-                for (int64_t t = 0; t < count; t++) pw[t] = scores[(int64_t)h * seq_len + b0 + t] * w[t];
-                weighted_rows(out + (int64_t)h * head_dim, pw, buf, head_dim, count, head_dim);
+                for (int64_t t = t0; t < count; t++) pw[t] = scores[(int64_t)h * seq_len + b0 + t] * w[t];
+                weighted_rows(out + (int64_t)h * head_dim, pw + t0, buf + t0 * head_dim, head_dim, count - t0,
+                              head_dim);
             }
         }
     }
@@ -200,13 +205,14 @@ static inline __attribute__((always_inline)) void attend_seq_fp8(
 /* Decode attention over an FP8 cache; arguments as qp_paged_decode_f32 (cpu_attention.c)
  * plus the scales (k_scale/v_scale fp16 bits per slot and kv head, or NULL with the
  * per-tensor k_mul/v_mul), lut[256] (the value of each code) and the format (e5m2: 1, else
- * e4m3). Returns 0; -1 when the
+ * e4m3), the window and soft cap (as qp_paged_decode_f32). Returns 0; -1 when the
  * scratch cannot be allocated; -2 for a bad seq_len or block id; -3 when head_dim > 256. */
 int qp_paged_decode_fp8(const float *q, int64_t q_seq_stride, const uint8_t *k_cache, const uint8_t *v_cache,
                         const uint16_t *k_scale, const uint16_t *v_scale, float k_mul, float v_mul, const float *lut,
                         int e5m2, const int64_t *block_table, int64_t table_stride, int64_t table_cols,
                         const int64_t *seq_lens, float *out, int num_seqs, int num_heads, int num_kv_heads,
-                        int head_dim, int block_size, float scale, int64_t num_blocks, int threads) {
+                        int head_dim, int block_size, float scale, int64_t num_blocks, int threads, int64_t window,
+                        float softcap) {
     if (head_dim > QP_MAX_HEAD_DIM) return -3;
     const int64_t longest =
         qp_check_decode_tables(block_table, table_stride, table_cols, seq_lens, num_seqs, block_size, num_blocks);
@@ -229,11 +235,11 @@ int qp_paged_decode_fp8(const float *q, int64_t q_seq_stride, const uint8_t *k_c
             if (head_dim == 64)
                 attend_seq_fp8(qs, k_cache, v_cache, k_scale, v_scale, k_mul, v_mul, lut, e5m2,
                                block_table + s * table_stride, seq_lens[s], num_heads, num_kv_heads, 64, block_size,
-                               scale, scores, m, buf, w, os);
+                               scale, window, softcap, scores, m, buf, w, os);
             else
                 attend_seq_fp8(qs, k_cache, v_cache, k_scale, v_scale, k_mul, v_mul, lut, e5m2,
                                block_table + s * table_stride, seq_lens[s], num_heads, num_kv_heads, head_dim,
-                               block_size, scale, scores, m, buf, w, os);
+                               block_size, scale, window, softcap, scores, m, buf, w, os);
         }
         free(buf);
         free(scores);

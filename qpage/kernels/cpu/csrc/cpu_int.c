@@ -158,48 +158,53 @@ static inline __attribute__((always_inline)) void attend_seq_int(
     const float *q, const uint8_t *k_cache, const uint8_t *v_cache, const uint16_t *kp, const uint16_t *vp, int k_bits,
     int v_bits,
     const int64_t *blocks, int64_t seq_len, int num_heads, int num_kv_heads, int head_dim, int block_size,
-    float scale, float *scores, float *m, float *buf, float *w, float *zs, float *out) {
+    float scale, int64_t window, float softcap, float *scores, float *m, float *buf, float *w, float *zs, float *out) {
     const int group = num_heads / num_kv_heads;
+    const int64_t start = qp_window_start(seq_len, window), from = start - start % block_size;
     float *s = w, *z = w + block_size, *pw = w + 2 * block_size;
     for (int h = 0; h < num_heads; h++) {
         m[h] = -INFINITY;
         zs[h] = sum(q + (int64_t)h * head_dim, head_dim); /* sum(q) for the zeros' term */
     }
-    for (int64_t b0 = 0; b0 < seq_len; b0 += block_size) {
+    for (int64_t b0 = from; b0 < seq_len; b0 += block_size) {
         const int64_t first = blocks[b0 / block_size] * block_size;
         const int64_t count = seq_len - b0 < block_size ? seq_len - b0 : block_size;
+        const int64_t t0 = b0 < start ? start - b0 : 0;
         for (int kh = 0; kh < num_kv_heads; kh++) {
             load_block(buf, s, z, k_cache, kp, k_bits, first, count, kh, num_kv_heads, head_dim);
             for (int h = kh * group; h < (kh + 1) * group; h++) {
                 float *row = scores + (int64_t)h * seq_len + b0;
                 const float qs = zs[h];
-                block_dots(q + (int64_t)h * head_dim, buf, head_dim, count, block_size, head_dim, row);
+                block_dots(q + (int64_t)h * head_dim, buf + t0 * head_dim, head_dim, count - t0, block_size - t0,
+                           head_dim, row + t0);
                 float mx = m[h]; /* in a register (m and row share one allocation) */
-                for (int64_t t = 0; t < count; t++) {
-                    row[t] = (row[t] * s[t] + z[t] * qs) * scale;
+                for (int64_t t = t0; t < count; t++) {
+                    row[t] = qp_softcap((row[t] * s[t] + z[t] * qs) * scale, softcap);
                     mx = row[t] > mx ? row[t] : mx;
                 }
                 m[h] = mx;
             }
         }
     }
-    qp_softmax_numerators(scores, seq_len, m, num_heads, seq_len);
+    qp_softmax_numerators(scores + start, seq_len, m, num_heads, seq_len - start);
     memset(out, 0, sizeof(float) * (size_t)num_heads * head_dim);
     memset(zs, 0, sizeof(float) * (size_t)num_heads); /* now sum_t p_t z_t per head */
-    for (int64_t b0 = 0; b0 < seq_len; b0 += block_size) {
+    for (int64_t b0 = from; b0 < seq_len; b0 += block_size) {
         const int64_t first = blocks[b0 / block_size] * block_size;
         const int64_t count = seq_len - b0 < block_size ? seq_len - b0 : block_size;
+        const int64_t t0 = b0 < start ? start - b0 : 0;
         for (int kh = 0; kh < num_kv_heads; kh++) {
             load_block(buf, s, z, v_cache, vp, v_bits, first, count, kh, num_kv_heads, head_dim);
             for (int h = kh * group; h < (kh + 1) * group; h++) {
                 const float *p = scores + (int64_t)h * seq_len + b0;
                 float pz = 0.0f;
-                for (int64_t t = 0; t < count; t++) {
+                for (int64_t t = t0; t < count; t++) {
                     pw[t] = p[t] * s[t];
                     pz += p[t] * z[t];
                 }
                 zs[h] += pz;
-                weighted_rows(out + (int64_t)h * head_dim, pw, buf, head_dim, count, head_dim);
+                weighted_rows(out + (int64_t)h * head_dim, pw + t0, buf + t0 * head_dim, head_dim, count - t0,
+                              head_dim);
             }
         }
     }
@@ -211,7 +216,8 @@ static inline __attribute__((always_inline)) void attend_seq_int(
 }
 
 /* Decode attention over an integer cache; arguments as qp_paged_decode_f32 (cpu_attention.c)
- * plus the parameters (fp16 bits per slot and kv head) and K's and V's bits (8 or 4). Returns 0; -1 when
+ * plus the parameters (fp16 bits per slot and kv head), K's and V's bits (8 or 4), and the
+ * window and soft cap (as qp_paged_decode_f32). Returns 0; -1 when
  * the scratch cannot be allocated; -2 for a bad seq_len or block id; -3 for an odd head_dim
  * with int4 codes. */
 int qp_paged_decode_int(const float *q, int64_t q_seq_stride, const uint8_t *k_cache, const uint8_t *v_cache,
@@ -219,7 +225,7 @@ int qp_paged_decode_int(const float *q, int64_t q_seq_stride, const uint8_t *k_c
                         const int64_t *block_table,
                         int64_t table_stride, int64_t table_cols, const int64_t *seq_lens, float *out, int num_seqs,
                         int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,
-                        int64_t num_blocks, int threads) {
+                        int64_t num_blocks, int threads, int64_t window, float softcap) {
     if (head_dim % 2 && (k_bits == 4 || v_bits == 4)) return -3;
     const int64_t longest =
         qp_check_decode_tables(block_table, table_stride, table_cols, seq_lens, num_seqs, block_size, num_blocks);
@@ -242,10 +248,10 @@ int qp_paged_decode_int(const float *q, int64_t q_seq_stride, const uint8_t *k_c
             const int64_t *bt = block_table + sq * table_stride;
             if (head_dim == 64)
                 attend_seq_int(qs, k_cache, v_cache, k_params, v_params, k_bits, v_bits, bt, seq_lens[sq], num_heads,
-                               num_kv_heads, 64, block_size, scale, scores, m, buf, w, zs, os);
+                               num_kv_heads, 64, block_size, scale, window, softcap, scores, m, buf, w, zs, os);
             else
                 attend_seq_int(qs, k_cache, v_cache, k_params, v_params, k_bits, v_bits, bt, seq_lens[sq], num_heads,
-                               num_kv_heads, head_dim, block_size, scale, scores, m, buf, w, zs, os);
+                               num_kv_heads, head_dim, block_size, scale, window, softcap, scores, m, buf, w, zs, os);
         }
         free(buf);
         free(scores);

@@ -138,6 +138,17 @@ static inline void qp_softmax_numerators(float *scores, int64_t stride, float *m
     }
 }
 
+/* The first position a row of context length seq_len attends to: seq_len - window with a
+ * sliding window (window > 0) shorter than its context, else 0. */
+static inline int64_t qp_window_start(int64_t seq_len, int64_t window) {
+    return window > 0 && seq_len > window ? seq_len - window : 0;
+}
+
+/* A score soft-capped: softcap * tanh(s / softcap) (Gemma 2); unchanged when softcap is 0. */
+static inline float qp_softcap(float s, float softcap) {
+    return softcap > 0.0f ? softcap * tanhf(s / softcap) : s;
+}
+
 /* out [num_rows, n] row r times mul[r]. */
 static inline void qp_scale_rows(float *out, const float *mul, int num_rows, int n) {
     for (int r = 0; r < num_rows; r++) {
