@@ -16,6 +16,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.ops: TorchOps = TORCH_OPS
 
+    def effective_weight(self) -> torch.Tensor:
+        """What the normalised values are multiplied by."""
+        return self.weight
+
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:

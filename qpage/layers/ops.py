@@ -46,6 +46,10 @@ class TorchOps:
         residual = x + residual
         return self.rms_norm(residual, weight, eps), residual
 
+    def rms_norm_heads_(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+        """In place: each head of x [T, heads, head_dim] normalised (q/k norms)."""
+        x.copy_(self.rms_norm(x, weight, eps))
+
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """``silu(gate) * up`` of gate_up [T, 2 * inter] (gate first)."""
         gate, up = gate_up.chunk(2, dim=-1)
@@ -91,6 +95,9 @@ class CpuNativeOps(CpuBlasOps):
         """In place: ``residual += x``, ``x = rms_norm(residual)``; returns ``(x, residual)``."""
         native_ops.add_rms_norm_(x, residual, weight, eps)
         return x, residual
+
+    def rms_norm_heads_(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+        native_ops.rms_norm_heads_(x, weight, eps)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return native_ops.silu_mul(gate_up)

@@ -35,16 +35,26 @@ LANGUAGE_PREFIXES = {"language_model.model.": "model.", "model.language_model.":
 
 
 class GemmaRMSNorm(RMSNorm):
-    """RMSNorm scaling by ``1 + weight`` (in fp32, as the reference does); ``weight`` is the
-    checkpoint's. GGUF files store ``1 + w``; their reader gives back ``w``."""
+    """RMSNorm scaling by ``1 + weight`` (computed in fp32, as the reference does); ``weight`` is
+    the checkpoint's. GGUF files store ``1 + w``; their reader gives back ``w``."""
+
+    scale: torch.Tensor | None = None
+    """``1 + weight`` in the weight's dtype, kept once the model is prepared (its weights final);
+    before that (calibration refills the weights) computed at each call."""
+
+    def prepare(self) -> None:
+        self.scale = (self.weight.float() + 1.0).to(self.weight.dtype)
+
+    def effective_weight(self) -> torch.Tensor:
+        return self.scale if self.scale is not None else (self.weight.float() + 1.0).to(self.weight.dtype)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        scale = self.weight.float() + 1.0
+        scale = self.effective_weight()
         if residual is None:
-            return self.ops.rms_norm(x, scale.to(self.weight.dtype), self.eps)
-        return self.ops.add_rms_norm(x, residual, scale.to(self.weight.dtype), self.eps)
+            return self.ops.rms_norm(x, scale, self.eps)
+        return self.ops.add_rms_norm(x, residual, scale, self.eps)
 
 
 class GemmaMLP(MLP):
@@ -129,6 +139,9 @@ class GemmaForCausalLM(LlamaForCausalLM):
         for layer in self.layers:
             for norm in layer.norms():
                 norm.ops = self.ops
+        for m in self.modules():
+            if isinstance(m, GemmaRMSNorm):
+                m.prepare()
 
     @torch.inference_mode()
     def forward(

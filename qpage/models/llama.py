@@ -28,7 +28,7 @@ from qpage.layers.linear.fp8_linear import Fp8Linear
 from qpage.layers.linear.quant_linear import IntLinear
 from qpage.layers.norms import RMSNorm
 from qpage.layers.ops import TORCH_OPS, TorchOps, select_ops
-from qpage.layers.rotary import RotaryEmbedding, apply_rotary
+from qpage.layers.rotary import RotaryEmbedding
 from qpage.models.arch import ArchConfig
 from qpage.models.fused_decode import build_decode_stack, decode_only, run_decode_stack
 from qpage.models.sharding import WHOLE_MODEL, PartLoader
@@ -94,11 +94,10 @@ class Attention(nn.Module):
         t = x.shape[0]
         qkv = self.qkv_proj.forward(x).view(t, c.num_heads + 2 * c.num_kv_heads, c.head_dim)
         nq = c.num_heads
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(qkv[:, :nq]), self.k_norm(qkv[:, nq : nq + c.num_kv_heads])
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        else:
-            q, k = self.ops.rope_qk(qkv, cos, sin, nq, c.num_kv_heads)
+        if self.q_norm is not None and self.k_norm is not None:  # in place on the projection's output
+            self.ops.rms_norm_heads_(qkv[:, :nq], self.q_norm.effective_weight(), self.q_norm.eps)
+            self.ops.rms_norm_heads_(qkv[:, nq : nq + c.num_kv_heads], self.k_norm.effective_weight(), self.k_norm.eps)
+        q, k = self.ops.rope_qk(qkv, cos, sin, nq, c.num_kv_heads)
         v = qkv[:, nq + c.num_kv_heads :]
         q, k, v = cache.transform.apply(q, k, v)  # centering/rotation of a quantized cache (exact)
         backend.write_cache(k, v, cache, meta.slot_mapping)
@@ -213,7 +212,7 @@ class LlamaForCausalLM(nn.Module):
                 m.prepare(dtype, dequantize_weights)
         self.ops = select_ops(device, dtype)
         self.norm.ops = self.ops
-        for layer in self.layers:  # not q_norm/k_norm: they normalise [T, heads, head_dim] views
+        for layer in self.layers:  # q_norm/k_norm run through self_attn's ops (rms_norm_heads_)
             for m in (layer.input_layernorm, layer.post_attention_layernorm, layer.self_attn, layer.mlp):
                 m.ops = self.ops
         self.decode_stack = build_decode_stack(self)

@@ -118,6 +118,19 @@ def test_rms_norms(dim: int) -> None:
     assert rel_err(x2, F.rms_norm(x + res, (dim,), w, 1e-5)) < TOL
 
 
+def test_rms_norm_heads_in_place_on_a_projection_view() -> None:
+    """q/k norms: each head of a [T, heads, hd] view of a fused qkv output, in place; the other
+    heads untouched."""
+    g = torch.Generator().manual_seed(1)
+    qkv = torch.randn(5, 10, 64, generator=g)
+    w = torch.randn(64, generator=g)
+    want = qkv.clone()
+    want[:, 2:6] = F.rms_norm(qkv[:, 2:6], (64,), w, 1e-6)
+    native_ops.rms_norm_heads_(qkv[:, 2:6], w, 1e-6)
+    assert rel_err(qkv, want) < TOL
+    assert torch.equal(qkv[:, :2], want[:, :2]) and torch.equal(qkv[:, 6:], want[:, 6:])
+
+
 def test_silu_mul() -> None:
     g = torch.Generator().manual_seed(0)
     gate_up = torch.randn(6, 2 * 1536, generator=g) * 4

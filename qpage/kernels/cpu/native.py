@@ -129,6 +129,8 @@ def load() -> ctypes.CDLL | None:
             lib.qp_hadamard_f32.restype = _int
             lib.qp_rms_norm_f32.argtypes = [_ptr, _i64, _ptr, _ptr, _int, _int, _float]
             lib.qp_rms_norm_f32.restype = None
+            lib.qp_rms_norm_heads_f32.argtypes = [_ptr, _i64, _ptr, _int, _int, _int, _float]
+            lib.qp_rms_norm_heads_f32.restype = None
             lib.qp_add_rms_norm_f32.argtypes = [_ptr, _ptr, _ptr, _int, _int, _float]
             lib.qp_add_rms_norm_f32.restype = None
             lib.qp_silu_mul_f32.argtypes = [_ptr, _i64, _ptr, _int, _int]

@@ -27,6 +27,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return out
 
 
+def rms_norm_heads_(x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    """In place: each head of fp32 x [T, heads, hd] (each row's heads contiguous; rows may be
+    strided) becomes ``rms_norm(head) * weight``."""
+    lib = load()
+    assert lib is not None, "rms_norm_heads_ needs the native kernels; check load() first"
+    t, heads, hd = x.shape
+    if (x.device.type != "cpu" or x.dtype != torch.float32 or x.stride(2) != 1 or x.stride(1) != hd
+            or not weight.is_contiguous() or weight.shape != (hd,) or weight.dtype != torch.float32):
+        raise ValueError(f"rms_norm_heads_: unsupported input {tuple(x.shape)}/{x.stride()} {x.dtype}")
+    lib.qp_rms_norm_heads_f32(x.data_ptr(), x.stride(0), weight.data_ptr(), t, heads, hd, eps)
+
+
 def add_rms_norm_(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
     """In place: ``residual += x``, then ``x = rms_norm(residual) * weight`` (fp32 [T, dim], contiguous)."""
     lib = load()

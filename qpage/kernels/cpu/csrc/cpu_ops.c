@@ -20,6 +20,18 @@ void qp_rms_norm_f32(const float *x, int64_t x_stride, float *out, const float *
     for (int t = 0; t < rows; t++) rms_norm_row(x + t * x_stride, out + (int64_t)t * dim, w, dim, eps);
 }
 
+/* In place on `heads` heads of each of `rows` rows (row t's heads contiguous from
+ * x + t * row_stride): each head's head_dim values = rms_norm(head) * w (Qwen3's and Gemma 3's
+ * q/k norms). */
+void qp_rms_norm_heads_f32(float *x, int64_t row_stride, const float *w, int rows, int heads, int head_dim,
+                           float eps) {
+    for (int t = 0; t < rows; t++)
+        for (int h = 0; h < heads; h++) {
+            float *v = x + t * row_stride + (int64_t)h * head_dim;
+            rms_norm_row(v, v, w, head_dim, eps);
+        }
+}
+
 /* vLLM's fused_add_rms_norm: residual += x, then x = rms_norm(residual) * w, both in place
  * (contiguous [rows, dim]). */
 void qp_add_rms_norm_f32(float *x, float *residual, const float *w, int rows, int dim, float eps) {
