@@ -37,10 +37,8 @@ def plan_capacity(arch: ArchConfig, spec: KVCacheSpec, budget: int, draft_bytes_
 
 
 def model_limit(arch: ArchConfig) -> int:
-    """The longest context the model runs: its positions, or a window every layer has (the C
-    kernels attend to whole contexts)."""
-    limit = arch.max_position_embeddings
-    return min(limit, arch.uniform_window) if arch.uniform_window else limit
+    """The longest context the model runs: its positions."""
+    return arch.max_position_embeddings
 
 
 def decide_max_model_len(arch: ArchConfig, want: int | None, layout: KVLayout, num_blocks: int, block_bytes: int,

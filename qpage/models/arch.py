@@ -82,17 +82,10 @@ class ArchConfig:
         return self.sliding_window if self.layer_types[i] == "sliding_attention" else None
 
     def attention_windows(self, max_positions: int) -> list[int | None]:
-        """Each layer's window where it is shorter than the context, else None. A window every
-        layer has caps the context instead (``uniform_window``)."""
-        if self.uniform_window:
-            return [None] * self.num_layers
+        """Each layer's window where it is shorter than the context, else None (a window as long
+        as the context changes nothing)."""
         windows = [self.layer_window(i) for i in range(self.num_layers)]
         return [w if w is not None and w < max_positions else None for w in windows]
-
-    @property
-    def uniform_window(self) -> int | None:
-        """The window when every layer has the same one (Mistral, Qwen), else None."""
-        return self.sliding_window if self.layer_types is None else None
 
     @property
     def q_size(self) -> int:

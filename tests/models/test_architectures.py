@@ -27,6 +27,7 @@ CASES = {
     "llama-linear-rope": ("LlamaConfig",
                           {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 500.0}}),
     "mistral": ("MistralConfig", {"sliding_window": None}),
+    "mistral-window": ("MistralConfig", {"sliding_window": 8}),  # every layer windowed, prompts past it
     "qwen2-qkv-bias": ("Qwen2Config", {}),
     "qwen3-qk-norm": ("Qwen3Config", {"head_dim": 32}),
     "phi3-fused": ("Phi3Config", {"sliding_window": None, "pad_token_id": 0}),

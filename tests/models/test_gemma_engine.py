@@ -113,9 +113,11 @@ def test_gemma3_preemption_prefix_caching_and_chunks_match_a_roomy_run(gemma_mod
     base = {"model": str(folder), "log_stats": False, "max_model_len": 256}
     want = _tokens(LLM(**base, kv_cache_memory="64MiB", enable_prefix_caching=False).generate(
         prompts, params, use_tqdm=False))
-    block = 2 * 6 * 2 * 16 * 4 * 16  # K and V, 6 layers, 2 kv heads x 16, fp32, 16 tokens
+    block = 2 * 6 * 2 * 16 * 4 * 16  # a full-cache block: K and V, 6 layers, 2 kv heads x 16, fp32, 16 tokens
+    ngram = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
     for setup in ({"kv_cache_memory": 24 * block}, {"kv_cache_memory": "64MiB", "enable_prefix_caching": True},
-                  {"kv_cache_memory": "64MiB", "max_num_batched_tokens": 24}):
+                  {"kv_cache_memory": "64MiB", "max_num_batched_tokens": 24},
+                  {"kv_cache_memory": "64MiB", "speculative_config": ngram}):
         llm = LLM(**base, **setup)
         assert _tokens(llm.generate(prompts, params, use_tqdm=False)) == want, setup
         m = llm.get_metrics()
