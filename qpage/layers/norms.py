@@ -16,6 +16,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.ops: TorchOps = TORCH_OPS
 
+    def prepare(self) -> None:
+        """Fix what the weights imply, once they are loaded (nothing here)."""
+
     def effective_weight(self) -> torch.Tensor:
         """What the normalised values are multiplied by."""
         return self.weight

@@ -1,5 +1,5 @@
 """The model's small ops, chosen once per model at ``prepare``: RMSNorm (with vLLM's fused
-residual add), SiLU-and-mul (GeGLU's GELU-and-mul in torch), and rotary on the q/k heads of the fused qkv projection.
+residual add), SiLU-and-mul and GELU-and-mul, and rotary on the q/k heads of the fused qkv projection.
 
 ``select_ops`` returns the first implementation that can run the model's device and dtype:
 the C kernels (``kernels.cpu.native``) for fp32 on CPU, which work in place and in one call
@@ -101,6 +101,9 @@ class CpuNativeOps(CpuBlasOps):
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return native_ops.silu_mul(gate_up)
+
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return native_ops.gelu_tanh_mul(gate_up)
 
     def rope_qk(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, nq: int, nkv: int
                 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -2,9 +2,9 @@
 and the glue that calls it: the decoder layers' weights gathered once, the step's caches
 and block tables passed each time.
 
-It fits a model whose every projection runs on the block-format kernels (``PiecewiseMatmul``)
-with the C ops (fp32 on CPU), without q/k norms and with a bias on qkv at most, and an engine
-whose attention is the C backend over plain fp32 caches: both decided once, at start
+It fits a model (Llama family or Gemma) whose every projection runs on the block-format
+kernels (``PiecewiseMatmul``) with the C ops (fp32 on CPU), with a bias on qkv at most, and an
+engine whose attention is the C backend over plain fp32 caches: both decided once, at start
 (``build_decode_stack``, ``unfit_reason_for``). Then every step whose rows are all decodes
 runs fused. Anything else runs the Python path, which stays the reference.
 """
@@ -43,27 +43,33 @@ def build_decode_stack(model: Any) -> DecodeStack | None:
     try:
         if not isinstance(model.ops, CpuNativeOps):
             raise ValueError(f"the model's ops are {model.ops.name}, not the C kernels")
-        if model.unfused_reason is not None:
-            raise ValueError(model.unfused_reason)
-        if model.attention_features():
-            raise ValueError(f"its attention needs {', '.join(sorted(model.attention_features()))}")
-        if c.qk_norm or c.o_bias or c.mlp_bias:
-            raise ValueError("q/k norms or biases beyond qkv")
-        layers = []
-        for i, layer in enumerate(model.layers):
-            attn, mlp = layer.self_attn, layer.mlp
-            layers.append(LayerWeights(
-                layer.input_layernorm.weight.data, layer.post_attention_layernorm.weight.data,
-                _matmul(attn.qkv_proj, f"layer {i} qkv"), attn.qkv_proj.bias,
-                _matmul(attn.o_proj, f"layer {i} o_proj"), _matmul(mlp.gate_up_proj, f"layer {i} gate_up"),
-                _matmul(mlp.down_proj, f"layer {i} down_proj")))
+        if c.o_bias or c.mlp_bias:
+            raise ValueError("biases beyond qkv")
+        layers = [_layer_weights(i, layer) for i, layer in enumerate(model.layers)]
     except ValueError as e:
         logger.debug("decode steps run layer by layer in Python: %s", e)
         return None
-    if any(t.dtype != torch.float32 or not t.is_contiguous() for w in layers for t in (w.in_norm, w.post_norm)):
+    if any(t.dtype != torch.float32 or not t.is_contiguous() for w in layers for t in w.norms()):
         logger.debug("decode steps run layer by layer in Python: norms are not contiguous fp32")
         return None
-    return DecodeStack(layers, c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps, c.head_dim**-0.5)
+    return DecodeStack(layers, c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps, c.attention_scale,
+                       gelu=c.hidden_act != "silu", softcap=c.attn_logit_softcap)
+
+
+def _layer_weights(i: int, layer: Any) -> LayerWeights:
+    """Decoder layer ``i`` (a Llama or Gemma layer, ``fused_norms``) as the step reads it."""
+    attn, mlp = layer.self_attn, layer.mlp
+    before_attn, before_mlp, attn_out, mlp_out = layer.fused_norms()
+
+    def weight(norm: Any) -> torch.Tensor | None:
+        return None if norm is None else norm.effective_weight()
+
+    return LayerWeights(
+        before_attn.effective_weight(), before_mlp.effective_weight(),
+        _matmul(attn.qkv_proj, f"layer {i} qkv"), attn.qkv_proj.bias,
+        _matmul(attn.o_proj, f"layer {i} o_proj"), _matmul(mlp.gate_up_proj, f"layer {i} gate_up"),
+        _matmul(mlp.down_proj, f"layer {i} down_proj"), weight(attn.q_norm), weight(attn.k_norm), weight(attn_out),
+        weight(mlp_out), layer.rope_index, attn.window)
 
 
 def unfit_reason_for(backend: object, spec: KVCacheSpec) -> str | None:
@@ -81,12 +87,19 @@ def decode_only(meta: Any) -> bool:
     return isinstance(meta, AttentionMetadata) and not meta.prefills and bool(meta.decode_groups)
 
 
-def run_decode_stack(stack: DecodeStack, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                     caches: list[LayerKV], meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-    """(h, residual) after the last layer, as the Python layers would leave them."""
-    stack.bind([(c.k, c.v) for c in caches])
-    groups = []
-    for d in meta.decode_groups:
-        lens = d.seq_lens if d.seq_lens is not None else d.mask.view(d.mask.shape[0], -1).sum(-1)
-        groups.append((d.start, d.end, d.block_table, lens))
-    return stack(h, cos, sin, meta.slot_mapping, groups)
+def run_decode_stack(stack: DecodeStack, h: torch.Tensor, ropes: list[tuple[torch.Tensor, torch.Tensor]],
+                     caches: list[LayerKV], metas: list[AttentionMetadata]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h, residual) after the last layer, as the Python layers would leave them; ``metas``: each
+    layer's metadata (one per KV group, shared by its layers)."""
+    unique: dict[int, int] = {}
+    for m in metas:
+        unique.setdefault(id(m), len(unique))
+    stack.bind([(c.k, c.v) for c in caches], [unique[id(m)] for m in metas])
+    parts = []
+    for meta in {id(m): m for m in metas}.values():
+        groups = []
+        for d in meta.decode_groups:
+            lens = d.seq_lens if d.seq_lens is not None else d.mask.view(d.mask.shape[0], -1).sum(-1)
+            groups.append((d.start, d.end, d.block_table, lens))
+        parts.append((meta.slot_mapping, groups))
+    return stack(h, ropes, parts)

@@ -24,6 +24,7 @@ from qpage.layers.attention.metadata import StepMetadata
 from qpage.layers.norms import RMSNorm
 from qpage.layers.rotary import RotaryEmbedding
 from qpage.models.arch import ArchConfig
+from qpage.models.fused_decode import decode_only, run_decode_stack
 from qpage.models.llama import MLP, Attention, KVCache, LlamaForCausalLM
 from qpage.models.sharding import WHOLE_MODEL, PartLoader
 
@@ -103,6 +104,11 @@ class GemmaDecoderLayer(nn.Module):
         h = self.mlp.forward(h)
         return self.post_feedforward_layernorm.forward(h), residual  # type: ignore[return-value]
 
+    def fused_norms(self) -> tuple[GemmaRMSNorm, GemmaRMSNorm, GemmaRMSNorm, GemmaRMSNorm]:
+        """(before attention, before the MLP, of the attention's output, of the MLP's output)."""
+        return (self.input_layernorm, self.pre_feedforward_layernorm, self.post_attention_layernorm,
+                self.post_feedforward_layernorm)
+
     def norms(self) -> list[GemmaRMSNorm]:
         """The four norms of the hidden state (not q/k's)."""
         return [self.input_layernorm, self.post_attention_layernorm, self.pre_feedforward_layernorm,
@@ -110,8 +116,6 @@ class GemmaDecoderLayer(nn.Module):
 
 
 class GemmaForCausalLM(LlamaForCausalLM):
-    unfused_reason = "Gemma's pre- and post-norms and GeGLU are not in the fused decode step"
-
     def __init__(self, c: ArchConfig, max_positions: int, dtype: torch.dtype) -> None:
         super().__init__(c, max_positions, dtype)
         self.norm = GemmaRMSNorm(c.hidden_size, c.rms_norm_eps)
@@ -139,9 +143,6 @@ class GemmaForCausalLM(LlamaForCausalLM):
         for layer in self.layers:
             for norm in layer.norms():
                 norm.ops = self.ops
-        for m in self.modules():
-            if isinstance(m, GemmaRMSNorm):
-                m.prepare()
 
     @torch.inference_mode()
     def forward(
@@ -153,6 +154,9 @@ class GemmaForCausalLM(LlamaForCausalLM):
         ropes = [self.rotary.lookup(positions)]
         if self.local_rotary is not None:
             ropes.append(self.local_rotary.lookup(positions))
+        if self.decode_stack is not None and decode_only(metas[0]):
+            h, res = run_decode_stack(self.decode_stack, h, ropes, caches, metas)  # type: ignore[arg-type]
+            return self.norm.forward(h, res)[0]  # type: ignore[index]
         residual = None
         for layer, cache, meta in zip(self.layers, caches, metas, strict=True):
             cos, sin = ropes[min(layer.rope_index, len(ropes) - 1)]

@@ -120,6 +120,9 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    rope_index = 0
+    """Which of the model's rotary tables the layer uses (one here)."""
+
     def __init__(self, c: ArchConfig, window: int | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
@@ -134,6 +137,10 @@ class DecoderLayer(nn.Module):
         """The layer on its own (calibration): input hidden states -> output hidden states."""
         out, residual = self.step(h.clone(), None, cos, sin, cache, meta, backend)
         return out + residual
+
+    def fused_norms(self) -> tuple[RMSNorm, RMSNorm, RMSNorm | None, RMSNorm | None]:
+        """(before attention, before the MLP, of the attention's output, of the MLP's output)."""
+        return self.input_layernorm, self.post_attention_layernorm, None, None
 
     def step(
         self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
@@ -178,9 +185,6 @@ class LlamaForCausalLM(nn.Module):
 
     embed_scale = 1.0
     """The embedding's rows are multiplied by this (Gemma's sqrt(hidden))."""
-    unfused_reason: str | None = None
-    """Why this family's decode steps cannot run as one C call (``models.fused_decode``), or None."""
-
     def build_layer(self, c: ArchConfig, i: int, max_positions: int) -> nn.Module:
         """Decoder layer ``i`` (its window: ``ArchConfig.attention_windows``)."""
         return DecoderLayer(c, c.attention_windows(max_positions)[i])
@@ -215,6 +219,9 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:  # q_norm/k_norm run through self_attn's ops (rms_norm_heads_)
             for m in (layer.input_layernorm, layer.post_attention_layernorm, layer.self_attn, layer.mlp):
                 m.ops = self.ops
+        for m in self.modules():
+            if isinstance(m, RMSNorm):
+                m.prepare()
         self.decode_stack = build_decode_stack(self)
 
     def runs_own_threads(self) -> bool:
@@ -236,8 +243,8 @@ class LlamaForCausalLM(nn.Module):
         (the step's attention metadata of each layer's KV group) one per layer."""
         h = self.embed_tokens.forward(input_ids)
         cos, sin = self.rotary.lookup(positions)
-        if self.decode_stack is not None and decode_only(metas[0]):  # one KV group: every layer's the same
-            h, res = run_decode_stack(self.decode_stack, h, cos, sin, caches, metas[0])  # type: ignore[arg-type]
+        if self.decode_stack is not None and decode_only(metas[0]):
+            h, res = run_decode_stack(self.decode_stack, h, [(cos, sin)], caches, metas)  # type: ignore[arg-type]
             return self.norm.forward(h, res)[0]
         residual = None
         for layer, cache, meta in zip(self.layers, caches, metas, strict=True):

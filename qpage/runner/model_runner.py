@@ -100,8 +100,6 @@ class ModelRunner:
             slots = [make_layer_kv(spec, num_blocks, arch.num_kv_heads, arch.head_dim, device)
                      for _ in range(self.layout.slots)]
             self.caches = [layer_view(slots[j], scales.get(i)) for i, (_, j) in enumerate(self.layout.slot_of())]
-        if len(self.layout.groups) > 1:
-            model.decode_stack = None  # the fused step reads one block table for every layer
         if getattr(model, "decode_stack", None) is not None and (why := unfit_reason_for(self.backend, spec)):
             logger.debug("decode steps run layer by layer in Python: %s", why)
             model.decode_stack = None

@@ -8,6 +8,7 @@ groups (sequences of different lengths) and rows. Bad step inputs are refused be
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -79,16 +80,19 @@ def test_bad_step_inputs_are_refused(gguf_llm: Any) -> None:
     stack = gguf_llm.llm_engine.model.decode_stack
     assert stack is not None
     caches = gguf_llm.llm_engine.runner.caches
-    stack.bind([(c.k, c.v) for c in caches])
+    stack.bind([(c.k, c.v) for c in caches], [0] * len(caches))
     hidden, hd = stack.hidden, stack.shape.head_dim
     h, cs = torch.zeros(2, hidden), torch.zeros(2, hd)
     table, lens = torch.zeros(2, 1, dtype=torch.long), torch.ones(2, dtype=torch.long)
+    slots2 = torch.zeros(2, dtype=torch.long)
     with pytest.raises(ValueError, match="do not describe 2 decode rows"):
-        stack(h, cs, cs, torch.zeros(1, dtype=torch.long), [(0, 2, table, lens)])  # one slot for two rows
+        stack(h, [(cs, cs)], [(torch.zeros(1, dtype=torch.long), [(0, 2, table, lens)])])  # one slot for two rows
     with pytest.raises(ValueError, match="do not describe 2 decode rows"):
-        stack(h, cs, cs, torch.zeros(2, dtype=torch.long), [(0, 1, table[:1], lens[:1])])  # a row without a group
+        stack(h, [(cs, cs)], [(slots2, [(0, 1, table[:1], lens[:1])])])  # a row without a group
+    with pytest.raises(ValueError, match="do not describe 2 decode rows"):
+        stack(h, [], [(slots2, [(0, 2, table, lens)])])  # no rotary table
     with pytest.raises(ValueError, match="outside the cache"):
-        stack(h, cs, cs, torch.full((2,), 10**9, dtype=torch.long), [(0, 2, table, lens)])
+        stack(h, [(cs, cs)], [(torch.full((2,), 10**9, dtype=torch.long), [(0, 2, table, lens)])])
 
 
 def test_fused_step_is_chosen_once_for_the_engines_attention_and_cache(gguf_llm: Any, llm_factory: Any) -> None:
@@ -100,3 +104,44 @@ def test_fused_step_is_chosen_once_for_the_engines_attention_and_cache(gguf_llm:
         assert llm.llm_engine.model.decode_stack is None, kw
         out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=3, temperature=0), use_tqdm=False)
         assert len(out[0].outputs[0].token_ids) == 3
+
+
+@pytest.fixture(scope="module", params=["gemma2", "gemma3"])
+def gemma_gguf(request: pytest.FixtureRequest, default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+               ) -> Path:
+    """A random Gemma in Q8_0 as llama.cpp lays it out (``tests.formats.test_gguf_gemma``), a 16-token
+    window: local and global layers, two KV groups on Gemma 3, soft caps on Gemma 2."""
+    import gguf
+
+    from tests.formats.test_gguf_gemma import gemma, write_gemma_gguf
+
+    folder = tmp_path_factory.mktemp(request.param)
+    model = gemma(request.param, folder, default_model_dir, sliding_window=16, max_position_embeddings=512)
+    return write_gemma_gguf(request.param, model, folder, folder / "model.gguf", gguf.GGMLQuantizationType.Q8_0)
+
+
+def test_fused_gemma_step_equals_the_python_layers(gemma_gguf: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Gemma's norms around attention and MLP, GeGLU, q/k norms, local rotary tables, windows,
+    soft caps and one table per KV group, in the one C call: bit for bit the Python layers."""
+    from qpage import LLM
+
+    llm = LLM(model=str(gemma_gguf), kv_cache_memory="64MiB", max_model_len=512, log_stats=False)
+    model = llm.llm_engine.model
+    assert model.decode_stack is not None, "the model should fit the fused step"
+    calls = []
+    module = sys.modules[type(model).__module__]  # models.gemma
+    real = module.run_decode_stack
+
+    def counted(*args: Any) -> Any:
+        calls.append(args[1].shape[0])
+        return real(*args)
+
+    monkeypatch.setattr(module, "run_decode_stack", counted)
+    fused = run(llm)
+    assert calls and max(calls) == len(LENGTHS)
+    monkeypatch.setattr(model, "decode_stack", None)
+    python = run(llm)
+    for a, b in zip(fused, python, strict=True):
+        assert a.token_ids == b.token_ids
+        for la, lb in zip(a.logprobs, b.logprobs, strict=True):
+            assert {k: v.logprob for k, v in la.items()} == {k: v.logprob for k, v in lb.items()}

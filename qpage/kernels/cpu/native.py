@@ -135,6 +135,8 @@ def load() -> ctypes.CDLL | None:
             lib.qp_add_rms_norm_f32.restype = None
             lib.qp_silu_mul_f32.argtypes = [_ptr, _i64, _ptr, _int, _int]
             lib.qp_silu_mul_f32.restype = None
+            lib.qp_gelu_tanh_mul_f32.argtypes = [_ptr, _i64, _ptr, _int, _int]
+            lib.qp_gelu_tanh_mul_f32.restype = None
             lib.qp_rope_f32.argtypes = [_ptr, _i64, _ptr, _ptr, _int, _int, _int]
             lib.qp_rope_f32.restype = _int
             lib.qp_write_kv_fp8.argtypes = [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _float, _float, _ptr, _int,

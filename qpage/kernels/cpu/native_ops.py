@@ -62,6 +62,18 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``gelu(gate) * up`` (GELU's tanh approximation) for fp32 gate_up [T, 2 * inter]; returns [T, inter]."""
+    lib = load()
+    assert lib is not None, "gelu_tanh_mul needs the native kernels; check load() first"
+    t, width = gate_up.shape
+    if not _rows_ok(gate_up, width) or width % 2:
+        raise ValueError(f"gelu_tanh_mul: unsupported input {tuple(gate_up.shape)}/{gate_up.stride()} {gate_up.dtype}")
+    out = torch.empty(t, width // 2, dtype=torch.float32)
+    lib.qp_gelu_tanh_mul_f32(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), t, width // 2)
+    return out
+
+
 def rope_(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, heads: int) -> None:
     """In place on the first ``heads`` heads of x fp32 [T, >= heads, hd]:
     ``apply_rotary`` with cos and signed_sin contiguous [T, hd] (rows of the rotary tables)."""

@@ -1,5 +1,5 @@
-/* A whole decode step of a Llama-family model in one call: every decoder layer, for rows
- * that each add one token to a sequence, with weights in llama.cpp's block formats
+/* A whole decode step of a Llama-family or Gemma model in one call: every decoder layer, for
+ * rows that each add one token to a sequence, with weights in llama.cpp's block formats
  * (cpu_gguf.c) and an fp32 paged KV cache (cpu_attention.c).
  *
  * Why: at batch 1 the default model's weights are read in a few milliseconds, while the
@@ -10,8 +10,11 @@
  * (tests/models/test_fused_decode.py).
  *
  * Per layer: residual += h; x = rms_norm(residual) (layer 0: residual = h); qkv = x W_qkv (+ b);
- * rotary on the q and k heads; k, v written at their slots; attention over each sequence's
- * blocks; h = attn W_o; residual += h; x = rms_norm(residual); h = silu(x W_gate) * (x W_up) W_down.
+ * [q/k norms on each head]; rotary on the q and k heads (the layer's tables); k, v written at
+ * the slots of the layer's KV group; attention over each sequence's blocks of that group
+ * [within the layer's window; scores soft-capped]; h = attn W_o [h = rms_norm(h)];
+ * residual += h; x = rms_norm(residual); h = act(x W_gate) * (x W_up) W_down [h = rms_norm(h)],
+ * act SiLU or tanh-GELU. Bracketed steps are Gemma's and Qwen3's, where the layer has them.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -23,6 +26,9 @@
 void qp_rms_norm_f32(const float *x, int64_t x_stride, float *out, const float *w, int rows, int dim, float eps);
 void qp_add_rms_norm_f32(float *x, float *residual, const float *w, int rows, int dim, float eps);
 void qp_silu_mul_f32(const float *gate_up, int64_t gu_stride, float *out, int rows, int inter);
+void qp_gelu_tanh_mul_f32(const float *gate_up, int64_t gu_stride, float *out, int rows, int inter);
+void qp_rms_norm_heads_f32(float *x, int64_t row_stride, const float *w, int rows, int heads, int head_dim,
+                           float eps);
 int qp_rope_f32(float *x, int64_t x_stride, const float *cos, const float *sin, int rows, int heads, int head_dim);
 /* cpu_attention.c */
 int qp_paged_decode_f32(const float *q, int64_t q_seq_stride, const float *k_cache, const float *v_cache,
@@ -48,9 +54,13 @@ typedef struct {
 } qp_proj;
 
 typedef struct {
-    const float *in_norm, *post_norm; /* [hidden] */
+    const float *in_norm, *post_norm; /* [hidden]: before attention, before the MLP */
     qp_proj qkv, o, gate_up, down;
     float *k_cache, *v_cache; /* [num_blocks, block_size, kv_heads, head_dim] */
+    const float *q_norm, *k_norm; /* [head_dim] or NULL */
+    const float *attn_out_norm, *mlp_out_norm; /* [hidden] or NULL: norms of the attention's and MLP's outputs */
+    int32_t rope, kv_group; /* which rotary tables; which KV group's slots and block tables */
+    int64_t window; /* 0: the whole context */
 } qp_layer;
 
 /* Decode rows [start, end) whose sequences share one block table layout. */
@@ -62,8 +72,8 @@ typedef struct {
 } qp_group;
 
 typedef struct {
-    int32_t hidden, heads, kv_heads, head_dim, inter, block_size, threads, pad;
-    float eps, scale;
+    int32_t hidden, heads, kv_heads, head_dim, inter, block_size, threads, gelu; /* gelu: tanh-GELU, else SiLU */
+    float eps, scale, softcap, pad; /* softcap 0: scores not capped */
     int64_t num_blocks;
 } qp_shape;
 
@@ -94,12 +104,13 @@ static int project(const qp_proj *p, const float *x, int rows, int k, float *out
 }
 
 /* h [rows, hidden]: the embedding output in, the last layer's MLP output out; residual
- * [rows, hidden] out. cos, sin [rows, head_dim] (sin signed as qp_rope_f32 takes it).
- * Returns 0, -1 (a weight format or head size this build cannot run), -2 (a slot, seq_len or
- * block id out of range; checked before anything is read), -3 (out of memory). */
+ * [rows, hidden] out. cos[i], sin[i] [rows, head_dim]: rotary tables i (sin signed as
+ * qp_rope_f32 takes it); per KV group g, slots[g] [rows] and num_groups[g] decode groups at
+ * groups[g]. Returns 0, -1 (a weight format or head size this build cannot run), -2 (a slot,
+ * seq_len or block id out of range; checked before anything is read), -3 (out of memory). */
 int qp_gguf_decode_layers(const qp_layer *layers, int num_layers, const qp_shape *sh, float *h, float *residual,
-                          int rows, const float *cos, const float *sin, const int64_t *slots, const qp_group *groups,
-                          int num_groups) {
+                          int rows, const float *const *cos, const float *const *sin, const int64_t *const *slots,
+                          const qp_group *const *groups, const int *num_groups) {
     const int hd = sh->head_dim, hidden = sh->hidden, inter = sh->inter;
     const int64_t qkv_n = (int64_t)(sh->heads + 2 * sh->kv_heads) * hd, q_n = (int64_t)sh->heads * hd;
     const int64_t widest = qkv_n > 2 * inter ? qkv_n : 2 * inter, k_max = hidden > inter ? hidden : inter;
@@ -122,29 +133,36 @@ int qp_gguf_decode_layers(const qp_layer *layers, int num_layers, const qp_shape
             qp_add_rms_norm_f32(h, residual, L->in_norm, rows, hidden, sh->eps);
         }
         if ((rc = project(&L->qkv, h, rows, hidden, qkv, qkv_n, &act, sh->threads))) break;
-        if (qp_rope_f32(qkv, qkv_n, cos, sin, rows, sh->heads + sh->kv_heads, hd)) {
+        if (L->q_norm) qp_rms_norm_heads_f32(qkv, qkv_n, L->q_norm, rows, sh->heads, hd, sh->eps);
+        if (L->k_norm) qp_rms_norm_heads_f32(qkv + q_n, qkv_n, L->k_norm, rows, sh->kv_heads, hd, sh->eps);
+        if (qp_rope_f32(qkv, qkv_n, cos[L->rope], sin[L->rope], rows, sh->heads + sh->kv_heads, hd)) {
             rc = -1; /* a head size rotary cannot run */
             break;
         }
         if (qp_write_kv_f32(qkv + q_n, qkv_n, qkv + q_n + (int64_t)sh->kv_heads * hd, qkv_n, L->k_cache, L->v_cache,
-                            slots, rows, (int64_t)sh->kv_heads * hd, num_slots)) {
+                            slots[L->kv_group], rows, (int64_t)sh->kv_heads * hd, num_slots)) {
             rc = -2;
             break;
         }
-        for (int g = 0; g < num_groups && rc == 0; g++) {
-            const qp_group *G = groups + g;
+        for (int g = 0; g < num_groups[L->kv_group] && rc == 0; g++) {
+            const qp_group *G = groups[L->kv_group] + g;
             const int r = qp_paged_decode_f32(qkv + G->start * qkv_n, qkv_n, L->k_cache, L->v_cache, G->block_table,
                                               G->table_stride, G->table_cols, G->seq_lens, attn + G->start * q_n,
                                               G->end - G->start, sh->heads, sh->kv_heads, hd, sh->block_size,
-                                              sh->scale, sh->num_blocks, sh->threads, 0, 0.0f);
+                                              sh->scale, sh->num_blocks, sh->threads, L->window, sh->softcap);
             rc = r == -2 ? -2 : r != 0 ? -3 : 0; /* the attention's -1: its scratch allocation failed */
         }
         if (rc) break;
         if ((rc = project(&L->o, attn, rows, (int)q_n, h, hidden, &act, sh->threads))) break;
+        if (L->attn_out_norm) qp_rms_norm_f32(h, hidden, h, L->attn_out_norm, rows, hidden, sh->eps);
         qp_add_rms_norm_f32(h, residual, L->post_norm, rows, hidden, sh->eps);
         if ((rc = project(&L->gate_up, h, rows, hidden, qkv, 2 * (int64_t)inter, &act, sh->threads))) break;
-        qp_silu_mul_f32(qkv, 2 * (int64_t)inter, attn, rows, inter);
+        if (sh->gelu)
+            qp_gelu_tanh_mul_f32(qkv, 2 * (int64_t)inter, attn, rows, inter);
+        else
+            qp_silu_mul_f32(qkv, 2 * (int64_t)inter, attn, rows, inter);
         if ((rc = project(&L->down, attn, rows, inter, h, hidden, &act, sh->threads))) break;
+        if (L->mlp_out_norm) qp_rms_norm_f32(h, hidden, h, L->mlp_out_norm, rows, hidden, sh->eps);
     }
     free(qkv);
     free(attn);

@@ -58,6 +58,21 @@ void qp_silu_mul_f32(const float *gate_up, int64_t gu_stride, float *out, int ro
     }
 }
 
+/* out[t, i] = gelu(gate_up[t, i]) * gate_up[t, inter + i] with GELU's tanh approximation
+ * (GeGLU: 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3)))); layout as qp_silu_mul_f32. */
+void qp_gelu_tanh_mul_f32(const float *gate_up, int64_t gu_stride, float *out, int rows, int inter) {
+    const float k = 0.7978845608028654f; /* sqrt(2 / pi) */
+    for (int t = 0; t < rows; t++) {
+        const float *g = gate_up + t * gu_stride;
+        const float *u = gate_up + t * gu_stride + inter;
+        float *o = out + (int64_t)t * inter;
+        for (int i = 0; i < inter; i++) {
+            const float x = g[i];
+            o[i] = 0.5f * x * (1.0f + tanhf(k * (x + 0.044715f * x * x * x))) * u[i];
+        }
+    }
+}
+
 /* Rotary embedding in place, rotate-half layout: for the first `heads` heads of row t,
  * x = x * cos[t] + roll(x, head_dim / 2) * signed_sin[t] (qpage/layers/rotary.py), with
  * cos and signed_sin contiguous [rows, head_dim]. x rows x_stride apart, heads contiguous
