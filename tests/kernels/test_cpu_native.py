@@ -141,6 +141,20 @@ def test_silu_mul() -> None:
     assert torch.allclose(out[0, :8], (F.silu(gate) * up)[0, :8], rtol=1e-6, atol=0)
 
 
+def test_gelu_tanh_mul() -> None:
+    """GeGLU in C (as g * sigmoid(2y)): the torch reference's values; where tanh(y) is near -1
+    the reference's 1 + tanh(y) cancels, so element by element the bound is absolute there."""
+    g = torch.Generator().manual_seed(0)
+    gate_up = torch.randn(6, 2 * 1536, generator=g) * 4
+    gate_up[0, :10] = torch.tensor([0.0, -0.0, 30.0, -30.0, 90.0, -90.0, 1e-8, -1e-8, 0.31, -0.31])
+    gate_up[1, :256] = torch.linspace(-0.5, 0.5, 256)  # both sides of the polynomial's edge
+    gate, up = gate_up.split(1536, dim=-1)
+    want = F.gelu(gate, approximate="tanh") * up
+    out = native_ops.gelu_tanh_mul(gate_up)
+    assert rel_err(out, want) < TOL
+    assert torch.allclose(out[:2], want[:2], rtol=2e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("hd", [64, 128])
 def test_rope_in_place(hd: int) -> None:
     rot = RotaryEmbedding(hd, 4096, 10000.0, None, torch.float32)

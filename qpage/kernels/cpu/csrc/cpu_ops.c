@@ -59,7 +59,9 @@ void qp_silu_mul_f32(const float *gate_up, int64_t gu_stride, float *out, int ro
 }
 
 /* out[t, i] = gelu(gate_up[t, i]) * gate_up[t, inter + i] with GELU's tanh approximation
- * (GeGLU: 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3)))); layout as qp_silu_mul_f32. */
+ * (GeGLU: 0.5 g (1 + tanh(y)), y = sqrt(2 / pi) (g + 0.044715 g^3)); layout as qp_silu_mul_f32.
+ * Computed as g / (1 + exp(-2y)), the same value, from e = exp(-2|y|) <= 1 as in
+ * qp_silu_mul_f32: no cancellation where tanh(y) is near -1. */
 void qp_gelu_tanh_mul_f32(const float *gate_up, int64_t gu_stride, float *out, int rows, int inter) {
     const float k = 0.7978845608028654f; /* sqrt(2 / pi) */
     for (int t = 0; t < rows; t++) {
@@ -67,8 +69,9 @@ void qp_gelu_tanh_mul_f32(const float *gate_up, int64_t gu_stride, float *out, i
         const float *u = gate_up + t * gu_stride + inter;
         float *o = out + (int64_t)t * inter;
         for (int i = 0; i < inter; i++) {
-            const float x = g[i];
-            o[i] = 0.5f * x * (1.0f + tanhf(k * (x + 0.044715f * x * x * x))) * u[i];
+            const float x = g[i], y = k * (x + 0.044715f * x * x * x);
+            const float e = exp_nonpos(y >= 0.0f ? -2.0f * y : 2.0f * y);
+            o[i] = x * (y >= 0.0f ? 1.0f : e) / (1.0f + e) * u[i];
         }
     }
 }
