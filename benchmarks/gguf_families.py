@@ -22,14 +22,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import tempfile
 from pathlib import Path
 
-import numpy as np
 from common import write_json
-from gguf_quality import DATA, llamacpp_logprobs, qpage_logprobs
+from gguf_quality import DATA, compare_row
 
 ROOT = Path(__file__).resolve().parents[1]
 TYPES = {"Q8_0": 7, "Q4_K_M": 15}  # llama.cpp file types
@@ -88,7 +86,6 @@ def main() -> None:
         return
     tok = load_tokenizer(tok_dir)
     windows = token_windows(tok, Path(args.data), args.window, args.windows, max_chars=200 * args.window * args.windows)
-    targets = np.array([w[1:] for w in windows])
     rows = []
     print(f"{'file':<24} {'qpage':>11} {'llama.cpp':>11} {'diff %':>7} {'KL':>9}")
     with tempfile.TemporaryDirectory() as tmp:
@@ -96,15 +93,10 @@ def main() -> None:
         wf.write_text(json.dumps([list(map(int, w)) for w in windows]))
         for arch in CAPS:
             for path in make_files(arch, Path(tmp), tok_dir):
-                ours = qpage_logprobs(path, windows, args.chunk)
-                peer = llamacpp_logprobs(path, wf, args.window, args.chunk, Path(tmp))
-                nll = [float(-np.take_along_axis(lp, targets[..., None], -1).mean()) for lp in (ours, peer)]
-                kl = float((np.exp(peer) * (peer - ours)).sum(-1).mean())
-                row = dict(file=path.name, qpage=math.exp(nll[0]), llamacpp=math.exp(nll[1]),
-                           diff_pct=100 * (math.exp(nll[0] - nll[1]) - 1), kl_vs_llamacpp=kl)
+                row = compare_row(path, windows, wf, args.window, args.chunk, Path(tmp))
                 rows.append(row)
                 print(f"{path.name:<24} {row['qpage']:11.2f} {row['llamacpp']:11.2f} {row['diff_pct']:+7.3f} "
-                      f"{kl:9.2e}", flush=True)
+                      f"{row['kl_vs_llamacpp']:9.2e}", flush=True)
     print(f"wrote {write_json(dict(windows=len(windows), window=args.window, chunk=args.chunk, rows=rows), args.out)}")
 
 

@@ -81,6 +81,19 @@ def llamacpp_logprobs(path: Path, windows_file: Path, window: int, chunk: int, t
     return np.load(save)
 
 
+def compare_row(path: Path, windows: list[list[int]], windows_file: Path, window: int, chunk: int,
+                tmp: Path) -> dict:
+    """One file scored by both engines on the same windows: perplexities, their difference
+    and the mean KL of qpage's predictions from llama.cpp's."""
+    targets = np.array([w[1:] for w in windows])
+    ours = qpage_logprobs(path, windows, chunk)
+    peer = llamacpp_logprobs(path, windows_file, window, chunk, tmp)
+    nll = [float(-np.take_along_axis(lp, targets[..., None], -1).mean()) for lp in (ours, peer)]
+    kl = float((np.exp(peer) * (peer - ours)).sum(-1).mean())
+    return dict(file=path.name, qpage=math.exp(nll[0]), llamacpp=math.exp(nll[1]),
+                diff_pct=100 * (math.exp(nll[0] - nll[1]) - 1), kl_vs_llamacpp=kl)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", default=str(DATA))
@@ -99,22 +112,16 @@ def main() -> None:
     files = make_files(src, args.files)
     tok = load_tokenizer(src)
     windows = token_windows(tok, Path(args.data), args.window, args.windows, max_chars=200 * args.window * args.windows)
-    targets = np.array([w[1:] for w in windows])
     rows = []
     print(f"{'file':<36} {'qpage':>9} {'llama.cpp':>10} {'diff %':>7} {'KL':>9}")
     with tempfile.TemporaryDirectory() as tmp:
         wf = Path(tmp) / "windows.json"
         wf.write_text(json.dumps([list(map(int, w)) for w in windows]))
         for path in files:
-            ours = qpage_logprobs(path, windows, args.chunk)
-            peer = llamacpp_logprobs(path, wf, args.window, args.chunk, Path(tmp))
-            nll = [float(-np.take_along_axis(lp, targets[..., None], -1).mean()) for lp in (ours, peer)]
-            kl = float((np.exp(peer) * (peer - ours)).sum(-1).mean())
-            row = dict(file=path.name, qpage=math.exp(nll[0]), llamacpp=math.exp(nll[1]),
-                       diff_pct=100 * (math.exp(nll[0] - nll[1]) - 1), kl_vs_llamacpp=kl)
+            row = compare_row(path, windows, wf, args.window, args.chunk, Path(tmp))
             rows.append(row)
-            print(f"{path.name:<36} {row['qpage']:9.4f} {row['llamacpp']:10.4f} {row['diff_pct']:+7.2f} {kl:9.2e}",
-                  flush=True)
+            print(f"{path.name:<36} {row['qpage']:9.4f} {row['llamacpp']:10.4f} {row['diff_pct']:+7.2f} "
+                  f"{row['kl_vs_llamacpp']:9.2e}", flush=True)
     print(f"wrote {write_json(dict(windows=len(windows), window=args.window, chunk=args.chunk, rows=rows), args.out)}")
 
 

@@ -25,7 +25,7 @@ from qpage.layers.norms import RMSNorm
 from qpage.layers.rotary import RotaryEmbedding
 from qpage.models.arch import ArchConfig
 from qpage.models.fused_decode import decode_only, run_decode_stack
-from qpage.models.llama import MLP, Attention, KVCache, LlamaForCausalLM
+from qpage.models.llama import MLP, Attention, DecoderLayer, KVCache, LlamaForCausalLM
 from qpage.models.sharding import WHOLE_MODEL, PartLoader
 
 VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
@@ -80,13 +80,8 @@ class GemmaDecoderLayer(nn.Module):
         self.mlp = GemmaMLP(c)
         self.post_feedforward_layernorm = GemmaRMSNorm(c.hidden_size, c.rms_norm_eps)
 
-    def forward(
-        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
-        meta: StepMetadata, backend: AttentionBackend,
-    ) -> torch.Tensor:
-        """The layer on its own (calibration): input hidden states -> output hidden states."""
-        out, residual = self.step(h.clone(), None, cos, sin, cache, meta, backend)
-        return out + residual
+    forward = DecoderLayer.forward
+    """The layer on its own (calibration), as a Llama layer runs it through ``step``."""
 
     def step(
         self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,

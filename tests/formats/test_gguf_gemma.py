@@ -18,6 +18,7 @@ import torch
 import transformers
 
 from qpage.formats.gguf_write import tokenizer_keys
+from tests.formats.gguf_writing import write_tensors_and_close
 from tests.helpers import RunnerHarness
 
 gguf = pytest.importorskip("gguf")
@@ -81,27 +82,7 @@ def write_gemma_gguf(arch: str, model: Any, tokenizer_dir: Path, dest: Path, qty
     w.add_file_type(7 if qtype == gguf.GGMLQuantizationType.Q8_0 else 0)
     for key, value, vtype, sub in tokenizer_keys(tokenizer_dir, c.vocab_size):
         w.add_key_value(key, value, vtype, sub_type=sub)
-    for name, t in model.state_dict().items():
-        x = t.float().numpy()
-        if name.endswith("norm.weight"):
-            x = x + 1.0
-        if name == "model.embed_tokens.weight":
-            gname = "token_embd.weight"
-        elif name == "model.norm.weight":
-            gname = "output_norm.weight"
-        elif name == "lm_head.weight":
-            continue  # tied
-        else:
-            parts = name.split(".")
-            gname = f"blk.{parts[2]}.{NAMES['.'.join(parts[3:-1])]}.{parts[-1]}"
-        if x.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
-            w.add_tensor(gname, gguf.quants.quantize(x, qtype), raw_dtype=qtype)
-        else:
-            w.add_tensor(gname, x)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_tensors_and_close(w, model.state_dict(), NAMES, qtype, norm_shift=1.0, skip=("lm_head.weight",))
     return dest
 
 

@@ -21,6 +21,7 @@ import transformers
 
 from qpage.formats.gguf_reader import GgufFormatError
 from qpage.formats.gguf_write import tokenizer_keys
+from tests.formats.gguf_writing import write_tensors_and_close
 from tests.helpers import RunnerHarness
 
 gguf = pytest.importorskip("gguf")
@@ -70,25 +71,7 @@ def write_phi3_gguf(model: Any, tokenizer_dir: Path, dest: Path, qtype: int, rot
         w.add_key_value(key, value, vtype, sub_type=sub)
     w.add_tensor("rope_factors_long.weight", np.array(LONGROPE["long_factor"], dtype=np.float32))
     w.add_tensor("rope_factors_short.weight", np.array(LONGROPE["short_factor"], dtype=np.float32))
-    for name, t in model.state_dict().items():
-        x = t.float().numpy()
-        if name == "model.embed_tokens.weight":
-            gname = "token_embd.weight"
-        elif name == "model.norm.weight":
-            gname = "output_norm.weight"
-        elif name == "lm_head.weight":
-            gname = "output.weight"
-        else:
-            parts = name.split(".")
-            gname = f"blk.{parts[2]}.{NAMES['.'.join(parts[3:-1])]}.{parts[-1]}"
-        if x.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
-            w.add_tensor(gname, gguf.quants.quantize(x, qtype), raw_dtype=qtype)
-        else:
-            w.add_tensor(gname, x)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_tensors_and_close(w, model.state_dict(), NAMES, qtype)
     return dest
 
 

@@ -54,22 +54,25 @@ def fused_llm(request: pytest.FixtureRequest, gguf_llm: Any, llm_factory: Any, d
 
 
 def test_fused_step_equals_the_python_layers(fused_llm: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    gguf_llm = fused_llm
-    model = gguf_llm.llm_engine.model
-    stack = model.decode_stack
-    assert stack is not None, "the model should fit the fused step"
+    assert fused_llm.llm_engine.model.decode_stack is not None, "the model should fit the fused step"
+    assert_fused_equals_python(fused_llm, llama_module, monkeypatch)
+
+
+def assert_fused_equals_python(llm: Any, module: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fused step runs on whole batches (counted through ``module``'s ``run_decode_stack``),
+    and its tokens and logprobs equal the Python layers' bit for bit."""
     calls = []
-    real = llama_module.run_decode_stack
+    real = module.run_decode_stack
 
     def counted(*args: Any) -> Any:
         calls.append(args[1].shape[0])
         return real(*args)
 
-    monkeypatch.setattr(llama_module, "run_decode_stack", counted)
-    fused = run(gguf_llm)
+    monkeypatch.setattr(module, "run_decode_stack", counted)
+    fused = run(llm)
     assert calls and max(calls) == len(LENGTHS)  # it ran, on whole batches
-    monkeypatch.setattr(model, "decode_stack", None)
-    python = run(gguf_llm)
+    monkeypatch.setattr(llm.llm_engine.model, "decode_stack", None)
+    python = run(llm)
     for a, b in zip(fused, python, strict=True):
         assert a.token_ids == b.token_ids
         for la, lb in zip(a.logprobs, b.logprobs, strict=True):
@@ -128,20 +131,4 @@ def test_fused_gemma_step_equals_the_python_layers(gemma_gguf: Path, monkeypatch
     llm = LLM(model=str(gemma_gguf), kv_cache_memory="64MiB", max_model_len=512, log_stats=False)
     model = llm.llm_engine.model
     assert model.decode_stack is not None, "the model should fit the fused step"
-    calls = []
-    module = sys.modules[type(model).__module__]  # models.gemma
-    real = module.run_decode_stack
-
-    def counted(*args: Any) -> Any:
-        calls.append(args[1].shape[0])
-        return real(*args)
-
-    monkeypatch.setattr(module, "run_decode_stack", counted)
-    fused = run(llm)
-    assert calls and max(calls) == len(LENGTHS)
-    monkeypatch.setattr(model, "decode_stack", None)
-    python = run(llm)
-    for a, b in zip(fused, python, strict=True):
-        assert a.token_ids == b.token_ids
-        for la, lb in zip(a.logprobs, b.logprobs, strict=True):
-            assert {k: v.logprob for k, v in la.items()} == {k: v.logprob for k, v in lb.items()}
+    assert_fused_equals_python(llm, sys.modules[type(model).__module__], monkeypatch)  # models.gemma

@@ -52,25 +52,23 @@ def add_rms_norm_(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` for fp32 gate_up [T, 2 * inter] (gate first); returns [T, inter]."""
-    lib = load()
-    assert lib is not None, "silu_mul needs the native kernels; check load() first"
-    t, width = gate_up.shape
-    if not _rows_ok(gate_up, width) or width % 2:
-        raise ValueError(f"silu_mul: unsupported input {tuple(gate_up.shape)}/{gate_up.stride()} {gate_up.dtype}")
-    out = torch.empty(t, width // 2, dtype=torch.float32)
-    lib.qp_silu_mul_f32(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), t, width // 2)
-    return out
+    return _gated("silu_mul", gate_up)
 
 
 def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``gelu(gate) * up`` (GELU's tanh approximation) for fp32 gate_up [T, 2 * inter]; returns [T, inter]."""
+    return _gated("gelu_tanh_mul", gate_up)
+
+
+def _gated(name: str, gate_up: torch.Tensor) -> torch.Tensor:
+    """``qp_<name>_f32`` over gate_up's rows: the activation of the gate half times the up half."""
     lib = load()
-    assert lib is not None, "gelu_tanh_mul needs the native kernels; check load() first"
+    assert lib is not None, f"{name} needs the native kernels; check load() first"
     t, width = gate_up.shape
     if not _rows_ok(gate_up, width) or width % 2:
-        raise ValueError(f"gelu_tanh_mul: unsupported input {tuple(gate_up.shape)}/{gate_up.stride()} {gate_up.dtype}")
+        raise ValueError(f"{name}: unsupported input {tuple(gate_up.shape)}/{gate_up.stride()} {gate_up.dtype}")
     out = torch.empty(t, width // 2, dtype=torch.float32)
-    lib.qp_gelu_tanh_mul_f32(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), t, width // 2)
+    getattr(lib, f"qp_{name}_f32")(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), t, width // 2)
     return out
 
 
