@@ -12,12 +12,8 @@ from qpage.config import BLOCK_SIZE
 from qpage.engine.block_pool import BlockPool, KVBlock
 from qpage.engine.request import Request
 from qpage.layers.attention.kv_format import KVCacheSpec
-from qpage.layers.attention.kv_layout import KVLayout
+from qpage.layers.attention.kv_layout import KVLayout, cdiv
 from qpage.models.arch import ArchConfig
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def kv_layout(arch: ArchConfig, max_model_len: int) -> KVLayout:

@@ -35,7 +35,6 @@ def test_layout_groups_local_layers_as_many_as_the_global_ones() -> None:
     assert len(alike.groups) == 1 and alike.slots == 4
     # A request of 8 windows holds 8 windows' blocks in the global group and about one window in each local.
     assert LAYOUT.pages_for(320, 16) == 20 + 5 * 5
-    assert LAYOUT.full_pages(320) == 6 * 20
 
 
 def test_local_blocks_are_given_back_as_the_window_moves() -> None:

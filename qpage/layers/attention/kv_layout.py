@@ -54,10 +54,6 @@ class KVLayout:
         groups += [KVGroup(windows[local[0]], tuple(local[k : k + size])) for k in range(0, len(local), size)]
         return KVLayout(tuple(groups), size)
 
-    @property
-    def windowed(self) -> bool:
-        return any(g.window is not None for g in self.groups)
-
     def slot_of(self) -> list[tuple[int, int]]:
         """(group, slot) of each model layer."""
         out: dict[int, tuple[int, int]] = {}
@@ -86,7 +82,3 @@ class KVLayout:
             else:
                 hi = mid - 1
         return lo
-
-    def full_pages(self, tokens: int) -> int:
-        """Pages a cache without windows would hold for ``tokens`` (every group's blocks)."""
-        return len(self.groups) * cdiv(tokens, BLOCK_SIZE)
