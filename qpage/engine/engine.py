@@ -78,9 +78,9 @@ class LLMEngine:
         draft_bytes = self.draft.kv_bytes_per_token(self.kv_spec) if self.draft is not None else 0
         cache = plan_cache(self.arch, kv_arch, self.kv_spec, int(cc.kv_cache_memory), mc.max_model_len,
                            config.scheduler.max_num_batched_tokens, draft_bytes)
-        if len(cache.layout.groups) > 1 and self.draft is not None:
+        if any(g.window is not None for g in cache.layout.groups) and self.draft is not None:
             raise ValueError(f"{self.model_dir}: a draft model is not supported yet with sliding-window layers "
-                             "beside global ones; use ngram speculation")
+                             "(their given-back blocks would hold no draft K/V); use ngram speculation")
         self.layout, self.max_model_len, num_blocks = cache.layout, cache.max_model_len, cache.num_blocks
         self.kv = KVCacheManager(num_blocks, config.cache.enable_prefix_caching, self.layout)
         self.scheduler = Scheduler(config.scheduler, self.kv)

@@ -152,39 +152,47 @@ class KVCacheManager:
 
     def get_computed_blocks(self, request: Request) -> ComputedBlocks:
         """Longest cached prefix of the request, leaving at least its last token to compute: the
-        blocks of every global group, and of each local group those its window still reaches."""
+        blocks of a global group, and of each local group only those the next token's window
+        reaches (None before them)."""
         if not self.enable_caching or request.needs_prompt_logprobs:
             return ComputedBlocks()
         max_blocks = (request.num_tokens - 1) // BLOCK_SIZE
         hashes = request.block_hashes[:max_blocks]
-        full: list[KVBlock] = []
-        for h in hashes:
-            block = self.pool.get_cached_block(h)
-            if block is None:
-                break
-            full.append(block)
         self.prefix_queries += request.num_tokens
-        for n in range(len(full), 0, -1):  # the longest prefix whose windows are cached too
-            tables = self._window_hit(hashes, n)
-            if tables is not None:
+        full: list[KVBlock] | None = None
+        if self.windows[0] is None:  # a global group: its longest cached chain bounds the hit
+            full = []
+            for h in hashes:
+                block = self.pool.get_cached_block(h)
+                if block is None:
+                    break
+                full.append(block)
+        for n in range(len(hashes) if full is None else len(full), 0, -1):
+            tables: list[list[KVBlock | None]] = []
+            for g, window in enumerate(self.windows):
+                table = list(full[:n]) if g == 0 and full is not None else self._window_blocks(g, window, hashes, n)
+                if table is None:
+                    break
+                tables.append(table)
+            else:
                 self.prefix_hits += n * BLOCK_SIZE
-                return ComputedBlocks([full[:n], *tables])
+                return ComputedBlocks(tables)
         return ComputedBlocks()
 
-    def _window_hit(self, hashes: list[bytes], n: int) -> list[list[KVBlock | None]] | None:
-        """Each group's (after the first) table for a hit of ``n`` blocks, or None when a block
-        a local window reaches is not cached."""
-        tables: list[list[KVBlock | None]] = []
-        for g, window in enumerate(self.windows[1:], start=1):
-            first = 0 if window is None else max(0, n * BLOCK_SIZE - window + 1) // BLOCK_SIZE
-            table: list[KVBlock | None] = [None] * first
-            for h in hashes[first:n]:
-                block = self.pool.get_cached_block(self._key(g, h))
-                if block is None:
-                    return None
-                table.append(block)
-            tables.append(table)
-        return tables
+    def _window_blocks(self, g: int, window: int | None, hashes: list[bytes], n: int) -> list[KVBlock | None] | None:
+        """Local group ``g``'s table for a hit of ``n`` blocks (None before the blocks the next
+        token's window reaches), or None when one of those is not cached (its last first)."""
+        assert window is not None, "only the first group of a layout is global"
+        first = max(0, n * BLOCK_SIZE - window + 1) // BLOCK_SIZE
+        if self.pool.get_cached_block(self._key(g, hashes[n - 1])) is None:
+            return None
+        table: list[KVBlock | None] = [None] * first
+        for h in hashes[first:n]:
+            block = self.pool.get_cached_block(self._key(g, h))
+            if block is None:
+                return None
+            table.append(block)
+        return table
 
     def allocate_slots(
         self,

@@ -18,6 +18,13 @@ SUPPORTED_ARCHITECTURES = (
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
 """The Gemma layer (``models.gemma``): (1 + w) norms before and after attention and MLP, GeGLU,
 the embedding scaled by sqrt(hidden), local and global layers."""
+GEMMA3_TEXT_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "rope_theta": 1_000_000.0,
+    "rope_local_base_freq": 10_000.0, "query_pre_attn_scalar": 256, "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-6, "sliding_window": 4096}
+"""transformers' ``Gemma3TextConfig`` defaults: published Gemma 3 configs (the vision-language
+ones' ``text_config`` above all) leave these fields out."""
 FUSED_CHECKPOINTS = ("Phi3ForCausalLM",)
 """Architectures whose checkpoints store q/k/v as one ``qkv_proj`` and gate/up as one
 ``gate_up_proj`` (qpage's own fused layout)."""
@@ -135,6 +142,8 @@ def parse_arch_config(cfg: dict[str, Any], source: str = "config.json") -> ArchC
         )
     if arch == "Gemma3ForConditionalGeneration":
         cfg = _gemma3_text(cfg, source)
+    if arch in ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"):
+        cfg = {**cfg, **{k: v for k, v in GEMMA3_TEXT_DEFAULTS.items() if cfg.get(k) is None}}
     gemma = arch in GEMMA_ARCHITECTURES
     act = cfg.get("hidden_activation") or cfg.get("hidden_act") or ("gelu_pytorch_tanh" if gemma else "silu")
     if act != ("gelu_pytorch_tanh" if gemma else "silu"):
@@ -159,9 +168,14 @@ def parse_arch_config(cfg: dict[str, Any], source: str = "config.json") -> ArchC
         if gemma:
             return _gemma(cfg, source, arch, scaling)
         is_qwen = arch.startswith("Qwen")
+        layers = int(cfg["num_hidden_layers"])
         sliding = cfg.get("sliding_window")
         if is_qwen and not cfg.get("use_sliding_window", False):
             sliding = None
+        types = cfg.get("layer_types")
+        if sliding and is_qwen and not types:  # Qwen windows the layers from max_window_layers on
+            first = int(cfg.get("max_window_layers", layers))
+            types = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
         attn_bias = bool(cfg.get("attention_bias", False))
         return ArchConfig(
             architecture=arch,
@@ -184,9 +198,17 @@ def parse_arch_config(cfg: dict[str, Any], source: str = "config.json") -> ArchC
             sliding_window=int(sliding) if sliding else None,
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
             quantization=_quantization(cfg, source),
+            layer_types=_layer_types(types, layers, source) if sliding and types else None,
         )
     except KeyError as e:
         raise ValueError(f"{source}: required field {e.args[0]!r} is missing") from None
+
+
+def _layer_types(types: list[str], layers: int, source: str) -> tuple[str, ...]:
+    if len(types) != layers or set(types) - {"sliding_attention", "full_attention"}:
+        raise ValueError(f"{source}: layer_types must name sliding_attention or full_attention for each of the "
+                         f"{layers} layers")
+    return tuple(types)
 
 
 def _gemma3_text(cfg: dict[str, Any], source: str) -> dict[str, Any]:
@@ -208,11 +230,8 @@ def _gemma(cfg: dict[str, Any], source: str, arch: str, scaling: dict[str, Any] 
     layers = int(cfg["num_hidden_layers"])
     heads = int(cfg["num_attention_heads"])
     pattern = 2 if gemma2 else int(cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6)
-    types = cfg.get("layer_types") or ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
-                                       for i in range(layers)]
-    if len(types) != layers or set(types) - {"sliding_attention", "full_attention"}:
-        raise ValueError(f"{source}: layer_types must name sliding_attention or full_attention for each of the "
-                         f"{layers} layers")
+    types = _layer_types(cfg.get("layer_types") or ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+                                                    for i in range(layers)], layers, source)
     theta, local_theta = float(cfg.get("rope_theta", 10000.0)), None
     params = cfg.get("rope_parameters")
     if isinstance(params, dict) and "full_attention" in params:  # per layer type (transformers >= 5)
@@ -242,7 +261,7 @@ def _gemma(cfg: dict[str, Any], source: str, arch: str, scaling: dict[str, Any] 
         mlp_bias=False, qk_norm=not gemma2, sliding_window=int(window) if window else None,
         torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"),
         quantization=_quantization(cfg, source), hidden_act="gelu_pytorch_tanh",
-        layer_types=tuple(types) if window else None,
+        layer_types=types if window else None,
         query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar", 256)),
         attn_logit_softcap=float(attn_cap) if attn_cap else None,
         final_logit_softcap=float(final_cap) if final_cap else None,

@@ -52,10 +52,20 @@ class GemmaRMSNorm(RMSNorm):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if x.dtype != torch.float32:  # half precision: scale by 1 + w in fp32 and round once, as the reference
+            if residual is None:
+                return self._reference(x)
+            residual = x + residual
+            return self._reference(residual), residual
         scale = self.effective_weight()
         if residual is None:
             return self.ops.rms_norm(x, scale, self.eps)
         return self.ops.add_rms_norm(x, residual, scale, self.eps)
+
+    def _reference(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (self.weight.float() + 1.0)).to(x.dtype)
 
 
 class GemmaMLP(MLP):

@@ -46,7 +46,7 @@ from qpage.layers.linear.embedding import Embedding
 from qpage.layers.linear.fp8_linear import Fp8Linear
 from qpage.layers.linear.parallel import RowParallel, VocabParallelEmbedding, VocabParallelHead
 from qpage.layers.linear.quant_linear import IntLinear
-from qpage.models.arch import ArchConfig
+from qpage.models.arch import GEMMA_ARCHITECTURES, ArchConfig
 from qpage.parallel.comm import Collectives
 
 _LAYER = re.compile(r"^model\.layers\.\d+\.(self_attn|mlp)\.(\w+_proj)\.(weight|bias)$")
@@ -125,9 +125,9 @@ def check_parallel(arch: ArchConfig, world: int, source: str) -> None:
     if arch.fused_checkpoint:
         raise ValueError(f"{source}: tensor_parallel_size={world} does not split a {arch.architecture}'s fused "
                          "qkv_proj and gate_up_proj tensors yet; run it with tensor_parallel_size=1")
-    if arch.layer_types is not None:
-        raise ValueError(f"{source}: tensor_parallel_size={world} does not run {arch.architecture}'s local and "
-                         "global layers yet; run it with tensor_parallel_size=1")
+    if arch.architecture in GEMMA_ARCHITECTURES or len({arch.layer_window(i) for i in range(arch.num_layers)}) > 1:
+        raise ValueError(f"{source}: tensor_parallel_size={world} does not run {arch.architecture}'s layers (Gemma, "
+                         "or local layers beside global ones) yet; run it with tensor_parallel_size=1")
     q = arch.quantization
     quant = linear_config(q, source) if q is not None else None
     if quant is not None and not isinstance(quant, (*SPLITS, GgufConfig)):

@@ -90,6 +90,25 @@ def test_no_prefix_hit_without_the_local_windows() -> None:
     kv.pool.check_invariants()
 
 
+def test_a_hit_on_a_windowed_only_layout_takes_only_the_window() -> None:
+    """Every layer windowed (one group, Mistral's case): a hit takes the blocks the next token's
+    window reaches, not the whole cached prefix, so a small pool still admits the request."""
+    layout = KVLayout.plan([WINDOW, WINDOW])
+    assert [g.window for g in layout.groups] == [WINDOW]
+    kv = KVCacheManager(12, layout=layout)
+    first = make_req("a", list(range(320)))
+    for start in range(0, 320, 16):  # a chunked prefill: the window moves on, early blocks go back
+        first.num_computed_tokens = start
+        assert kv.allocate_slots(first, 16) is not None
+    kv.free(first)
+    second = make_req("b", [*range(304), *range(1000, 1050)])
+    hit = kv.get_computed_blocks(second)
+    assert hit.num_tokens == 304
+    assert hit.tables[0][:16] == [None] * 16 and all(b is not None for b in hit.tables[0][16:])
+    assert kv.allocate_slots(second, 50, hit) is not None  # 3 hit blocks and 4 new in a pool of 12
+    kv.pool.check_invariants()
+
+
 @pytest.mark.parametrize("window", [1, 16, 17, 40])
 def test_live_blocks_bound_holds_for_every_position(window: int) -> None:
     layout = KVLayout.plan([window, None])

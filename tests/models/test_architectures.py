@@ -29,6 +29,7 @@ CASES = {
     "mistral": ("MistralConfig", {"sliding_window": None}),
     "mistral-window": ("MistralConfig", {"sliding_window": 8}),  # every layer windowed, prompts past it
     "qwen2-qkv-bias": ("Qwen2Config", {}),
+    "qwen2-window": ("Qwen2Config", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}),
     "qwen3-qk-norm": ("Qwen3Config", {"head_dim": 32}),
     "phi3-fused": ("Phi3Config", {"sliding_window": None, "pad_token_id": 0}),
 }
@@ -131,6 +132,22 @@ def test_phi3_quantized_by_qpage_runs_packed(tmp_path: Path, scheme: str, tol: f
     with torch.no_grad():
         want = ref(torch.tensor([ids])).logits[0]
     assert float((got - want).abs().max()) <= tol * float(want.abs().max())
+
+
+def test_sparse_gemma3_configs_take_the_reference_defaults() -> None:
+    """Published Gemma 3 vision-language configs leave most text fields to transformers'
+    defaults (rope_theta 1e6 above all); qpage fills in the same ones."""
+    from qpage.models.arch import parse_arch_config
+
+    text = {"hidden_size": 2560, "intermediate_size": 10240, "num_hidden_layers": 34, "model_type": "gemma3_text",
+            "rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "sliding_window": 1024}
+    a = parse_arch_config({"architectures": ["Gemma3ForConditionalGeneration"], "text_config": text})
+    want = transformers.Gemma3TextConfig(**text)
+    assert (a.num_heads, a.num_kv_heads, a.head_dim, a.vocab_size) == (
+        want.num_attention_heads, want.num_key_value_heads, want.head_dim, want.vocab_size)
+    assert a.rope_theta == want.rope_parameters["full_attention"]["rope_theta"] == 1e6
+    assert a.local_rope_theta == want.rope_parameters["sliding_attention"]["rope_theta"]
+    assert a.rope_scaling == {"factor": 8.0, "rope_type": "linear"} and a.layer_types == tuple(want.layer_types)
 
 
 def test_unsupported_architecture_is_refused_by_name(tmp_path: Path) -> None:
