@@ -24,6 +24,7 @@ from qpage.formats.detect import linear_config
 from qpage.formats.fp8 import Fp8Config
 from qpage.formats.gguf import default_gguf_path
 from qpage.formats.gguf_reader import GgufFile
+from qpage.layers.moe import SparseMoe
 from qpage.models.loader import load_model, read_arch_config, resolve_dtype, resolve_model_dir, weight_files
 
 EVAL_FILE = "qpage_eval.json"
@@ -102,9 +103,12 @@ def loaded_info(model_dir: Path, arch: Any, device: str, dtype: str) -> dict[str
             path_bytes[mod.kernel_path] += mod.weight_bytes
         elif not any(hasattr(m, "kernel_path") for m in mod.modules() if m is not mod):
             other += sum(p.numel() * p.element_size() for p in mod.parameters(recurse=False))
+    moe = [m for m in model.modules() if isinstance(m, SparseMoe)]
     return {"device": dev.type, "dtype": str(dt).removeprefix("torch."),
             "memory_bytes": sum(path_bytes.values()) + other,
-            "linear_paths": {p: {"layers": n, "bytes": path_bytes[p]} for p, n in paths.most_common()}}
+            "linear_paths": {p: {"layers": n, "bytes": path_bytes[p]} for p, n in paths.most_common()},
+            **({"experts_paths": dict(Counter(m.experts_path for m in moe)),
+                "experts_unfit": next((m.unfit for m in moe if m.kernel is None), "")} if moe else {})}
 
 
 def eval_file(model: Path) -> Path:
@@ -135,6 +139,10 @@ def describe(model: str | None, load: bool = True, device: str = "cpu", dtype: s
         qc = arch.quantization
         info.update(quant_info(qc, arch.hidden_size) if qc else {"format": "safetensors (dense)",
                                                                   "scheme": str(arch.torch_dtype)})
+    if arch.num_experts:
+        info["experts"] = {"sparse_layers": sum(arch.is_sparse(i) for i in range(arch.num_layers)),
+                           "experts": arch.num_experts, "per_token": arch.experts_per_token,
+                           "shared_expert": bool(arch.shared_expert_intermediate_size)}
     if eval_file(model_dir).is_file():
         info["quality"] = json.loads(eval_file(model_dir).read_text())["texts"]
     if load:
@@ -155,6 +163,10 @@ def table(info: dict[str, Any]) -> str:
         rows.append(("bits per weight", f"{info['bits_per_weight']:.2f}"))
     rows += [("architecture", f"{info['architecture']}, {info['layers']} layers, hidden {info['hidden_size']}"),
              ("size on disk", mib(info["size_bytes"]))]
+    if "experts" in info:
+        e = info["experts"]
+        rows.append(("experts", f"{e['sparse_layers']} sparse layers of {e['experts']}, {e['per_token']} per token"
+                     + (", a shared expert" if e["shared_expert"] else "")))
     if "loaded_as" in info:
         rows.append(("loaded as", info["loaded_as"]))
     loaded = info.get("loaded")
@@ -162,6 +174,9 @@ def table(info: dict[str, Any]) -> str:
         rows.append((f"in memory ({loaded['device']}, {loaded['dtype']})", mib(loaded["memory_bytes"])))
         for path, v in loaded["linear_paths"].items():
             rows.append(("linear layers", f"{v['layers']} on {path} ({mib(v['bytes'])})"))
+        for path, n in loaded.get("experts_paths", {}).items():
+            why = f" ({loaded['experts_unfit']})" if path == "torch" and loaded["experts_unfit"] else ""
+            rows.append(("expert layers", f"{n} on {path}{why}"))
     for q in info.get("quality", []):
         ppl, src = q["perplexity"], q["source_perplexity"]
         rows.append((f"perplexity, {q['text']}", f"{ppl:.4f} against the source's {src:.4f} "

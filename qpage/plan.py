@@ -8,8 +8,10 @@ Weights: every linear of the decoder at the scheme's bits plus its scales (and z
 KV bytes per token: the engine's own formula (``KVCacheSpec.bytes_per_token``), the FP8, int8
 and int4 caches' per-token scales (and int4's zeros) included. Token capacity: what is left
 of the card after the weights and a fixed allowance for activations and the runtime, in
-whole 16-token blocks. A model with sliding-window layers beside global ones is planned with
-the engine's layout, its local layers keeping only their window (``kv_layout``).
+whole 16-token blocks. A mixture of experts holds every expert (all its parameters) but runs
+only its top-k per token (its active parameters, stated beside). A model with sliding-window
+layers beside global ones is planned with the engine's layout, its local layers keeping only
+their window (``kv_layout``).
 """
 
 from __future__ import annotations
@@ -76,14 +78,20 @@ def load_arch(model_or_config: str) -> tuple[str, ArchConfig]:
     return name, parse_arch_config(cfg, str(p))
 
 
-def linear_shapes(a: ArchConfig) -> list[tuple[int, int]]:
-    """(in_features, out_features) of every decoder linear."""
-    per_layer = [
-        (a.hidden_size, a.q_size), (a.hidden_size, a.kv_size), (a.hidden_size, a.kv_size), (a.q_size, a.hidden_size),
-        (a.hidden_size, a.intermediate_size), (a.hidden_size, a.intermediate_size),
-        (a.intermediate_size, a.hidden_size),
-    ]
-    return per_layer * a.num_layers
+def _mlp(hidden: int, inter: int) -> list[tuple[int, int]]:
+    return [(hidden, inter), (hidden, inter), (inter, hidden)]
+
+
+def linear_shapes(a: ArchConfig, active: bool = False) -> list[tuple[int, int]]:
+    """(in_features, out_features) of every decoder linear; ``active``: only those one token runs
+    through (of a mixture of experts, its top-k experts and the shared one)."""
+    attn = [(a.hidden_size, a.q_size), (a.hidden_size, a.kv_size), (a.hidden_size, a.kv_size),
+            (a.q_size, a.hidden_size)]
+    experts = a.experts_per_token if active else a.num_experts
+    sparse = (_mlp(a.hidden_size, a.moe_intermediate_size) * experts
+              + (_mlp(a.hidden_size, a.shared_expert_intermediate_size) if a.shared_expert_intermediate_size else []))
+    return [s for i in range(a.num_layers)
+            for s in attn + (sparse if a.is_sparse(i) else _mlp(a.hidden_size, a.intermediate_size))]
 
 
 def fp16_params(a: ArchConfig) -> int:
@@ -95,6 +103,8 @@ def fp16_params(a: ArchConfig) -> int:
         n += 2 * a.head_dim * a.num_layers
     if a.qkv_bias:
         n += (a.q_size + 2 * a.kv_size) * a.num_layers
+    sparse = sum(a.is_sparse(i) for i in range(a.num_layers))  # routers (and shared-expert gates): never quantized
+    n += sparse * a.hidden_size * (a.num_experts + bool(a.shared_expert_intermediate_size))
     return n
 
 
@@ -109,8 +119,9 @@ def weight_bytes(a: ArchConfig, s: WeightScheme) -> int:
     return total
 
 
-def num_params(a: ArchConfig) -> int:
-    return fp16_params(a) + sum(k * n for k, n in linear_shapes(a))
+def num_params(a: ArchConfig, active: bool = False) -> int:
+    """All parameters, or (``active``) those one token runs through."""
+    return fp16_params(a) + sum(k * n for k, n in linear_shapes(a, active))
 
 
 @dataclass(frozen=True)
@@ -153,7 +164,9 @@ def format_table(name: str, a: ArchConfig, rows: list[PlanRow], gpu_memory: int,
     gb = 1e9
     cards = f"{tp} cards of" if tp > 1 else "card"
     each = " each" if tp > 1 else ""
-    head = (f"{name}: {num_params(a) / 1e9:.2f} B parameters, {a.num_layers} layers, {a.num_kv_heads} KV heads x "
+    moe = (f" ({num_params(a, active=True) / 1e9:.2f} B active: {a.experts_per_token} of {a.num_experts} experts per "
+           "token)" if a.num_experts else "")
+    head = (f"{name}: {num_params(a) / 1e9:.2f} B parameters{moe}, {a.num_layers} layers, {a.num_kv_heads} KV heads x "
             f"{a.head_dim}; {cards} {gpu_memory / 2**30:.1f} GiB, {overhead / 2**30:.1f} GiB{each} kept for "
             f"activations and runtime; requests of {ctx} tokens")
     local = sum(w is not None for w in a.attention_windows(ctx))
@@ -184,5 +197,6 @@ def run_plan(model_or_config: str, gpu_memory: str, overhead: str, context_len: 
     if as_json:
         return json.dumps({"model": name, "gpu_memory": mem, "overhead": over, "context_len": ctx,
                            "tensor_parallel_size": tp, "windowed_kv": windowed, "params": num_params(a),
+                           "active_params": num_params(a, active=True),
                            "rows": [r.__dict__ for r in rows]}, indent=2)
     return format_table(name, a, rows, mem, over, ctx, tp, windowed)

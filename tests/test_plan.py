@@ -93,3 +93,15 @@ def test_llama3_70b_int4_fp8_fits_two_24gib_cards() -> None:
     assert "2 cards of 24.0 GiB" in text and "| INT4 g128 | FP8 |" in text
     with pytest.raises(ValueError, match="does not fit 64 query heads over 8 KV heads"):
         run_plan("Llama-3-70B", "24GiB", "1.5GiB", None, tp=128)
+
+
+@pytest.mark.parametrize("name, total, active", [("Qwen3-30B-A3B", 30.53e9, 3.35e9),
+                                                 ("Mixtral-8x7B", 46.70e9, 12.88e9)])
+def test_moe_total_and_active_parameters(name: str, total: float, active: float) -> None:
+    """Every expert counts toward the weights a card holds, only the top-k toward a token's work:
+    the published totals (30.5B / 3.3B active; 46.7B / 12.9B) to the precision printed."""
+    _, a = load_arch(name)
+    assert abs(num_params(a) - total) < 0.005e9 and abs(num_params(a, active=True) - active) < 0.005e9
+    rows = plan(a, 24 * 2**30, 3 * 2**29, 8192)
+    int4 = next(r for r in rows if r.weights == "INT4 g128" and r.kv == "FP16")
+    assert int4.weight_bytes > 0.5 * total  # every expert is held: 4 bits plus scales and zeros

@@ -28,6 +28,7 @@ from qpage.layers.attention.kv_calibration import CALIBRATION_TEXT
 from qpage.layers.attention.kv_format import KVCacheSpec
 from qpage.layers.linear.block_linear import BlockLinear
 from qpage.layers.linear.embedding import Embedding
+from qpage.layers.moe import SparseMoe, describe_experts
 from qpage.models.loader import read_arch_config, resolve_dtype, resolve_model_dir
 from qpage.models.sharding import check_parallel, plan_shards
 from qpage.parallel.comm import Collectives, TensorParallelError
@@ -110,7 +111,8 @@ class LLMEngine:
                 f"qpage: {self.model_dir.name} ({self.arch.architecture}, {self.dtype}) on "
                 f"{self.device}; KV cache {self.kv_spec.describe()}, {cache.describe(self.arch.num_layers)}; "
                 f"attention {self.runner.backend.name}; "
-                f"max_model_len {self.max_model_len}{self._quantized_note()}{self._parallel_note()}"
+                f"max_model_len {self.max_model_len}{self._quantized_note()}{describe_experts(self.model)}"
+                f"{self._parallel_note()}"
                 f"{self._speculative_note()}",
                 flush=True,
             )
@@ -374,8 +376,12 @@ class LLMEngine:
         linears: dict[str, int] = {}
         for mod in self.model.quant_linears():
             linears[mod.kernel_path] = linears.get(mod.kernel_path, 0) + 1
+        experts: dict[str, int] = {}
+        for mod in self.model.modules():
+            if isinstance(mod, SparseMoe):
+                experts[mod.experts_path] = experts.get(mod.experts_path, 0) + 1
         return {"attention_backend": self.runner.backend.name, "device": self.device.type,
-                "quantized_linears": linears}
+                "quantized_linears": linears, **({"moe_layers": experts} if experts else {})}
 
     def get_metrics(self) -> dict[str, Any]:
         self.update_gauges()

@@ -26,12 +26,14 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
 from qpage.config import cache_root
+from qpage.formats.gguf_moe import EXPERT_TENSORS, MOE_ARCHITECTURES, MOE_LAYER_NAMES, expert_names, is_moe, moe_config
 from qpage.formats.gguf_reader import BF16, F16, F32, GgufFile, GgufFormatError, TensorInfo
 
 logger = logging.getLogger("qpage")
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+                 "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
+                 **MOE_ARCHITECTURES}
 """GGUF ``general.architecture`` -> the Hugging Face class qpage runs it as (Mistral files say "llama")."""
 PERMUTED = ("llama",)
 """Architectures whose q/k rows llama.cpp's converter interleaves."""
@@ -157,6 +159,8 @@ def hf_config(f: GgufFile) -> dict[str, Any]:
     if "rope_factors_long.weight" in f.tensors:
         cfg["rope_parameters"] = _longrope(f, arch, cfg["rope_theta"])
     window = f.get(f"{arch}.attention.sliding_window")
+    if is_moe(f, arch):
+        cfg.update(moe_config(f, arch, cfg["num_hidden_layers"]))
     if arch in GEMMA_PATTERN:
         cfg.update(_gemma(f, arch, cfg))
     elif window:
@@ -240,7 +244,7 @@ def hf_name(name: str, arch: str = "llama") -> str | None:
     if name in _IGNORED:
         return None
     parts = name.split(".")
-    names = {**_LAYER_NAMES, **_ARCH_LAYER_NAMES.get(arch, {})}
+    names = {**_LAYER_NAMES, **MOE_LAYER_NAMES, **_ARCH_LAYER_NAMES.get(arch, {})}
     if len(parts) == 4 and parts[0] == "blk" and parts[2] in names:
         return f"model.layers.{parts[1]}.{names[parts[2]]}.{parts[3]}"
     raise GgufFormatError(f"tensor {name!r} is not part of a model qpage runs")
@@ -275,12 +279,18 @@ def iter_tensors(f: GgufFile) -> Iterator[tuple[str, str, torch.Tensor | GgufTen
     heads = _positive(f, f"{arch}.attention.head_count")
     kv_heads = f.get(f"{arch}.attention.head_count_kv", heads)
     for name, info in f.tensors.items():
+        parts = name.split(".")
+        if len(parts) == 4 and parts[2] in EXPERT_TENSORS:
+            yield from _experts(f, info, parts[1], parts[2])
+            continue
         target = hf_name(name, arch)
         if target is None:
             continue
         value = tensor_value(f, info)
         if arch in NORM_PLUS_ONE and name.endswith("norm.weight") and isinstance(value, torch.Tensor):
             value = value - 1.0
+        if name.endswith("ffn_gate_inp_shexp.weight") and isinstance(value, torch.Tensor):
+            value = value.reshape(1, -1)  # stored [hidden]; a linear to one output
         if arch in PERMUTED and name.endswith(("attn_q.weight", "attn_k.weight", "attn_q.bias", "attn_k.bias")):
             h = heads if ".attn_q." in name else kv_heads
             if not isinstance(h, int) or h <= 0 or info.shape[0] % (2 * h):
@@ -288,6 +298,22 @@ def iter_tensors(f: GgufFile) -> Iterator[tuple[str, str, torch.Tensor | GgufTen
                                       f"rotary head pairs for {h} heads; the file and its metadata disagree")
             value = _permuted(value, h)
         yield f.path.name, target, value
+
+
+def _experts(f: GgufFile, info: TensorInfo, layer: str, kind: str
+             ) -> Iterator[tuple[str, str, torch.Tensor | GgufTensor]]:
+    """A 3-d expert tensor [experts, rows, cols] as one 2-d weight per expert (views)."""
+    if len(info.shape) != 3:
+        raise GgufFormatError(f"{f.path}: tensor {info.name!r} has shape {info.shape}; expected [experts, rows, cols]")
+    experts, n, k = info.shape
+    floats = tensor_value(f, info) if info.ggml_type in (F32, F16, BF16) else None
+    data = f.data(info.name)
+    for e, name in enumerate(expert_names(layer, kind, experts)):
+        if isinstance(floats, torch.Tensor):
+            value: torch.Tensor | GgufTensor = floats[e]
+        else:
+            value = GgufTensor(data[e * n : (e + 1) * n], info.ggml_type, (n, k), f"{info.name}[{e}]")
+        yield f.path.name, name, value
 
 
 def tensor_value(f: GgufFile, info: TensorInfo) -> torch.Tensor | GgufTensor:

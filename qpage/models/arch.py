@@ -14,7 +14,16 @@ SUPPORTED_ARCHITECTURES = (
     "Gemma2ForCausalLM",
     "Gemma3ForCausalLM",
     "Gemma3ForConditionalGeneration",
+    "Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "MixtralForCausalLM",
 )
+MOE_ARCHITECTURES = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM")
+"""Mixture-of-experts models (``models.moe``): each sparse layer's MLP is a router and experts."""
+NOT_YET = {"GptOssForCausalLM": "gpt-oss (MXFP4 experts, attention sinks, YaRN) is not supported yet",
+           "DeepseekV3ForCausalLM": "DeepSeek-V3's latent attention is not supported",
+           "DeepseekV2ForCausalLM": "DeepSeek-V2's latent attention is not supported"}
+"""Architectures people ask for that qpage refuses with a reason (rather than only "not supported")."""
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
 """The Gemma layer (``models.gemma``): (1 + w) norms before and after attention and MLP, GeGLU,
 the embedding scaled by sqrt(hidden), local and global layers."""
@@ -72,6 +81,18 @@ class ArchConfig:
     local_rope_theta: float | None = None
     """Rope base of the sliding-window layers when it differs from ``rope_theta`` (Gemma 3's
     local layers; they take no ``rope_scaling`` then)."""
+    num_experts: int = 0
+    """Routed experts of each sparse layer (0: a dense model)."""
+    experts_per_token: int = 0
+    """Experts each token is routed to (top-k)."""
+    moe_intermediate_size: int = 0
+    """Each expert's MLP width."""
+    norm_topk_prob: bool = False
+    """The top-k routing weights are renormalised to sum to 1 (else the softmax's values)."""
+    shared_expert_intermediate_size: int = 0
+    """Width of the shared expert every token also runs, its output gated by a sigmoid (Qwen2-MoE; 0: none)."""
+    sparse_layers: tuple[bool, ...] | None = None
+    """Per layer, whether its MLP is the experts (else a dense MLP of ``intermediate_size``)."""
 
     @property
     def fused_checkpoint(self) -> bool:
@@ -93,6 +114,10 @@ class ArchConfig:
         as the context changes nothing)."""
         windows = [self.layer_window(i) for i in range(self.num_layers)]
         return [w if w is not None and w < max_positions else None for w in windows]
+
+    def is_sparse(self, i: int) -> bool:
+        """Whether layer ``i``'s MLP is a mixture of experts."""
+        return self.sparse_layers is not None and self.sparse_layers[i]
 
     @property
     def q_size(self) -> int:
@@ -135,10 +160,13 @@ def parse_arch_config(cfg: dict[str, Any], source: str = "config.json") -> ArchC
     """Read and check the fields qpage needs; refuse what it cannot run, by name."""
     archs = cfg.get("architectures") or []
     arch = archs[0] if archs else None
+    if arch in NOT_YET:
+        raise ValueError(f"{source}: {arch}: {NOT_YET[arch]}; qpage runs {', '.join(SUPPORTED_ARCHITECTURES)}")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
             f"{source}: architecture {arch!r} is not supported; qpage runs "
-            f"{', '.join(SUPPORTED_ARCHITECTURES)} (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, SmolLM, Phi-3/3.5/4)"
+            f"{', '.join(SUPPORTED_ARCHITECTURES)} (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, SmolLM, Phi-3/3.5/4, "
+            "Gemma 2/3, Qwen2-MoE, Qwen3-MoE, Mixtral)"
         )
     if arch == "Gemma3ForConditionalGeneration":
         cfg = _gemma3_text(cfg, source)
@@ -191,17 +219,40 @@ def parse_arch_config(cfg: dict[str, Any], source: str = "config.json") -> ArchC
             rope_scaling=scaling,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=True if arch == "Qwen2ForCausalLM" else attn_bias,
-            o_bias=False if arch == "Qwen2ForCausalLM" else attn_bias,
+            qkv_bias=True if arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM") else attn_bias,
+            o_bias=False if arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM") else attn_bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             sliding_window=int(sliding) if sliding else None,
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
             quantization=_quantization(cfg, source),
             layer_types=_layer_types(types, layers, source) if sliding and types else None,
+            **(_moe(cfg, arch, layers, source) if arch in MOE_ARCHITECTURES else {}),
         )
     except KeyError as e:
         raise ValueError(f"{source}: required field {e.args[0]!r} is missing") from None
+
+
+def _moe(cfg: dict[str, Any], arch: str, layers: int, source: str) -> dict[str, Any]:
+    """The experts' fields: Qwen's sparse layers are those not in ``mlp_only_layers`` at every
+    ``decoder_sparse_step``-th layer; Mixtral's are all, its top-k weights renormalised
+    (a softmax over the chosen experts' logits)."""
+    experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+    top_k = int(cfg.get("num_experts_per_tok") or 0)
+    if experts <= 0 or not 0 < top_k <= experts:
+        raise ValueError(f"{source}: {arch} needs num_experts > 0 and 0 < num_experts_per_tok <= num_experts, got "
+                         f"{experts} and {top_k}")
+    if arch == "MixtralForCausalLM":
+        if float(cfg.get("router_jitter_noise") or 0.0):
+            raise ValueError(f"{source}: router_jitter_noise is a training setting; set it to 0")
+        return {"num_experts": experts, "experts_per_token": top_k, "norm_topk_prob": True,
+                "moe_intermediate_size": int(cfg["intermediate_size"]), "sparse_layers": (True,) * layers}
+    step = int(cfg.get("decoder_sparse_step") or 1)
+    dense = set(cfg.get("mlp_only_layers") or [])
+    shared = int(cfg.get("shared_expert_intermediate_size") or 0) if arch == "Qwen2MoeForCausalLM" else 0
+    return {"num_experts": experts, "experts_per_token": top_k, "norm_topk_prob": bool(cfg.get("norm_topk_prob")),
+            "moe_intermediate_size": int(cfg["moe_intermediate_size"]), "shared_expert_intermediate_size": shared,
+            "sparse_layers": tuple(i not in dense and (i + 1) % step == 0 for i in range(layers))}
 
 
 def _layer_types(types: list[str], layers: int, source: str) -> tuple[str, ...]:

@@ -2,8 +2,9 @@
 and the glue that calls it: the decoder layers' weights gathered once, the step's caches
 and block tables passed each time.
 
-It fits a model (Llama family or Gemma) whose every projection runs on the block-format
-kernels (``PiecewiseMatmul``) with the C ops (fp32 on CPU), with a bias on qkv at most, and an
+It fits a model (Llama family, Gemma, mixtures of experts on the C block) whose every
+projection runs on the block-format kernels (``PiecewiseMatmul``) with the C ops (fp32 on
+CPU), with a bias on qkv at most, and an
 engine whose attention is the C backend over plain fp32 caches: both decided once, at start
 (``build_decode_stack``, ``unfit_reason_for``). Then every step whose rows are all decodes
 runs fused. Anything else runs the Python path, which stays the reference.
@@ -17,10 +18,12 @@ from typing import Any
 import torch
 
 from qpage.kernels.cpu.matmul.native_gguf import PiecewiseMatmul
-from qpage.kernels.cpu.native_decode import DecodeStack, LayerWeights, unfit_reason
+from qpage.kernels.cpu.native_decode import DecodeStack, LayerWeights
+from qpage.kernels.cpu.native_moe import MoeKernel, unfit_reason
 from qpage.layers.attention.backends import CpuNativePagedAttention
 from qpage.layers.attention.kv_format import KVCacheSpec, LayerKV
 from qpage.layers.attention.metadata import AttentionMetadata
+from qpage.layers.moe import SparseMoe
 from qpage.layers.ops import CpuNativeOps
 
 logger = logging.getLogger("qpage")
@@ -34,6 +37,15 @@ def _matmul(linear: Any, what: str) -> PiecewiseMatmul:
     if why is not None:
         raise ValueError(f"{what}: {why}")
     return mm
+
+
+def _mlp(i: int, mlp: Any) -> tuple[PiecewiseMatmul | None, PiecewiseMatmul | None, MoeKernel | None]:
+    """(gate_up, down) of a dense MLP, or the C block of a mixture of experts."""
+    if isinstance(mlp, SparseMoe):
+        if mlp.kernel is None:
+            raise ValueError(f"layer {i}'s experts run on torch: {mlp.unfit}")
+        return None, None, mlp.kernel
+    return _matmul(mlp.gate_up_proj, f"layer {i} gate_up"), _matmul(mlp.down_proj, f"layer {i} down_proj"), None
 
 
 def build_decode_stack(model: Any) -> DecodeStack | None:
@@ -64,12 +76,12 @@ def _layer_weights(i: int, layer: Any) -> LayerWeights:
     def weight(norm: Any) -> torch.Tensor | None:
         return None if norm is None else norm.effective_weight()
 
+    gate_up, down, moe = _mlp(i, mlp)
     return LayerWeights(
         before_attn.effective_weight(), before_mlp.effective_weight(),
         _matmul(attn.qkv_proj, f"layer {i} qkv"), attn.qkv_proj.bias,
-        _matmul(attn.o_proj, f"layer {i} o_proj"), _matmul(mlp.gate_up_proj, f"layer {i} gate_up"),
-        _matmul(mlp.down_proj, f"layer {i} down_proj"), weight(attn.q_norm), weight(attn.k_norm), weight(attn_out),
-        weight(mlp_out), layer.rope_index, attn.window)
+        _matmul(attn.o_proj, f"layer {i} o_proj"), gate_up, down, weight(attn.q_norm), weight(attn.k_norm),
+        weight(attn_out), weight(mlp_out), layer.rope_index, attn.window, moe)
 
 
 def unfit_reason_for(backend: object, spec: KVCacheSpec) -> str | None:

@@ -26,6 +26,7 @@ from qpage.layers.linear.embedding import Embedding
 from qpage.layers.linear.factory import Linear, make_linear
 from qpage.layers.linear.fp8_linear import Fp8Linear
 from qpage.layers.linear.quant_linear import IntLinear
+from qpage.layers.moe import SparseMoe
 from qpage.layers.norms import RMSNorm
 from qpage.layers.ops import TORCH_OPS, TorchOps, select_ops
 from qpage.layers.rotary import RotaryEmbedding
@@ -67,7 +68,8 @@ def has_bias(c: ArchConfig, name: str) -> bool:
     return c.qkv_bias if name.startswith("self_attn.") else c.mlp_bias
 
 
-def _quant(c: ArchConfig) -> LinearConfig | None:
+def linear_quant(c: ArchConfig) -> LinearConfig | None:
+    """How the model's linears are stored (None: dense)."""
     return linear_config(c.quantization, "config.json") if c.quantization else None
 
 
@@ -76,7 +78,7 @@ class Attention(nn.Module):
         """``window``: the layer attends to its last ``window`` positions only (None: all)."""
         super().__init__()
         self.c = c
-        q = _quant(c)
+        q = linear_quant(c)
         self.qkv_proj = make_linear(c.hidden_size, c.q_size + 2 * c.kv_size, c.qkv_bias, q)
         self.o_proj: nn.Module = make_linear(c.o_proj_inputs or c.q_size, c.hidden_size, c.o_bias, q)
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
@@ -109,7 +111,7 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, c: ArchConfig) -> None:
         super().__init__()
-        q = _quant(c)
+        q = linear_quant(c)
         self.gate_up_proj = make_linear(c.hidden_size, 2 * c.intermediate_size, c.mlp_bias, q)
         self.down_proj: nn.Module = make_linear(c.down_proj_inputs or c.intermediate_size, c.hidden_size,
                                                 c.mlp_bias, q)
@@ -123,12 +125,13 @@ class DecoderLayer(nn.Module):
     rope_index = 0
     """Which of the model's rotary tables the layer uses (one here)."""
 
-    def __init__(self, c: ArchConfig, window: int | None = None) -> None:
+    def __init__(self, c: ArchConfig, window: int | None = None, mlp: nn.Module | None = None) -> None:
+        """``mlp``: the layer's MLP when it is not the dense one (a mixture of experts)."""
         super().__init__()
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.self_attn = Attention(c, window)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.mlp = MLP(c)
+        self.mlp = mlp if mlp is not None else MLP(c)
 
     def forward(
         self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
@@ -167,11 +170,11 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = c
         self.dtype = dtype
-        gguf = isinstance(_quant(c), GgufConfig)  # a GGUF file: every tensor keeps its own format
+        gguf = isinstance(linear_quant(c), GgufConfig)  # a GGUF file: every tensor keeps its own format
         self.embed_tokens = Embedding(c.vocab_size, c.hidden_size, packed=gguf, tied=c.tie_word_embeddings)
         self.layers = nn.ModuleList(self.build_layer(c, i, max_positions) for i in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        head_quant = _quant(c) if gguf else None  # only a GGUF file's head may be quantized
+        head_quant = linear_quant(c) if gguf else None  # only a GGUF file's head may be quantized
         self.lm_head: nn.Module | None = (
             None if c.tie_word_embeddings else make_linear(c.hidden_size, c.vocab_size, False, head_quant))
         self.rotary = RotaryEmbedding(c.head_dim, max_positions, c.rope_theta, c.rope_scaling, dtype)
@@ -192,6 +195,10 @@ class LlamaForCausalLM(nn.Module):
     def rotary_for(self, i: int) -> RotaryEmbedding:
         """The rotary tables of layer ``i`` (one for all layers here)."""
         return self.rotary
+
+    def layer_projections(self, i: int) -> list[tuple[str, str, int, int]]:
+        """Layer ``i``'s checkpoint projections (``projections``: module, fused module, offset, rows)."""
+        return projections(self.config)
 
     def attention_features(self) -> frozenset[str]:
         """What the layers ask of the attention backend beyond plain causal attention
@@ -222,6 +229,8 @@ class LlamaForCausalLM(nn.Module):
         for m in self.modules():
             if isinstance(m, RMSNorm):
                 m.prepare()
+            elif isinstance(m, SparseMoe):
+                m.prepare(self.ops)
         self.decode_stack = build_decode_stack(self)
 
     def runs_own_threads(self) -> bool:
@@ -278,7 +287,7 @@ class LlamaForCausalLM(nn.Module):
             whole("lm_head.weight", self.lm_head.weight)
         for i, layer in enumerate(self.layers):
             pre = f"model.layers.{i}."
-            for name, fused, off, rows in projections(c):
+            for name, fused, off, rows in self.layer_projections(i):
                 mod = layer.get_submodule(fused)
                 if isinstance(mod, Linear):
                     out[f"{pre}{name}.weight"] = (mod.weight, off, rows)
@@ -300,7 +309,7 @@ class LlamaForCausalLM(nn.Module):
         if isinstance(self.lm_head, QUANT_LINEARS):
             out["lm_head"] = (self.lm_head, 0, self.config.vocab_size)
         for i, layer in enumerate(self.layers):
-            for name, fused, off, cols in projections(self.config):
+            for name, fused, off, cols in self.layer_projections(i):
                 mod = layer.get_submodule(fused)
                 if isinstance(mod, QUANT_LINEARS):
                     out[f"model.layers.{i}.{name}"] = (mod, off, cols)

@@ -58,6 +58,9 @@ class _Hessian:
         return (2 * self.h / max(self.count, 1)).float()
 
 
+MIN_ROWS = 32
+"""Calibration rows below which a linear is rounded (RTN) rather than calibrated: an expert of a
+mixture that few tokens were routed to (its Hessian would be mostly the damping term)."""
 Parts = list[tuple[str, int, int]]
 """The projections of one fused linear: (checkpoint prefix, first row, rows)."""
 Quantize = Callable[[torch.Tensor, _Hessian, Parts], tuple[dict[str, Any], torch.Tensor]]
@@ -77,7 +80,8 @@ def gptq_calibrate(src: Path, scheme: QuantScheme, windows: list[list[int]], sto
                                     act_order=scheme.act_order, static_groups=scheme.static_groups),
                       parts, scheme.group_size)
 
-    calibrate_layers(src, windows, store, on_layer, quantize, diagonal_only=False)
+    store.rtn_fallbacks = calibrate_layers(src, windows, store, on_layer, quantize, diagonal_only=False,
+                                           fallback=_rtn(scheme))
     return store
 
 
@@ -89,8 +93,17 @@ def imatrix_calibrate(src: Path, scheme: QuantScheme, windows: list[list[int]], 
         q, s, z = quantize_rtn(w, scheme.bits, scheme.group_size, scheme.sym, importance=stats.value())
         return _split((q, s, z, None), parts, scheme.group_size)
 
-    calibrate_layers(src, windows, store, on_layer, quantize, diagonal_only=True)
+    store.rtn_fallbacks = calibrate_layers(src, windows, store, on_layer, quantize, diagonal_only=True,
+                                           fallback=_rtn(scheme))
     return store
+
+
+def _rtn(scheme: QuantScheme) -> Quantize:
+    """Plain rounding, for linears that saw fewer than ``MIN_ROWS`` calibration rows."""
+    def quantize(w: torch.Tensor, stats: _Hessian, parts: Parts) -> tuple[dict[str, Any], torch.Tensor]:
+        return _split((*quantize_rtn(w, scheme.bits, scheme.group_size, scheme.sym), None), parts, scheme.group_size)
+
+    return quantize
 
 
 def _split(r: Result, parts: Parts, group_size: int | None) -> tuple[dict[str, Any], torch.Tensor]:
@@ -105,31 +118,42 @@ def _split(r: Result, parts: Parts, group_size: int | None) -> tuple[dict[str, A
 
 @torch.inference_mode()
 def calibrate_layers(src: Path, windows: list[list[int]], store: ResultSink,
-                     on_layer: Callable[[int, int], None] | None, quantize: Quantize, diagonal_only: bool) -> None:
+                     on_layer: Callable[[int, int], None] | None, quantize: Quantize, diagonal_only: bool,
+                     fallback: Quantize | None = None) -> list[str]:
     """Run ``windows`` through ``src`` decoder layer by decoder layer, quantizing each layer's
     linears with ``quantize`` on their inputs' statistics (the full Hessian, or its diagonal)
-    before the windows go on to the next layer; each layer's results go to ``store``."""
+    before the windows go on to the next layer; each layer's results go to ``store``. A linear
+    that saw fewer than ``MIN_ROWS`` rows (an expert few tokens were routed to) is quantized
+    with ``fallback`` where given; their projections' prefixes are returned."""
     threads = torch.get_num_threads()
     # NOTE: the fp32 CPU matmuls run on NumPy's BLAS threads; torch's own OpenMP threads
     # would spin against them (see qpage.layers.ops), so torch runs on one thread here.
     torch.set_num_threads(1)
     try:
-        _layer_by_layer(src, windows, store, on_layer, quantize, diagonal_only)
+        return _layer_by_layer(src, windows, store, on_layer, quantize, diagonal_only, fallback)
     finally:
         torch.set_num_threads(threads)
 
 
+def fused_parts(projs: list[tuple[str, str, int, int]]) -> dict[str, Parts]:
+    """Fused module -> its checkpoint projections (name, first row, rows), from ``layer_projections``."""
+    parts: dict[str, Parts] = {}
+    for name, fused, off, rows in projs:
+        parts.setdefault(fused, []).append((name, off, rows))
+    return parts
+
+
 def _layer_by_layer(src: Path, windows: list[list[int]], store: ResultSink,
-                    on_layer: Callable[[int, int], None] | None, quantize: Quantize, diagonal_only: bool) -> None:
+                    on_layer: Callable[[int, int], None] | None, quantize: Quantize, diagonal_only: bool,
+                    fallback: Quantize | None) -> list[str]:
     source = LayerSource(src, max(len(w) for w in windows) + 1)
     c = source.arch
     backend = TorchPagedAttention(KVCacheSpec(torch.float32))
     hidden = source.embed(windows)
-    parts: dict[str, list[tuple[str, int, int]]] = {}
-    for name, fused, off, rows in projections(c):
-        parts.setdefault(fused, []).append((name, off, rows))
+    fell_back: list[str] = []
     for li in range(c.num_layers):
         layer = source.layer(li)
+        parts = fused_parts(source.shell(li).layer_projections(0))
         out: dict[str, Any] = {}
         linears = {fused: layer.get_submodule(fused) for fused in parts}
         hess = {k: _Hessian(m.in_features, diagonal_only) for k, m in linears.items()}
@@ -139,13 +163,18 @@ def _layer_by_layer(src: Path, windows: list[list[int]], store: ResultSink,
             # Rows are independent (GPTQ's share H): the fused weight is quantized in one
             # pass and split into its projections by the quantizer.
             w = mod.weight.data
-            results, dequantized = quantize(w, hess[key], [(pre + n, off, rows) for n, off, rows in parts[key]])
+            few = fallback is not None and hess[key].count < MIN_ROWS
+            results, dequantized = (fallback if few else quantize)(  # type: ignore[operator]
+                w, hess[key], [(pre + n, off, rows) for n, off, rows in parts[key]])
+            if few:
+                fell_back += [pre + n for n, _, _ in parts[key]]
             out.update(results)
             w.copy_(dequantized)  # also updates the BLAS copy
         store.put_layer(li, out)
         hidden = _run_layer(source.shell(li), layer, hidden, backend, c, record=None)
         if on_layer is not None:
             on_layer(li + 1, c.num_layers)
+    return fell_back
 
 
 def _run_layer(model: Any, layer: Any, hidden: list[torch.Tensor], backend: Any, c: Any,
@@ -204,6 +233,9 @@ def _awq(src: Path, scheme: QuantScheme, windows: list[list[int]], store: Result
     if c.architecture in GEMMA_ARCHITECTURES:
         raise ValueError(f"{src}: AWQ folds its scales into the norm before each linear, and Gemma's norms scale "
                          "by 1 + w after a post-norm; quantize Gemma with gptq or rtn")
+    if c.num_experts:
+        raise ValueError(f"{src}: AWQ of a mixture of experts ({c.architecture}: scales per expert folded into one "
+                         "shared norm) is not supported; quantize it with gptq or rtn")
     backend = TorchPagedAttention(KVCacheSpec(torch.float32))
     hidden = source.embed(windows)
     parts: dict[str, list[tuple[str, int, int]]] = {}

@@ -2,7 +2,7 @@
 spilled to disk layer by layer: what keeps GPTQ and AWQ calibration in bounded memory.
 
 ``LayerSource`` builds a one-layer shell of the model (vocabulary of 1, so no embedding
-matrix is allocated; one per kind of layer, local and global) and refills its layer from
+matrix is allocated; one per kind of layer: local and global, dense and sparse) and refills its layer from
 the shards for each decoder layer, reading only that layer's tensors with positioned reads.
 The embedding is read once to embed the calibration windows and dropped. ``ResultStore``
 writes each layer's integers (uint8), scales, zeros and g_idx to a safetensors file in the
@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from qpage.formats.safetensors_io import iter_tensors, read_header, write_file
 from qpage.layers.linear.factory import Linear
 from qpage.models.loader import read_arch_config, weight_files
+from qpage.models.moe import mixtral_name
 from qpage.models.registry import model_class
 
 Result = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]
@@ -32,19 +33,23 @@ class LayerSource:
     def __init__(self, src: Path, max_positions: int) -> None:
         self.arch = read_arch_config(src)
         self.where: dict[str, Path] = {}
+        self.stored: dict[str, str] = {}
+        """A tensor's name in the model (Mixtral's experts as Qwen's) -> its name in the checkpoint."""
         for f in weight_files(src, allow_pickle=False):
             for name in read_header(f)[0]:
                 self.where[name] = f
-        kinds = self.arch.layer_types or ("all",) * self.arch.num_layers
+                self.stored[mixtral_name(name)] = name
+        a = self.arch
+        kinds = [(a.layer_types[i] if a.layer_types else "all", a.is_sparse(i)) for i in range(a.num_layers)]
         self._kinds = kinds
-        self._shells: dict[str, Any] = {}
-        for kind in dict.fromkeys(kinds):
-            shell = dataclasses.replace(self.arch, num_layers=1, vocab_size=1,
-                                        layer_types=None if kind == "all" else (kind,))
-            self._shells[kind] = model_class(self.arch.architecture)(shell, max_positions, torch.float32)
+        self._shells: dict[tuple[str, bool], Any] = {}
+        for kind, sparse in dict.fromkeys(kinds):
+            shell = dataclasses.replace(a, num_layers=1, vocab_size=1, layer_types=None if kind == "all" else (kind,),
+                                        sparse_layers=None if a.sparse_layers is None else (sparse,))
+            self._shells[kind, sparse] = model_class(a.architecture)(shell, max_positions, torch.float32)
         self.model: Any = self._shells[kinds[0]]
         """The shell of the first layer (every layer's, when they are all alike)."""
-        self._prepared: set[str] = set()
+        self._prepared: set[tuple[str, bool]] = set()
 
     def shell(self, i: int) -> Any:
         """The one-layer model that runs layer ``i`` (its window and rotary tables)."""
@@ -75,7 +80,7 @@ class LayerSource:
         shell, kind = self.shell(i), self._kinds[i]
         targets = {n: t for n, t in shell.weight_targets().items() if n.startswith("model.layers.0.")}
         for name, (dest, off, rows) in targets.items():
-            src_name = pre + name[len("model.layers.0."):]
+            src_name = self.stored.get(pre + name[len("model.layers.0."):], pre + name[len("model.layers.0."):])
             t = tensors.get(src_name)
             if t is None:
                 raise ValueError(f"checkpoint is missing {src_name}; it is incomplete or not a "
@@ -103,6 +108,8 @@ class ResultStore:
         folder.mkdir(parents=True, exist_ok=True)
         self._layer = -1
         self._cache: dict[str, torch.Tensor] = {}
+        self.rtn_fallbacks: list[str] = []
+        """Projections rounded rather than calibrated: they saw too few calibration rows."""
 
     def _path(self, layer: int) -> Path:
         return self.folder / f"layer-{layer:05d}.safetensors"

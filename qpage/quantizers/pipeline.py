@@ -38,13 +38,16 @@ from qpage.formats.gptq import pack_linear, quantization_config
 from qpage.formats.safetensors_io import iter_tensors, read_header, write_file
 from qpage.formats.scheme import CALIBRATED, QuantScheme
 from qpage.models.loader import weight_files
+from qpage.models.moe import mixtral_name
 from qpage.quantizers.fp8 import quantize_fp8
 from qpage.quantizers.nf4 import quantize_nf4
 from qpage.quantizers.rtn import quantize_rtn
 
 LINEAR = re.compile(r"^(model\.layers\.\d+\.(?:self_attn\.(?:[qkvo]|qkv)_proj"
-                    r"|mlp\.(?:gate|up|down|gate_up)_proj))\.weight$")
-"""A decoder projection's weight: separate (Llama) or fused as stored (Phi-3's qkv_proj, gate_up_proj)."""
+                    r"|mlp\.(?:experts\.\d+\.|shared_expert\.)?(?:gate|up|down|gate_up)_proj"
+                    r"|block_sparse_moe\.experts\.\d+\.w[123]))\.weight$")
+"""A decoder projection's weight: separate (Llama) or fused as stored (Phi-3's qkv_proj, gate_up_proj),
+or an expert's (Qwen's MoE names, Mixtral's w1/w3/w2). Routers stay in full precision."""
 
 
 @dataclass
@@ -56,6 +59,8 @@ class QuantizeReport:
     bytes_in: int
     bytes_out: int
     peak_rss_bytes: int
+    rtn_fallbacks: int = 0
+    """Linears rounded rather than calibrated: experts that too few calibration rows were routed to."""
 
 
 def _tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -230,7 +235,8 @@ def quantize_checkpoint(src: Path, out: Path, scheme: QuantScheme, shard_bytes: 
             shutil.rmtree(tmp, ignore_errors=True)
         raise
     return QuantizeReport(out, f"{scheme.describe()} ({fmt} format)", done, time.perf_counter() - t0, _size(files),
-                          _size(list(out.glob("*.safetensors"))), peak_rss())
+                          _size(list(out.glob("*.safetensors"))), peak_rss(),
+                          len(getattr(calibrated, "rtn_fallbacks", ())))
 
 
 def _quantization_config(scheme: QuantScheme, fmt: str) -> dict[str, Any]:
@@ -280,7 +286,7 @@ def _quantize_linear(prefix: str, w: torch.Tensor, scheme: QuantScheme,
     if scheme.is_nf4:
         return bnb_format.pack_linear(prefix, *quantize_nf4(w))
     if calibrated is not None:
-        q, scales, zeros, g_idx = calibrated[prefix]
+        q, scales, zeros, g_idx = calibrated[mixtral_name(prefix)]
     else:
         q, scales, zeros = quantize_rtn(w, scheme.bits, scheme.group_size, scheme.sym)
         g_idx = None

@@ -155,7 +155,7 @@ def signround_calibrate(src: Path, scheme: QuantScheme, windows: list[list[int]]
     parts: dict[str, list[tuple[str, int, int]]] = {}
     for name, fused, off, rows in projections(c):
         parts.setdefault(fused, []).append((name, off, rows))
-    if set(parts) != set(FUSED) or c.architecture in GEMMA_ARCHITECTURES:
+    if set(parts) != set(FUSED) or c.architecture in GEMMA_ARCHITECTURES or c.num_experts:
         raise ValueError(f"sign-gradient rounding runs the Llama family's layer, not {c.architecture}'s; "
                          "use gptq or rtn")
     h_fp = source.embed(windows)

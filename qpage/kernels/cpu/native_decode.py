@@ -3,7 +3,8 @@ caches are described once as C structs (``DecodeStack``), and each step passes t
 hidden states, rotary rows (per rotary table), and slots and block tables (per KV group).
 
 It runs only what it was built for: block-format weights on the native kernels (every
-projection packed, ``native_gguf``), an fp32 paged cache, decode rows only; the caller keeps
+projection packed, ``native_gguf``; mixtures of experts through ``native_moe``), an fp32
+paged cache, decode rows only; the caller keeps
 the Python path for everything else and as the reference.
 """
 
@@ -17,22 +18,16 @@ import torch
 
 from qpage.kernels.cpu.matmul.native_gguf import PiecewiseMatmul
 from qpage.kernels.cpu.native import as_i64, load
+from qpage.kernels.cpu.native_moe import CMoe, CProj, MoeKernel, c_proj
 
 _p, _i32, _i64, _f = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
 
 
-class _Piece(ctypes.Structure):
-    _fields_ = [("type", _i32), ("pad", _i32), ("w", _p), ("n", _i64), ("col0", _i64)]
-
-
-class _Proj(ctypes.Structure):
-    _fields_ = [("pieces", ctypes.POINTER(_Piece)), ("num_pieces", _i32), ("pad", _i32), ("bias", _p)]
-
-
 class _Layer(ctypes.Structure):
-    _fields_ = [("in_norm", _p), ("post_norm", _p), ("qkv", _Proj), ("o", _Proj), ("gate_up", _Proj),
-                ("down", _Proj), ("k_cache", _p), ("v_cache", _p), ("q_norm", _p), ("k_norm", _p),
-                ("attn_out_norm", _p), ("mlp_out_norm", _p), ("rope", _i32), ("kv_group", _i32), ("window", _i64)]
+    _fields_ = [("in_norm", _p), ("post_norm", _p), ("qkv", CProj), ("o", CProj), ("gate_up", CProj),
+                ("down", CProj), ("k_cache", _p), ("v_cache", _p), ("q_norm", _p), ("k_norm", _p),
+                ("attn_out_norm", _p), ("mlp_out_norm", _p), ("rope", _i32), ("kv_group", _i32), ("window", _i64),
+                ("moe", ctypes.POINTER(CMoe))]
 
 
 class _Group(ctypes.Structure):
@@ -57,8 +52,9 @@ class LayerWeights:
     qkv: PiecewiseMatmul
     qkv_bias: torch.Tensor | None
     o: PiecewiseMatmul
-    gate_up: PiecewiseMatmul
-    down: PiecewiseMatmul
+    gate_up: PiecewiseMatmul | None
+    down: PiecewiseMatmul | None
+    """The dense MLP (None where ``moe`` runs instead)."""
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
     attn_out_norm: torch.Tensor | None = None
@@ -68,17 +64,12 @@ class LayerWeights:
     rope: int = 0
     """Which of the step's rotary tables it uses."""
     window: int | None = None
+    moe: MoeKernel | None = None
+    """The layer's mixture of experts in place of the dense MLP."""
 
     def norms(self) -> list[torch.Tensor]:
         return [t for t in (self.in_norm, self.post_norm, self.q_norm, self.k_norm, self.attn_out_norm,
                             self.mlp_out_norm) if t is not None]
-
-
-def unfit_reason(mm: PiecewiseMatmul) -> str | None:
-    """Why a projection cannot run inside the step (None: it can)."""
-    if mm.input_perm is not None:
-        return "its inputs are permuted (act-order)"
-    return "a part of it is a float tensor" if mm.dense_pieces() else None
 
 
 class DecodeStack:
@@ -96,18 +87,14 @@ class DecodeStack:
         lib.qp_gguf_decode_layers.restype = ctypes.c_int
         self._lib, self.layers = lib, layers
         first = layers[0]
-        self.hidden, self.inter = first.in_norm.numel(), first.down.k
+        self.hidden = first.in_norm.numel()
+        self.inter = max((w.down.k for w in layers if w.down is not None), default=0)
         self.num_ropes = 1 + max(w.rope for w in layers)
         self.shape = _Shape(self.hidden, heads, kv_heads, head_dim, self.inter, 0, first.qkv.threads, int(gelu), eps,
                             scale, softcap or 0.0, 0.0, 0)
         self._keep: list[object] = []  # what the layer structs point into: ctypes arrays, the caches
         self._structs: ctypes.Array[_Layer] | None = None
         self._bound: tuple[object, ...] = ()
-
-    def _proj(self, mm: PiecewiseMatmul, bias: torch.Tensor | None) -> _Proj:
-        pieces = (_Piece * len(mm.packed_pieces()))(*[_Piece(t, 0, w, n, c0) for c0, t, w, n in mm.packed_pieces()])
-        self._keep.append(pieces)
-        return _Proj(pieces, len(pieces), 0, bias.data_ptr() if bias is not None else None)
 
     def bind(self, caches: list[tuple[torch.Tensor, torch.Tensor]], kv_groups: list[int]) -> None:
         """Point the layer structs at the fp32 caches [num_blocks, block, kv_heads, head_dim]
@@ -125,8 +112,12 @@ class DecodeStack:
         structs = (_Layer * len(self.layers))()
         for s, w, (k, v), g in zip(structs, self.layers, caches, kv_groups, strict=True):
             s.in_norm, s.post_norm = w.in_norm.data_ptr(), w.post_norm.data_ptr()
-            s.qkv, s.o = self._proj(w.qkv, w.qkv_bias), self._proj(w.o, None)
-            s.gate_up, s.down = self._proj(w.gate_up, None), self._proj(w.down, None)
+            s.qkv, s.o = c_proj(w.qkv, w.qkv_bias, self._keep), c_proj(w.o, None, self._keep)
+            if w.gate_up is not None and w.down is not None:
+                s.gate_up, s.down = c_proj(w.gate_up, None, self._keep), c_proj(w.down, None, self._keep)
+            if w.moe is not None:
+                s.moe = ctypes.pointer(w.moe.struct)
+                self._keep.append(s.moe)
             s.k_cache, s.v_cache = k.data_ptr(), v.data_ptr()
             s.q_norm, s.k_norm, s.attn_out_norm, s.mlp_out_norm = (
                 t.data_ptr() if t is not None else None for t in (w.q_norm, w.k_norm, w.attn_out_norm, w.mlp_out_norm))

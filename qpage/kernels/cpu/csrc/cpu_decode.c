@@ -14,13 +14,15 @@
  * the slots of the layer's KV group; attention over each sequence's blocks of that group
  * [within the layer's window; scores soft-capped]; h = attn W_o [h = rms_norm(h)];
  * residual += h; x = rms_norm(residual); h = act(x W_gate) * (x W_up) W_down [h = rms_norm(h)],
- * act SiLU or tanh-GELU. Bracketed steps are Gemma's and Qwen3's, where the layer has them.
+ * act SiLU or tanh-GELU, or a mixture of experts in its place (cpu_moe.c). Bracketed steps are
+ * Gemma's and Qwen3's, where the layer has them.
  */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "qp_gguf.h" /* qp_quantize_act, qp_gguf_matmul */
+#include "qp_step.h" /* qp_proj, qp_act, qp_moe */
 
 /* cpu_ops.c */
 void qp_rms_norm_f32(const float *x, int64_t x_stride, float *out, const float *w, int rows, int dim, float eps);
@@ -39,20 +41,6 @@ int qp_paged_decode_f32(const float *q, int64_t q_seq_stride, const float *k_cac
 int qp_write_kv_f32(const float *k, int64_t k_stride, const float *v, int64_t v_stride, float *k_cache,
                     float *v_cache, const int64_t *slots, int num_tokens, int64_t row, int64_t num_slots);
 
-/* Output columns [col0, col0 + n) of a projection, one packed weight (cpu_gguf.c's layout). */
-typedef struct {
-    int32_t type, pad;
-    const uint8_t *w;
-    int64_t n, col0;
-} qp_piece;
-
-/* A projection: its pieces (in column order) and an optional bias [n]. */
-typedef struct {
-    const qp_piece *pieces;
-    int32_t num_pieces, pad;
-    const float *bias;
-} qp_proj;
-
 typedef struct {
     const float *in_norm, *post_norm; /* [hidden]: before attention, before the MLP */
     qp_proj qkv, o, gate_up, down;
@@ -61,6 +49,7 @@ typedef struct {
     const float *attn_out_norm, *mlp_out_norm; /* [hidden] or NULL: norms of the attention's and MLP's outputs */
     int32_t rope, kv_group; /* which rotary tables; which KV group's slots and block tables */
     int64_t window; /* 0: the whole context */
+    const qp_moe *moe; /* the MLP is this mixture of experts (gate_up and down unused), or NULL */
 } qp_layer;
 
 /* Decode rows [start, end) whose sequences share one block table layout. */
@@ -77,16 +66,8 @@ typedef struct {
     int64_t num_blocks;
 } qp_shape;
 
-/* Quantized activations: codes q [rows, k] and scales d, s [rows, k / 32]; the residual level's
- * qr, dr, sr the same (act_residual). */
-typedef struct {
-    int8_t *q, *qr;
-    float *d, *s, *dr, *sr;
-} qp_act;
-
-/* out[rows, n] = x[rows, k] W^T (+ bias) over the projection's pieces. */
-static int project(const qp_proj *p, const float *x, int rows, int k, float *out, int64_t n, const qp_act *a,
-                   int threads) {
+int qp_project(const qp_proj *p, const float *x, int rows, int k, float *out, int64_t n, const qp_act *a,
+               int threads) {
     int resid = 0;
     for (int i = 0; i < p->num_pieces; i++) resid |= act_residual(p->pieces[i].type);
     qp_quantize_act(x, k, rows, k, a->q, a->d, a->s, resid ? a->qr : NULL, resid ? a->dr : NULL,
@@ -117,12 +98,13 @@ int qp_gguf_decode_layers(const qp_layer *layers, int num_layers, const qp_shape
     const int64_t k_max2 = k_max > q_n ? k_max : q_n;
     float *qkv = malloc(sizeof(float) * (size_t)(rows * widest));
     float *attn = malloc(sizeof(float) * (size_t)(rows * (q_n > inter ? q_n : inter)));
+    float *moe_out = malloc(sizeof(float) * (size_t)rows * (size_t)hidden);
     /* Both levels' codes in one buffer, and the four scale arrays in another. */
     const size_t codes = (size_t)rows * (size_t)k_max2, scales = (size_t)rows * (size_t)(k_max2 / 32 + 1);
     int8_t *aq = malloc(2 * codes);
     float *af = malloc(sizeof(float) * 4 * scales);
     const qp_act act = {aq, aq + codes, af, af + scales, af + 2 * scales, af + 3 * scales};
-    int rc = (qkv && attn && aq && af) ? 0 : -3;
+    int rc = (qkv && attn && moe_out && aq && af) ? 0 : -3;
     const int64_t num_slots = sh->num_blocks * sh->block_size;
     for (int l = 0; l < num_layers && rc == 0; l++) {
         const qp_layer *L = layers + l;
@@ -132,7 +114,7 @@ int qp_gguf_decode_layers(const qp_layer *layers, int num_layers, const qp_shape
         } else {
             qp_add_rms_norm_f32(h, residual, L->in_norm, rows, hidden, sh->eps);
         }
-        if ((rc = project(&L->qkv, h, rows, hidden, qkv, qkv_n, &act, sh->threads))) break;
+        if ((rc = qp_project(&L->qkv, h, rows, hidden, qkv, qkv_n, &act, sh->threads))) break;
         if (L->q_norm) qp_rms_norm_heads_f32(qkv, qkv_n, L->q_norm, rows, sh->heads, hd, sh->eps);
         if (L->k_norm) qp_rms_norm_heads_f32(qkv + q_n, qkv_n, L->k_norm, rows, sh->kv_heads, hd, sh->eps);
         if (qp_rope_f32(qkv, qkv_n, cos[L->rope], sin[L->rope], rows, sh->heads + sh->kv_heads, hd)) {
@@ -153,19 +135,26 @@ int qp_gguf_decode_layers(const qp_layer *layers, int num_layers, const qp_shape
             rc = r == -2 ? -2 : r != 0 ? -3 : 0; /* the attention's -1: its scratch allocation failed */
         }
         if (rc) break;
-        if ((rc = project(&L->o, attn, rows, (int)q_n, h, hidden, &act, sh->threads))) break;
+        if ((rc = qp_project(&L->o, attn, rows, (int)q_n, h, hidden, &act, sh->threads))) break;
         if (L->attn_out_norm) qp_rms_norm_f32(h, hidden, h, L->attn_out_norm, rows, hidden, sh->eps);
         qp_add_rms_norm_f32(h, residual, L->post_norm, rows, hidden, sh->eps);
-        if ((rc = project(&L->gate_up, h, rows, hidden, qkv, 2 * (int64_t)inter, &act, sh->threads))) break;
+        if (L->moe) {
+            if ((rc = qp_moe_f32(L->moe, h, rows, hidden, moe_out, sh->threads))) break;
+            memcpy(h, moe_out, sizeof(float) * (size_t)rows * (size_t)hidden);
+            if (L->mlp_out_norm) qp_rms_norm_f32(h, hidden, h, L->mlp_out_norm, rows, hidden, sh->eps);
+            continue;
+        }
+        if ((rc = qp_project(&L->gate_up, h, rows, hidden, qkv, 2 * (int64_t)inter, &act, sh->threads))) break;
         if (sh->gelu)
             qp_gelu_tanh_mul_f32(qkv, 2 * (int64_t)inter, attn, rows, inter);
         else
             qp_silu_mul_f32(qkv, 2 * (int64_t)inter, attn, rows, inter);
-        if ((rc = project(&L->down, attn, rows, inter, h, hidden, &act, sh->threads))) break;
+        if ((rc = qp_project(&L->down, attn, rows, inter, h, hidden, &act, sh->threads))) break;
         if (L->mlp_out_norm) qp_rms_norm_f32(h, hidden, h, L->mlp_out_norm, rows, hidden, sh->eps);
     }
     free(qkv);
     free(attn);
+    free(moe_out);
     free(aq);
     free(af);
     return rc;

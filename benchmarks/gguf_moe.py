@@ -1,0 +1,136 @@
+"""Perplexity of mixture-of-experts GGUF files (Qwen3-MoE, Qwen2-MoE, Mixtral) in qpage and in
+llama.cpp on the same wikitext-2 windows, as ``gguf_families.py`` does for Gemma: the same
+weights, so the two must agree (the bar is 1%).
+
+The models are random (seeded) transformers models with the default model's tokenizer:
+hidden 256, 8 experts of width 256 (whole K-quant super-blocks), top-2, 4 layers; Qwen2-MoE
+with its shared expert (width 512). Each is converted by llama.cpp's own converter
+(``llamacpp_convert.py``) to F32 and quantized by llama.cpp to Q8_0 and Q4_K_M.
+
+    python benchmarks/gguf_moe.py [--windows 8] [--window 512] [--out F.json]
+    python benchmarks/gguf_moe.py --make-speed DIR   # the files for vs_llamacpp.py
+
+``--make-speed`` writes, in Q4_K_M: a random Qwen3-MoE of about 1B parameters with about 0.3B
+active per token (``SPEED_MOE``), and a dense Qwen3 of about the same total size
+(``SPEED_DENSE``), for ``benchmarks/vs_llamacpp.py --gguf``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from common import write_json
+from gguf_quality import DATA, compare_row
+from llamacpp_convert import convert
+
+ROOT = Path(__file__).resolve().parents[1]
+TYPES = {"Q8_0": 7, "Q4_K_M": 15}  # llama.cpp file types
+SHAPE = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_hidden_layers=4,
+             max_position_embeddings=1024)
+FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
+    "qwen3moe": ("Qwen3MoeConfig", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256,
+                                        intermediate_size=512, norm_topk_prob=True)),
+    "qwen2moe": ("Qwen2MoeConfig", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256,
+                                        intermediate_size=512, shared_expert_intermediate_size=512,
+                                        norm_topk_prob=False)),
+    "mixtral": ("MixtralConfig", dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=256,
+                                      sliding_window=None)),
+}
+SPEED_MOE = ("Qwen3MoeConfig", dict(hidden_size=1024, num_hidden_layers=18, num_attention_heads=16,
+                                    num_key_value_heads=4, head_dim=64, num_experts=32, num_experts_per_tok=8,
+                                    moe_intermediate_size=512, norm_topk_prob=True, max_position_embeddings=4096,
+                                    tie_word_embeddings=True))
+"""About 1.0B parameters, 0.32B active: 18 layers of 32 experts (1.6M parameters each), 8 per token."""
+SPEED_DENSE = ("Qwen3Config", dict(hidden_size=1024, num_hidden_layers=18, num_attention_heads=16,
+                                   num_key_value_heads=4, head_dim=64, intermediate_size=16384,
+                                   max_position_embeddings=4096, tie_word_embeddings=True))
+"""A dense Qwen3 of the MoE's shape with one MLP as wide as all its experts: the same total size."""
+
+
+def build(cls_name: str, config: dict[str, Any], folder: Path, tokenizer_dir: Path, scale: float = 0.05) -> Path:
+    """A seeded random model saved with the default model's tokenizer files in ``folder``."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = getattr(transformers, cls_name)(vocab_size=49152, **config)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
+    with torch.no_grad():  # larger than the default init, so the experts' outputs matter
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * scale)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (folder / name).write_bytes((tokenizer_dir / name).read_bytes())
+    return folder
+
+
+def quantize(f32: Path, types: dict[str, int], stem: str) -> list[Path]:
+    import llama_cpp
+
+    out = []
+    for name, ftype in types.items():
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.ftype, params.nthread = ftype, 2
+        dst = f32.with_name(f"{stem}.{name}.gguf")
+        if llama_cpp.llama_model_quantize(str(f32).encode(), str(dst).encode(), params) != 0:
+            raise SystemExit(f"llama.cpp could not quantize {f32.name} to {name}")
+        out.append(dst)
+    return out
+
+
+def make_files(name: str, cls_name: str, config: dict[str, Any], out_dir: Path, tokenizer_dir: Path,
+               types: dict[str, int], keep_f32: bool = True) -> list[Path]:
+    folder = build(cls_name, config, out_dir / name, tokenizer_dir)
+    f32 = convert(folder, out_dir / f"{name}.F32.gguf")
+    files = [f32, *quantize(f32, types, name)]
+    if not keep_f32:
+        f32.unlink()
+        files = files[1:]
+    return files
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--data", default=str(DATA))
+    p.add_argument("--windows", type=int, default=8)
+    p.add_argument("--window", type=int, default=512)
+    p.add_argument("--chunk", type=int, default=128)
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "gguf_moe.json"))
+    p.add_argument("--make-speed", type=Path, default=None, help="write the speed files into this folder")
+    args = p.parse_args()
+    import sys
+
+    sys.path.insert(0, str(ROOT))
+    from qpage.engine.tokenizers import load_tokenizer
+    from qpage.eval.perplexity import token_windows
+    from qpage.formats.gguf import default_model_dir
+
+    tok_dir = default_model_dir()
+    if args.make_speed:
+        for name, (cls_name, config) in (("qwen3moe-1b-a0.3b", SPEED_MOE), ("qwen3-dense-1b", SPEED_DENSE)):
+            for f in make_files(name, cls_name, config, args.make_speed, tok_dir, {"Q4_K_M": 15}, keep_f32=False):
+                print(f)
+        return
+    tok = load_tokenizer(tok_dir)
+    windows = token_windows(tok, Path(args.data), args.window, args.windows, max_chars=200 * args.window * args.windows)
+    rows = []
+    print(f"{'file':<24} {'qpage':>11} {'llama.cpp':>11} {'diff %':>7} {'KL':>9}")
+    with tempfile.TemporaryDirectory() as tmp:
+        wf = Path(tmp) / "windows.json"
+        wf.write_text(json.dumps([list(map(int, w)) for w in windows]))
+        for name, (cls_name, extra) in FAMILIES.items():
+            for path in make_files(name, cls_name, {**SHAPE, **extra}, Path(tmp), tok_dir, TYPES):
+                row = compare_row(path, windows, wf, args.window, args.chunk, Path(tmp))
+                rows.append(row)
+                print(f"{path.name:<24} {row['qpage']:11.2f} {row['llamacpp']:11.2f} {row['diff_pct']:+7.3f} "
+                      f"{row['kl_vs_llamacpp']:9.2e}", flush=True)
+    print(f"wrote {write_json(dict(windows=len(windows), window=args.window, chunk=args.chunk, rows=rows), args.out)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,129 @@
+"""A mixture-of-experts block in one C call (``csrc/cpu_moe.c``): router, top-k, each chosen
+expert's two projections over the rows routed to it, the weighted sum, and a shared expert.
+
+It runs experts whose projections are all on the block-format kernels (``native_gguf``,
+every piece packed, inputs in order), the router in fp32. The C structs for a projection
+(``CPiece``, ``CProj``) are shared with the fused decode step (``native_decode``), which
+calls the same block inside its layers.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+
+from qpage.kernels.cpu.matmul.native_gguf import PiecewiseMatmul
+from qpage.kernels.cpu.native import load
+
+_p, _i32, _i64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
+
+
+class CPiece(ctypes.Structure):
+    """``qp_piece``: output columns [col0, col0 + n) on one packed weight."""
+
+    _fields_ = [("type", _i32), ("pad", _i32), ("w", _p), ("n", _i64), ("col0", _i64)]
+
+
+class CProj(ctypes.Structure):
+    """``qp_proj``: a projection's pieces and an optional bias."""
+
+    _fields_ = [("pieces", ctypes.POINTER(CPiece)), ("num_pieces", _i32), ("pad", _i32), ("bias", _p)]
+
+
+class CMoe(ctypes.Structure):
+    """``qp_moe`` (``csrc/qp_step.h``)."""
+
+    _fields_ = [("num_experts", _i32), ("top_k", _i32), ("inter", _i32), ("norm_topk", _i32),
+                ("shared_inter", _i32), ("pad", _i32), ("router", _p), ("gate_up", ctypes.POINTER(CProj)),
+                ("down", ctypes.POINTER(CProj)), ("shared_gate_up", ctypes.POINTER(CProj)),
+                ("shared_down", ctypes.POINTER(CProj)), ("shared_gate", _p)]
+
+
+def unfit_reason(mm: object) -> str | None:
+    """Why a projection cannot run in the C step or block (None: it can)."""
+    if not isinstance(mm, PiecewiseMatmul):
+        return "it is not on the block-format kernels"
+    if mm.input_perm is not None:
+        return "its inputs are permuted (act-order)"
+    return "a part of it is a float tensor" if mm.dense_pieces() else None
+
+
+def c_proj(mm: PiecewiseMatmul, bias: torch.Tensor | None, keep: list[object]) -> CProj:
+    """The C description of ``mm`` (its pieces array appended to ``keep``, which must outlive it)."""
+    packed = mm.packed_pieces()
+    pieces = (CPiece * len(packed))(*[CPiece(t, 0, w, n, c0) for c0, t, w, n in packed])
+    keep.append(pieces)
+    return CProj(pieces, len(pieces), 0, bias.data_ptr() if bias is not None else None)
+
+
+@dataclass
+class MoeWeights:
+    """A sparse MLP as the C block reads it: router fp32 [experts, hidden] (contiguous); per
+    expert its gate_up [2 inter, hidden] and down [hidden, inter]; an optional shared expert
+    (gate_up, down) and its sigmoid gate fp32 [hidden]."""
+
+    router: torch.Tensor
+    experts: list[tuple[PiecewiseMatmul, PiecewiseMatmul]]
+    top_k: int
+    norm_topk: bool
+    shared: tuple[PiecewiseMatmul, PiecewiseMatmul] | None = None
+    shared_gate: torch.Tensor | None = None
+
+
+def weights_unfit_reason(w: MoeWeights) -> str | None:
+    """Why the C block cannot run these weights (None: it can)."""
+    if w.router.dtype != torch.float32 or not w.router.is_contiguous() or w.router.device.type != "cpu":
+        return "the router is not contiguous fp32 on the CPU"
+    for i, pair in enumerate([*w.experts, *([w.shared] if w.shared is not None else [])]):
+        for mm in pair:
+            why = unfit_reason(mm)
+            if why is not None:
+                return f"expert {i}: {why}"
+    if w.shared is not None and (w.shared_gate is None or w.shared_gate.dtype != torch.float32
+                                 or not w.shared_gate.is_contiguous()):
+        return "the shared expert's gate is not contiguous fp32"
+    return None
+
+
+class MoeKernel:
+    """x fp32 [rows, hidden] -> the block's output [rows, hidden], one C call."""
+
+    def __init__(self, w: MoeWeights) -> None:
+        why = weights_unfit_reason(w)
+        if why is not None:
+            raise ValueError(f"moe kernel: {why}")
+        lib = load()
+        assert lib is not None, "MoeKernel needs the native kernels; check load() first"
+        lib.qp_moe_f32.argtypes = [ctypes.POINTER(CMoe), _p, ctypes.c_int, ctypes.c_int, _p, ctypes.c_int]
+        lib.qp_moe_f32.restype = ctypes.c_int
+        self._lib, self.weights = lib, w
+        self.hidden = w.router.shape[1]
+        self.threads = w.experts[0][0].threads
+        self._keep: list[object] = [w]
+        gate_up = (CProj * len(w.experts))(*[c_proj(g, None, self._keep) for g, _ in w.experts])
+        down = (CProj * len(w.experts))(*[c_proj(d, None, self._keep) for _, d in w.experts])
+        self._keep += [gate_up, down]
+        shared_gu = shared_down = None
+        shared_inter = 0
+        if w.shared is not None:
+            shared_gu = ctypes.pointer(c_proj(w.shared[0], None, self._keep))
+            shared_down = ctypes.pointer(c_proj(w.shared[1], None, self._keep))
+            shared_inter = w.shared[1].k
+            self._keep += [shared_gu, shared_down]
+        self.struct = CMoe(len(w.experts), w.top_k, w.experts[0][1].k, int(w.norm_topk), shared_inter, 0,
+                           w.router.data_ptr(), gate_up, down, shared_gu, shared_down,
+                           None if w.shared_gate is None else w.shared_gate.data_ptr())
+        """What ``qp_moe_f32`` reads (its arrays kept alive by this object)."""
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        shape, dtype = x.shape, x.dtype
+        x2 = x.reshape(-1, self.hidden).to(torch.float32).contiguous()
+        out = torch.empty_like(x2)
+        rc = self._lib.qp_moe_f32(ctypes.byref(self.struct), x2.data_ptr(), x2.shape[0], self.hidden,
+                                  out.data_ptr(), self.threads)
+        if rc != 0:
+            why = "out of memory for its scratch" if rc == -3 else "a weight format this CPU cannot run"
+            raise (MemoryError if rc == -3 else ValueError)(f"moe kernel: {why}")
+        return out.reshape(shape).to(dtype)

@@ -1,0 +1,88 @@
+"""Mixture-of-experts models on the Llama family's layers: Qwen2-MoE, Qwen3-MoE and Mixtral.
+
+Attention, norms and the dense layers are the Llama family's (``models.llama``; Qwen3-MoE
+has Qwen3's q/k norms, Qwen2-MoE Qwen2's qkv bias); a sparse layer's MLP is a
+``layers.moe.SparseMoe``. Checkpoint names are Qwen's (``mlp.gate``, ``mlp.experts.N.
+gate_proj``, ``mlp.shared_expert``, ``mlp.shared_expert_gate``); Mixtral's
+(``block_sparse_moe.gate``, ``experts.N.w1/w3/w2``) are read as those.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator
+
+import torch
+from torch import nn
+
+from qpage.formats.gguf_model import GgufTensor
+from qpage.formats.safetensors_io import LazyTensor
+from qpage.layers.moe import SparseMoe
+from qpage.models.arch import ArchConfig
+from qpage.models.llama import DecoderLayer, LlamaForCausalLM, linear_quant, projections
+from qpage.models.sharding import WHOLE_MODEL, PartLoader
+
+_MIXTRAL = re.compile(r"\.block_sparse_moe\.(?:experts\.(\d+)\.(w[123])(?=\.|$))?")
+_MIXTRAL_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+
+def mixtral_name(name: str) -> str:
+    """A Mixtral tensor name as Qwen's MoE names it (other names unchanged)."""
+    def sub(m: re.Match[str]) -> str:
+        return f".mlp.experts.{m.group(1)}.{_MIXTRAL_PROJ[m.group(2)]}" if m.group(1) else ".mlp."
+
+    return _MIXTRAL.sub(sub, name, count=1)
+
+
+def expert_projections(prefix: str, inter: int, hidden: int) -> list[tuple[str, str, int, int]]:
+    """An expert MLP's checkpoint projections under ``prefix`` (``llama.projections``' form)."""
+    return [(f"{prefix}.gate_proj", f"{prefix}.gate_up_proj", 0, inter),
+            (f"{prefix}.up_proj", f"{prefix}.gate_up_proj", inter, inter),
+            (f"{prefix}.down_proj", f"{prefix}.down_proj", 0, hidden)]
+
+
+class MoeForCausalLM(LlamaForCausalLM):
+    def build_layer(self, c: ArchConfig, i: int, max_positions: int) -> nn.Module:
+        if not c.is_sparse(i):
+            return super().build_layer(c, i, max_positions)
+        moe = SparseMoe(c.hidden_size, c.num_experts, c.experts_per_token, c.moe_intermediate_size, c.norm_topk_prob,
+                        c.shared_expert_intermediate_size, linear_quant(c))
+        return DecoderLayer(c, c.attention_windows(max_positions)[i], moe)
+
+    def layer_projections(self, i: int) -> list[tuple[str, str, int, int]]:
+        c = self.config
+        if not c.is_sparse(i):
+            return projections(c)
+        out = [p for p in projections(c) if p[0].startswith("self_attn.")]
+        for e in range(c.num_experts):
+            out += expert_projections(f"mlp.experts.{e}", c.moe_intermediate_size, c.hidden_size)
+        if c.shared_expert_intermediate_size:
+            out += expert_projections("mlp.shared_expert", c.shared_expert_intermediate_size, c.hidden_size)
+        return out
+
+    def weight_targets(self) -> dict[str, tuple[torch.Tensor, int, int]]:
+        out = super().weight_targets()
+        for i, layer in enumerate(self.layers):
+            moe = layer.mlp
+            if isinstance(moe, SparseMoe):
+                out[f"model.layers.{i}.mlp.gate.weight"] = (moe.gate, 0, moe.gate.shape[0])
+                if moe.shared_expert_gate is not None:
+                    out[f"model.layers.{i}.mlp.shared_expert_gate.weight"] = (moe.shared_expert_gate, 0, 1)
+        return out
+
+    def active_parameters(self) -> int:
+        """Parameters one token runs through: all but the experts it was not routed to."""
+        c = self.config
+        per_expert = 3 * c.hidden_size * c.moe_intermediate_size
+        idle = sum(c.is_sparse(i) for i in range(c.num_layers)) * (c.num_experts - c.experts_per_token) * per_expert
+        return sum(p.numel() for p in self.parameters()) - idle
+
+    def load_weights(self, tensors: Iterable[tuple[str, str, torch.Tensor | LazyTensor | GgufTensor]],
+                     parts: PartLoader = WHOLE_MODEL) -> None:
+        super().load_weights(_renamed(tensors), parts)
+
+
+def _renamed(tensors: Iterable[tuple[str, str, torch.Tensor | LazyTensor | GgufTensor]]
+             ) -> Iterator[tuple[str, str, torch.Tensor | LazyTensor | GgufTensor]]:
+    for file, name, t in tensors:
+        yield file, mixtral_name(name), t

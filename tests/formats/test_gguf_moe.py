@@ -1,0 +1,153 @@
+"""Mixture-of-experts GGUF files (qwen3moe, qwen2moe, Mixtral as llama), laid out as llama.cpp's
+converter writes them: each layer's experts stacked in 3-d ``ffn_{gate,up,down}_exps``
+tensors, the router ``ffn_gate_inp``, Qwen2-MoE's shared expert ``*_shexp`` and its gate
+``ffn_gate_inp_shexp`` [hidden], Mixtral's q/k rows in llama.cpp's rotary order.
+
+Files are written here with the ``gguf`` package from tiny random transformers models (the
+default model's tokenizer); F32 files must give transformers' logits (2e-4); Q8_0 files run
+their experts on the C block and the whole decode step fused, within a mean KL of 0.01 of
+transformers (int8 activations, as the other Q8_0 tests). benchmarks/gguf_moe.py compares
+files made by llama.cpp's own converter and quantizer with llama.cpp's perplexity.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from qpage.formats.gguf_model import permute_rows
+from qpage.formats.gguf_write import tokenizer_keys
+from tests.formats.gguf_writing import TOP
+from tests.helpers import RunnerHarness
+
+gguf = pytest.importorskip("gguf")
+VOCAB = 49152
+SHAPE = dict(vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+             max_position_embeddings=256, num_hidden_layers=2)
+CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
+    "qwen3moe": ("Qwen3MoeConfig", {"head_dim": 16, "num_experts": 8, "num_experts_per_tok": 2,
+                                    "moe_intermediate_size": 32, "intermediate_size": 96, "norm_topk_prob": True}),
+    "qwen2moe": ("Qwen2MoeConfig", {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                    "intermediate_size": 96, "shared_expert_intermediate_size": 64,
+                                    "norm_topk_prob": False}),
+    "llama": ("MixtralConfig", {"num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 32,
+                                "sliding_window": None}),
+}
+LAYER = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+         "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+         "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "mlp.gate": "ffn_gate_inp",
+"mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+         "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
+         "mlp.shared_expert.down_proj": "ffn_down_shexp"}
+
+
+def moe(arch: str, folder: Path, default_model_dir: Path, **shape: Any) -> transformers.PreTrainedModel:
+    """A seeded random ``arch`` of ``SHAPE`` (``shape`` overrides it) and the default model's
+    tokenizer files in ``folder``."""
+    cls_name, extra = CONFIGS[arch]
+    torch.manual_seed(0)
+    cfg = getattr(transformers, cls_name)(**{**SHAPE, **extra, **shape})
+    cfg._attn_implementation = "eager"
+    model = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (folder / name).write_bytes((default_model_dir / name).read_bytes())
+    return model
+
+
+def gguf_tensors(arch: str, model: Any) -> dict[str, np.ndarray]:
+    """The model's tensors under llama.cpp's names, experts stacked [experts, rows, cols] (as
+    transformers holds them in memory: gate and up stacked in one ``gate_up_proj``)."""
+    c = model.config
+    out: dict[str, np.ndarray] = {}
+    for name, t in model.state_dict().items():
+        x = t.float().numpy()
+        if name in TOP:
+            out[TOP[name]] = x
+            continue
+        parts = name.split(".")
+        layer, module = parts[2], ".".join(parts[3:-1])
+        if name.endswith("experts.gate_up_proj"):
+            inter = x.shape[1] // 2
+            out[f"blk.{layer}.ffn_gate_exps.weight"] = x[:, :inter]
+            out[f"blk.{layer}.ffn_up_exps.weight"] = x[:, inter:]
+            continue
+        if name.endswith("experts.down_proj"):
+            out[f"blk.{layer}.ffn_down_exps.weight"] = x
+            continue
+        if arch == "llama" and module in ("self_attn.q_proj", "self_attn.k_proj"):
+            heads = c.num_attention_heads if module.endswith("q_proj") else c.num_key_value_heads
+            x = permute_rows(x, heads)
+        out[f"blk.{layer}.{LAYER[module]}.{parts[-1]}"] = x.reshape(-1) if module == "mlp.shared_expert_gate" else x
+    return out
+
+
+def write_moe_gguf(arch: str, model: Any, tokenizer_dir: Path, dest: Path, qtype: int) -> Path:
+    c = model.config
+    w = gguf.GGUFWriter(str(dest), arch)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    w.add_expert_count(getattr(c, "num_experts", None) or c.num_local_experts)
+    w.add_expert_used_count(c.num_experts_per_tok)
+    if arch != "llama":
+        w.add_expert_feed_forward_length(c.moe_intermediate_size)
+    if arch == "qwen2moe":
+        w.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
+    w.add_file_type(7 if qtype == gguf.GGMLQuantizationType.Q8_0 else 0)
+    for key, value, vtype, sub in tokenizer_keys(tokenizer_dir, c.vocab_size):
+        w.add_key_value(key, value, vtype, sub_type=sub)
+    for name, x in gguf_tensors(arch, model).items():
+        quantized = qtype != gguf.GGMLQuantizationType.F32 and x.ndim >= 2 and "gate_inp" not in name
+        if quantized:
+            w.add_tensor(name, gguf.quants.quantize(np.ascontiguousarray(x), qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(name, np.ascontiguousarray(x))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dest
+
+
+@pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
+@pytest.mark.parametrize("arch", sorted(CONFIGS))
+def test_moe_gguf_matches_transformers(tmp_path: Path, default_model_dir: Path, arch: str, qtype: str) -> None:
+    model = moe(arch, tmp_path, default_model_dir)
+    path = write_moe_gguf(arch, model, tmp_path, tmp_path / f"{arch}.{qtype}.gguf", gguf.GGMLQuantizationType[qtype])
+    h = RunnerHarness(path, num_blocks=32, max_len=256)
+    assert h.arch.architecture == type(model).__name__ and h.arch.num_experts == 8
+    if qtype == "Q8_0":
+        assert {m.kernel_path for m in h.model.quant_linears()} == {"cpu-blocks"}
+        assert {m.experts_path for m in h.model.modules() if hasattr(m, "experts_path")} == {"cpu-native"}
+        assert h.model.decode_stack is not None
+    ids = torch.randint(0, VOCAB, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    req = h.request("a", ids)
+    got = [h.step([(req, len(ids))])["a"]]
+    for t in (3, 5, 7):
+        req.append_token(t)
+        got.append(h.step([(req, 1)])["a"])
+    with torch.no_grad():
+        want = model(torch.tensor([req.all_token_ids])).logits[0]
+    got_all = torch.cat(got)
+    if qtype == "F32":
+        torch.testing.assert_close(got_all, want, atol=2e-4, rtol=0)
+    else:
+        kl = torch.nn.functional.kl_div(got_all.log_softmax(-1), want.log_softmax(-1), log_target=True,
+                                        reduction="none").sum(-1)
+        assert float(kl.mean()) < 0.01

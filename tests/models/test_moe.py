@@ -1,0 +1,166 @@
+"""Mixture-of-experts families (Qwen3-MoE, Qwen2-MoE, Mixtral) as tiny random models against
+transformers' logits, on the torch path (float experts) and the C block (experts requantized
+to GGUF blocks, against the same model run on the torch path with those weights dequantized).
+
+Tolerance: as tests/models/test_architectures.py (fp32 both sides, 2e-4 absolute on logits
+of order 1). Every case has 8 or more experts, top-2 or more, prompts that route rows to
+every expert; Qwen3-MoE has a dense layer among the sparse ones, Qwen2-MoE its shared expert.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from qpage.models.loader import read_arch_config
+from tests.helpers import RunnerHarness
+from tests.models.test_architectures import ATOL, build
+
+MOE = dict(num_hidden_layers=3, intermediate_size=96)
+MOE_CASES = {
+    "qwen3-moe": ("Qwen3MoeConfig", {"head_dim": 16, "num_experts": 8, "num_experts_per_tok": 2,
+                                     "moe_intermediate_size": 32, "norm_topk_prob": True, "mlp_only_layers": [1]}),
+    "qwen3-moe-step": ("Qwen3MoeConfig", {"head_dim": 16, "num_experts": 8, "num_experts_per_tok": 3,
+                                          "moe_intermediate_size": 32, "norm_topk_prob": False,
+                                          "decoder_sparse_step": 2}),
+    "qwen2-moe": ("Qwen2MoeConfig", {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                     "shared_expert_intermediate_size": 64, "norm_topk_prob": False}),
+    "mixtral": ("MixtralConfig", {"num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 32,
+                                  "sliding_window": None}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MOE_CASES))
+def test_moe_logits_match_transformers(tmp_path: Path, case: str) -> None:
+    cls_name, extra = MOE_CASES[case]
+    model_dir, ref = build(tmp_path, cls_name, {**MOE, **extra})
+    h = RunnerHarness(model_dir, num_blocks=32)
+    g = torch.Generator().manual_seed(1)
+    prompts = {"a": torch.randint(0, 256, (21,), generator=g).tolist(),
+               "b": torch.randint(0, 256, (7,), generator=g).tolist()}
+    reqs = {k: h.request(k, v) for k, v in prompts.items()}
+    got = h.step([(reqs["a"], 13), (reqs["b"], 7)])
+    got_a2 = h.step([(reqs["a"], 8)])
+    with torch.no_grad():
+        want_a = ref(torch.tensor([prompts["a"]])).logits[0]
+        want_b = ref(torch.tensor([prompts["b"]])).logits[0]
+    torch.testing.assert_close(torch.cat([got["a"], got_a2["a"]]), want_a, atol=ATOL, rtol=0)
+    torch.testing.assert_close(got["b"], want_b, atol=ATOL, rtol=0)
+    for _ in range(6):
+        for k, r in reqs.items():
+            r.append_token(int(torch.randint(0, 256, (1,), generator=g)))
+            prompts[k] = r.all_token_ids
+        got = h.step([(reqs["a"], 1), (reqs["b"], 1)])
+        with torch.no_grad():
+            for k in reqs:
+                want = ref(torch.tensor([prompts[k]])).logits[0, -1:]
+                torch.testing.assert_close(got[k], want, atol=ATOL, rtol=0, msg=f"{case} seq {k}")
+
+
+@pytest.fixture(scope="module", params=["qwen2moe", "qwen3moe"])
+def moe_gguf(request: pytest.FixtureRequest, default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+             ) -> Path:
+    """A random MoE in Q8_0 as llama.cpp lays it out (``tests.formats.test_gguf_moe``; Qwen2-MoE
+    with its shared expert)."""
+    gguf = pytest.importorskip("gguf")
+    from tests.formats.test_gguf_moe import moe, write_moe_gguf
+
+    folder = tmp_path_factory.mktemp(request.param)
+    model = moe(request.param, folder, default_model_dir, max_position_embeddings=512)
+    return write_moe_gguf(request.param, model, folder, folder / "model.gguf", gguf.GGMLQuantizationType.Q8_0)
+
+
+def test_c_block_equals_the_torch_path_on_the_same_experts(moe_gguf: Path) -> None:
+    """The C block against the torch path over the same packed experts (the same int8
+    activations): equal up to the order of float additions, for 1 to 33 rows."""
+    from qpage.layers.moe import SparseMoe
+
+    h = RunnerHarness(moe_gguf, num_blocks=8)
+    blocks = [m for m in h.model.modules() if isinstance(m, SparseMoe)]
+    assert blocks and all(b.kernel is not None for b in blocks)
+    g = torch.Generator().manual_seed(3)
+    for rows in (1, 7, 33):
+        x = torch.randn(rows, blocks[0].gate.shape[1], generator=g)
+        for b in blocks:
+            want = b.reference(x)
+            torch.testing.assert_close(b(x), want, atol=1e-5 * float(want.abs().max()), rtol=0)
+
+
+def test_fused_moe_step_equals_the_python_layers(moe_gguf: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import qpage.models.llama as llama_module
+    from qpage import LLM
+    from tests.models.test_fused_decode import assert_fused_equals_python
+
+    llm = LLM(model=str(moe_gguf), kv_cache_memory="64MiB", max_model_len=512, log_stats=False)
+    assert llm.llm_engine.model.decode_stack is not None
+    assert_fused_equals_python(llm, llama_module, monkeypatch)
+
+
+@pytest.mark.slow
+def test_moe_batch_invariance_preemption_and_prefix_hits(moe_gguf: Path) -> None:
+    """Greedy tokens and logprobs of an MoE model equal a roomy run alone: batched with sampled
+    neighbours, chunked, preempted under a tight KV budget, over prefix-cache hits
+    (``tests.engine.test_batch_invariance``)."""
+    from tests.engine.test_batch_invariance import _check
+
+    _check(str(moe_gguf), "auto")
+
+
+@pytest.mark.parametrize("case, scheme, fmt, max_kl", [
+    ("qwen3-moe", "int4-gptq", "gptq", 0.01), ("mixtral", "int4-gptq", "gptq", 0.01),
+    ("qwen2-moe", "int8-rtn", "gptq", 0.001), ("qwen3-moe-step", "int4-rtn", "compressed-tensors", 0.01),
+    ("mixtral", "int4-rtn", "awq", 0.01)])
+def test_moe_quantized_by_qpage_runs_packed(tmp_path: Path, case: str, scheme: str, fmt: str, max_kl: float) -> None:
+    """``qpage quantize`` on an MoE checkpoint: every expert quantized (GPTQ on the rows routed to
+    it, RTN for those few rows reached), the routers left in full precision; the checkpoint runs
+    its experts on the C block from each integer format (per-expert tensors, as the ecosystem's
+    MoE checkpoints store them) within a mean KL of ``max_kl`` of the float model's predictions
+    (a KL rather than the largest logit error: a token routed to another expert by the rounding
+    moves a few logits by more than rounding alone would)."""
+    from qpage.formats.scheme import QuantScheme
+    from qpage.quantizers.pipeline import quantize_checkpoint
+
+    cls_name, extra = MOE_CASES[case]
+    src, ref = build(tmp_path / "f", cls_name, {**MOE, **extra})
+    g = torch.Generator().manual_seed(3)
+    calib = [torch.randint(0, 256, (64,), generator=g).tolist() for _ in range(4)]
+    report = quantize_checkpoint(src, tmp_path / "q", QuantScheme.parse(scheme, group_size=32), progress=False,
+                                 calib=calib, fmt=fmt)
+    a = read_arch_config(src)
+    assert report.linears == sum(4 + (3 * (a.num_experts + bool(a.shared_expert_intermediate_size)) if a.is_sparse(i)
+                                      else 3) for i in range(a.num_layers))
+    if scheme.endswith("gptq"):
+        assert 0 < report.rtn_fallbacks < report.linears  # some experts saw few of the 256 rows, most did not
+    h = RunnerHarness(tmp_path / "q", num_blocks=32)
+    assert {m.kernel_path for m in h.model.quant_linears()} == {"cpu-blocks"}
+    assert {m.experts_path for m in h.model.modules() if hasattr(m, "experts_path")} == {"cpu-native"}
+    ids = calib[0][:40]
+    got = h.step([(h.request("a", ids), len(ids))])["a"]
+    with torch.no_grad():
+        want = ref(torch.tensor([ids])).logits[0]
+    kl = torch.nn.functional.kl_div(got.log_softmax(-1), want.log_softmax(-1), log_target=True, reduction="none")
+    assert float(kl.sum(-1).mean()) < max_kl
+
+
+def test_moe_config_fields_and_refusals() -> None:
+    """Qwen's sparse layers (``decoder_sparse_step``, ``mlp_only_layers``), Mixtral's always
+    renormalised routing, and architectures refused by name with the reason."""
+    from qpage.models.arch import parse_arch_config
+
+    base = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 4, "num_attention_heads": 4,
+            "vocab_size": 256, "num_experts_per_tok": 2}
+    a = parse_arch_config({**base, "architectures": ["Qwen3MoeForCausalLM"], "num_experts": 8,
+                           "moe_intermediate_size": 32, "decoder_sparse_step": 2, "mlp_only_layers": [3]})
+    assert a.sparse_layers == (False, True, False, False) and a.qk_norm and not a.norm_topk_prob
+    m = parse_arch_config({**base, "architectures": ["MixtralForCausalLM"], "num_local_experts": 8})
+    assert m.sparse_layers == (True,) * 4 and m.norm_topk_prob and m.moe_intermediate_size == 96
+    with pytest.raises(ValueError, match="router_jitter_noise"):
+        parse_arch_config({**base, "architectures": ["MixtralForCausalLM"], "num_local_experts": 8,
+                           "router_jitter_noise": 0.1})
+    with pytest.raises(ValueError, match="num_experts_per_tok <= num_experts"):
+        parse_arch_config({**base, "architectures": ["Qwen2MoeForCausalLM"], "num_experts": 1,
+                           "moe_intermediate_size": 32})
+    with pytest.raises(ValueError, match=r"gpt-oss .*not supported yet"):
+        parse_arch_config({**base, "architectures": ["GptOssForCausalLM"]})
