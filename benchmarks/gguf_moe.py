@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -88,8 +89,9 @@ def make_files(name: str, cls_name: str, config: dict[str, Any], out_dir: Path, 
     folder = build(cls_name, config, out_dir / name, tokenizer_dir)
     f32 = convert(folder, out_dir / f"{name}.F32.gguf")
     files = [f32, *quantize(f32, types, name)]
-    if not keep_f32:
+    if not keep_f32:  # the speed files only: the float copies are several GB
         f32.unlink()
+        shutil.rmtree(folder)
         files = files[1:]
     return files
 

@@ -46,6 +46,8 @@ def route(logits: torch.Tensor, top_k: int, norm_topk: bool) -> tuple[torch.Tens
 
 
 class SparseMoe(nn.Module):
+    """A sparse layer's MLP: router, experts, optional shared expert (names as Qwen's checkpoints)."""
+
     def __init__(self, hidden: int, num_experts: int, top_k: int, inter: int, norm_topk: bool,
                  shared_inter: int, quant: LinearConfig | None) -> None:
         """``shared_inter``: width of the shared expert (0: none)."""

@@ -16,9 +16,10 @@ import torch
 
 from qpage.config import cache_root
 from qpage.formats.gguf import convert_gguf, default_gguf_path, default_model_dir
-from qpage.formats.gguf_model import hf_config, is_gguf, requantized
+from qpage.formats.gguf_model import hf_config, is_gguf
 from qpage.formats.gguf_model import iter_tensors as iter_gguf_tensors
 from qpage.formats.gguf_reader import GgufFile
+from qpage.formats.gguf_requant import requantized
 from qpage.formats.safetensors_io import LazyTensor, lazy_tensors
 from qpage.models.arch import ArchConfig, parse_arch_config
 from qpage.models.registry import model_class
@@ -128,8 +129,8 @@ def load_model(
 ) -> torch.nn.Module:
     """The model with its weights, kernels chosen; with ``rank`` (a split model), this rank's
     part of it, its split layers wrapped in their collectives. ``requantize`` (a format of
-    ``gguf_model.REQUANT_TYPES``): every linear is requantized to that block format as it is
-    read, from float or GGUF weights, the embedding and output head to ``gguf_model.HEAD_FORMAT`` (a
+    ``gguf_requant.REQUANT_TYPES``): every linear is requantized to that block format as it is
+    read, from float or GGUF weights, the embedding and output head to ``gguf_requant.HEAD_FORMAT`` (a
     ``self:`` draft model)."""
     if requantize is not None:
         arch = dataclasses.replace(arch, quantization={"quant_method": "gguf"})

@@ -70,13 +70,6 @@ class MoeForCausalLM(LlamaForCausalLM):
                     out[f"model.layers.{i}.mlp.shared_expert_gate.weight"] = (moe.shared_expert_gate, 0, 1)
         return out
 
-    def active_parameters(self) -> int:
-        """Parameters one token runs through: all but the experts it was not routed to."""
-        c = self.config
-        per_expert = 3 * c.hidden_size * c.moe_intermediate_size
-        idle = sum(c.is_sparse(i) for i in range(c.num_layers)) * (c.num_experts - c.experts_per_token) * per_expert
-        return sum(p.numel() for p in self.parameters()) - idle
-
     def load_weights(self, tensors: Iterable[tuple[str, str, torch.Tensor | LazyTensor | GgufTensor]],
                      parts: PartLoader = WHOLE_MODEL) -> None:
         super().load_weights(_renamed(tensors), parts)
