@@ -5,7 +5,8 @@ weights, so the two must agree (the bar is 1%).
 The models are random (seeded) transformers models with the default model's tokenizer:
 hidden 256, 8 experts of width 256 (whole K-quant super-blocks), top-2, 4 layers; Qwen2-MoE
 with its shared expert (width 512). Each is converted by llama.cpp's own converter
-(``llamacpp_convert.py``) to F32 and quantized by llama.cpp to Q8_0 and Q4_K_M.
+(``llamacpp_convert.py``) to F32 and quantized by llama.cpp to Q8_0, Q4_K_M and MXFP4_MOE
+(experts in MXFP4, the rest Q8_0).
 
     python benchmarks/gguf_moe.py [--windows 8] [--window 512] [--out F.json]
     python benchmarks/gguf_moe.py --make-speed DIR   # the files for vs_llamacpp.py
@@ -29,7 +30,7 @@ from gguf_quality import DATA, compare_row
 from llamacpp_convert import convert
 
 ROOT = Path(__file__).resolve().parents[1]
-TYPES = {"Q8_0": 7, "Q4_K_M": 15}  # llama.cpp file types
+TYPES = {"Q8_0": 7, "Q4_K_M": 15, "MXFP4_MOE": 38}  # llama.cpp file types (MXFP4_MOE: experts MXFP4, the rest Q8_0)
 SHAPE = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_hidden_layers=4,
              max_position_embeddings=1024)
 FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {

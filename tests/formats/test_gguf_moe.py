@@ -6,7 +6,7 @@ tensors, the router ``ffn_gate_inp``, Qwen2-MoE's shared expert ``*_shexp`` and 
 Files are written here with the ``gguf`` package from tiny random transformers models (the
 default model's tokenizer); F32 files must give transformers' logits (2e-4); Q8_0 files run
 their experts on the C block and the whole decode step fused, within a mean KL of 0.01 of
-transformers (int8 activations, as the other Q8_0 tests). benchmarks/gguf_moe.py compares
+transformers (int8 activations, as the other Q8_0 tests); MXFP4 experts run packed. benchmarks/gguf_moe.py compares
 files made by llama.cpp's own converter and quantizer with llama.cpp's perplexity.
 """
 
@@ -89,7 +89,10 @@ def gguf_tensors(arch: str, model: Any) -> dict[str, np.ndarray]:
     return out
 
 
-def write_moe_gguf(arch: str, model: Any, tokenizer_dir: Path, dest: Path, qtype: int) -> Path:
+def write_moe_gguf(arch: str, model: Any, tokenizer_dir: Path, dest: Path, qtype: int,
+                   expert_qtype: int | None = None) -> Path:
+    """``model`` as llama.cpp's converter lays it out; 2-d and 3-d weights in ``qtype`` (experts
+    in ``expert_qtype`` where given, as llama.cpp's MXFP4_MOE files), routers F32."""
     c = model.config
     w = gguf.GGUFWriter(str(dest), arch)
     w.add_context_length(c.max_position_embeddings)
@@ -113,9 +116,9 @@ def write_moe_gguf(arch: str, model: Any, tokenizer_dir: Path, dest: Path, qtype
     for key, value, vtype, sub in tokenizer_keys(tokenizer_dir, c.vocab_size):
         w.add_key_value(key, value, vtype, sub_type=sub)
     for name, x in gguf_tensors(arch, model).items():
-        quantized = qtype != gguf.GGMLQuantizationType.F32 and x.ndim >= 2 and "gate_inp" not in name
-        if quantized:
-            w.add_tensor(name, gguf.quants.quantize(np.ascontiguousarray(x), qtype), raw_dtype=qtype)
+        t = expert_qtype if expert_qtype is not None and "_exps" in name else qtype
+        if t != gguf.GGMLQuantizationType.F32 and x.ndim >= 2 and "gate_inp" not in name:
+            w.add_tensor(name, gguf.quants.quantize(np.ascontiguousarray(x), t), raw_dtype=t)
         else:
             w.add_tensor(name, np.ascontiguousarray(x))
     w.write_header_to_file()
@@ -151,3 +154,22 @@ def test_moe_gguf_matches_transformers(tmp_path: Path, default_model_dir: Path, 
         kl = torch.nn.functional.kl_div(got_all.log_softmax(-1), want.log_softmax(-1), log_target=True,
                                         reduction="none").sum(-1)
         assert float(kl.mean()) < 0.01
+
+
+def test_mxfp4_experts_run_packed(tmp_path: Path, default_model_dir: Path) -> None:
+    """MXFP4 experts (the rest Q8_0, as llama.cpp's MXFP4_MOE files) on the C block, against the
+    same file with its weights dequantized: the int8 activations alone part them (mean KL below
+    1e-3)."""
+    model = moe("qwen3moe", tmp_path, default_model_dir)
+    path = write_moe_gguf("qwen3moe", model, tmp_path, tmp_path / "m.gguf", gguf.GGMLQuantizationType.Q8_0,
+                          gguf.GGMLQuantizationType.MXFP4)
+    ids = torch.randint(0, VOCAB, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    out = []
+    for deq in (False, True):
+        h = RunnerHarness(path, num_blocks=32, max_len=256, dequantize_weights=deq)
+        assert {m.experts_path for m in h.model.modules() if hasattr(m, "experts_path")} == {
+            "torch" if deq else "cpu-native"}
+        out.append(h.step([(h.request("a", ids), len(ids))])["a"])
+    kl = torch.nn.functional.kl_div(out[0].log_softmax(-1), out[1].log_softmax(-1), log_target=True,
+                                    reduction="none").sum(-1)
+    assert float(kl.mean()) < 1e-3

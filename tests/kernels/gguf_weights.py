@@ -15,7 +15,8 @@ from qpage.kernels.cpu.matmul import block_rewrite
 from qpage.kernels.cpu.matmul import native_gguf as ng
 
 TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q2_K": 10, "Q3_K": 11, "Q4_K": 12, "Q5_K": 13,
-         "Q6_K": 14, "IQ4_NL": 20, "IQ4_XS": 23, "NF4": ng.NF4, "FP4": ng.FP4, "Q8_M": ng.Q8_M}
+         "Q6_K": 14, "IQ4_NL": 20, "IQ4_XS": 23, "NF4": ng.NF4, "FP4": ng.FP4, "Q8_M": ng.Q8_M, "MXFP4": ng.MXFP4,
+         "MXFP4_NL": ng.MXFP4_NL}
 RANDOM = {"Q2_K": (256, 84, (80, 82)), "Q3_K": (256, 110, (108,)), "Q4_K": (256, 144, (0, 2)),
           "Q5_K": (256, 176, (0, 2)), "Q6_K": (256, 210, (208,)), "IQ4_NL": (32, 18, (0,)), "IQ4_XS": (256, 136, (0,))}
 """Formats ``gguf`` cannot quantize, made as random blocks: weights and bytes per block, and
@@ -31,6 +32,9 @@ def quantized_weight(name: str, n: int, k: int, seed: int) -> tuple[np.ndarray, 
         return bnb_weight(name.lower(), n, k, rng)
     if name == "Q8_M":
         return q8m_weight(n, k, rng)
+    if name == "MXFP4_NL":  # MXFP4 blocks as the kernels hold them (block_rewrite.mxfp4_as_nl), the same weights
+        rows, w = quantized_weight("MXFP4", n, k, seed)
+        return block_rewrite.mxfp4_as_nl(rows), w
     qt = GGMLQuantizationType[name]
     if name in RANDOM:
         size, nbytes, scales = RANDOM[name]

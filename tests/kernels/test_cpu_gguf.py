@@ -204,6 +204,22 @@ def test_rewritten_formats(monkeypatch: pytest.MonkeyPatch) -> None:
     assert (np.abs(held.numpy().reshape(24, 16, 32) - exact) <= amax * (1 / 254 + 2**-10)).all()
 
 
+def test_mxfp4_rewrite_is_exact_and_refuses_scales_beyond_fp16() -> None:
+    """MXFP4 on IQ4_NL's block with its codebook: the same weights bit for bit (held to the
+    ``gguf`` package's MXFP4 dequantization), scales 2^-23..2^16 included; exponents that fp16
+    cannot hold are refused by name."""
+    rng = np.random.default_rng(9)
+    w = (rng.standard_normal((8, 128)) * np.exp2(rng.integers(-22, 14, (8, 1)))).astype(np.float32)
+    rows = gguf.quants.quantize(w, gguf.GGMLQuantizationType.MXFP4)
+    want = gguf.quants.dequantize(rows, gguf.GGMLQuantizationType.MXFP4)
+    held = ng.dequantize_rows(ng.repack(rows, ng.MXFP4, 128), torch.arange(8)).numpy()
+    assert np.array_equal(held, want)
+    bad = rows.copy()
+    bad[0, 0] = 150  # a block scale of 2^23
+    with pytest.raises(ValueError, match="MXFP4 block scales"):
+        ng.repack(bad, ng.MXFP4, 128)
+
+
 def test_unsupported_inputs_are_named() -> None:
     assert "no native kernel" in (ng.unsupported_reason(16, 256) or "")  # IQ2_XXS
     assert "32-weight blocks" in (ng.unsupported_reason(2, 48) or "")

@@ -256,7 +256,7 @@ typedef struct {
 #define KQUANT(T, F) {T, QK, 0, 0, {NULL, F##_scalar, F##_avx2, F##_vnni}}
 static block_type TYPES[] = {
     LEGACY(QT_Q4_0), LEGACY(QT_Q4_1), LEGACY(QT_Q5_0), LEGACY(QT_Q5_1), LEGACY(QT_Q8_0), LEGACY(QT_Q8_M),
-    IQ4(QT_IQ4_NL), IQ4(QT_NF4), IQ4(QT_FP4),
+    IQ4(QT_IQ4_NL), IQ4(QT_NF4), IQ4(QT_FP4), IQ4(QT_MXFP4_NL),
     KQUANT(QT_Q4_K, qp_q4k_group), KQUANT(QT_Q5_K, qp_q4k_group), KQUANT(QT_Q6_K, qp_q6k_group),
     KQUANT(QT_IQ4_XS, qp_iq4_group),
 };

@@ -1,4 +1,4 @@
-/* IQ4_NL, IQ4_XS, NF4 and FP4 weights on the block matmuls (cpu_gguf.c dispatches here).
+/* IQ4_NL, IQ4_XS, NF4, FP4 and MXFP4 weights on the block matmuls (cpu_gguf.c dispatches here).
  *
  * Each holds 4-bit indices into a 16-value int8 codebook (KV below), nibbles laid out as
  * Q4_0's (byte j of a 32-weight block: weight j low, weight j + 16 high). IQ4_NL: per 32
@@ -7,7 +7,9 @@
  * (136 B); w = d (ls - 32) KV[q] for the 32-weight sub-block. NF4 and FP4 are bitsandbytes'
  * codebooks (values in [-1, 1]) times 112 and 120, rounded, in IQ4_NL's block (d = absmax / 112
  * or / 120, per 32 weights; those factors round the codebooks with the least error, and FP4's
- * all but 0.0052 exactly); the loader (formats/bnb.py) writes them.
+ * all but 0.0052 exactly); the loader (formats/bnb.py) writes them. MXFP4 (OCP microscaling: E2M1
+ * codes, an E8M0 exponent e per 32 weights, w = 2^(e-127) E2M1[q]) is E2M1 times 2 (integers) with
+ * d = 2^(e-128), exact in fp16 for e in [104, 143]; matmul/block_rewrite.py writes it.
  *
  * Kernel layouts: IQ4_NL's is Q4_0's (per block the 16 rows' d, then 4 nibble vectors).
  * IQ4_XS per super-block: the 16 rows' d (16 fp16), their ls - 32 as [sub-block][row] int8
@@ -26,9 +28,10 @@
 static const int8_t KV[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 static const int8_t NF4_KV[16] = {-112, -78, -59, -44, -32, -21, -10, 0, 9, 18, 28, 38, 49, 63, 81, 112};
 static const int8_t FP4_KV[16] = {0, 1, 80, 120, 40, 60, 20, 30, 0, -1, -80, -120, -40, -60, -20, -30};
+static const int8_t MXFP4_KV[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 
 static inline const int8_t *codebook(int type) {
-    return type == QT_NF4 ? NF4_KV : type == QT_FP4 ? FP4_KV : KV;
+    return type == QT_NF4 ? NF4_KV : type == QT_FP4 ? FP4_KV : type == QT_MXFP4_NL ? MXFP4_KV : KV;
 }
 enum { XS_SC = 32, XS_CODES = 160, NL_BLOCK = ROWS * 18 };
 

@@ -9,9 +9,10 @@
 
 enum { QT_Q4_0 = 2, QT_Q4_1 = 3, QT_Q5_0 = 6, QT_Q5_1 = 7, QT_Q8_0 = 8, QT_Q4_K = 12, QT_Q5_K = 13, QT_Q6_K = 14,
        QT_IQ4_NL = 20, QT_IQ4_XS = 23,
-       /* Not ggml's (qpage's ids): bitsandbytes' NF4 and FP4 codebooks on IQ4_NL's 32-weight layout, and
-        * Q8_M, Q8_0's block with an fp16 m after d (w = d c + m, c int8: 8-bit codes with a zero point). */
-       QT_NF4 = 200, QT_FP4 = 201, QT_Q8_M = 202 };
+       /* Not ggml's (qpage's ids): bitsandbytes' NF4 and FP4 codebooks on IQ4_NL's 32-weight layout;
+        * Q8_M, Q8_0's block with an fp16 m after d (w = d c + m, c int8: 8-bit codes with a zero point);
+        * and MXFP4's E2M1 values (times 2) on IQ4_NL's layout, its E8M0 scale (halved) as the fp16 d. */
+       QT_NF4 = 200, QT_FP4 = 201, QT_Q8_M = 202, QT_MXFP4_NL = 203 };
 enum { ISA_AUTO = 0, ISA_SCALAR = 1, ISA_AVX2 = 2, ISA_VNNI = 3 };
 enum { BLOCK = 32, ROWS = 16, QK = 256 };
 /* Activation rows one call of a group function takes: each group's decoded codes serve that
@@ -83,7 +84,8 @@ static inline int block_bytes(int type) {
     case QT_Q4_0:
     case QT_IQ4_NL:
     case QT_NF4:
-    case QT_FP4: return 18;
+    case QT_FP4:
+    case QT_MXFP4_NL: return 18;
     case QT_Q4_1: return 20;
     case QT_Q5_0: return 22;
     case QT_Q5_1: return 24;
@@ -122,7 +124,9 @@ static inline int64_t file_row_bytes(int type, int k) {
 }
 
 /* The 32-weight formats whose 4-bit codes index a 16-value codebook (cpu_gguf_iq4.c). */
-static inline int is_codebook32(int type) { return type == QT_IQ4_NL || type == QT_NF4 || type == QT_FP4; }
+static inline int is_codebook32(int type) {
+    return type == QT_IQ4_NL || type == QT_NF4 || type == QT_FP4 || type == QT_MXFP4_NL;
+}
 
 /* Formats with an m per block, with a fifth (high) bit per weight, and with 8-bit codes. */
 static inline int has_m(int type) { return type == QT_Q4_1 || type == QT_Q5_1 || type == QT_Q8_M; }

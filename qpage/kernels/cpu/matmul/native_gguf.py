@@ -4,7 +4,7 @@ activations are quantized to int8 blocks once per call and each block's dot prod
 integer one (layout and math in the C file).
 
 Formats the kernels run, by ggml type id: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (``cpu_gguf.c``), Q4_K,
-Q5_K (``cpu_gguf_q4k.c``), Q6_K (``cpu_gguf_q6k.c``), IQ4_NL and IQ4_XS (``cpu_gguf_iq4.c``),
+Q5_K (``cpu_gguf_q4k.c``), Q6_K (``cpu_gguf_q6k.c``), IQ4_NL, IQ4_XS and MXFP4 (``cpu_gguf_iq4.c``),
 bitsandbytes' NF4 and FP4 written at load as IQ4_NL-style blocks (``formats.bnb``), and Q8_M
 (qpage's 8-bit integer weights with a zero point, ``int_blocks``), whose activations carry a
 second, residual int8 level (``needs_residual``).
@@ -42,8 +42,12 @@ nibble; a weight is d times its codebook value times c, rounded (c in ``formats.
 Q8_M = 202
 """qpage's id for Q8_0's block with an fp16 m after d (36 bytes: d, m, 32 int8 codes c;
 w = d c + m): integer weights with a zero point at 8 bits, as Q4_1 is at 4."""
-NAMES = {NF4: "NF4", FP4: "FP4", Q8_M: "Q8_M"}
-REWRITTEN = {Q2_K: Q8_0, Q3_K: Q6_K}
+MXFP4, MXFP4_NL = 39, 203
+"""ggml's MXFP4 (17 bytes per 32 weights: an E8M0 exponent, then E2M1 codes as IQ4_NL's
+nibbles), and qpage's id for the same weights on IQ4_NL's block: fp16 d = 2^(e-128) and E2M1
+values times 2 as the codebook (``block_rewrite.mxfp4_as_nl``, exact)."""
+NAMES = {NF4: "NF4", FP4: "FP4", Q8_M: "Q8_M", MXFP4_NL: "MXFP4_NL"}
+REWRITTEN = {Q2_K: Q8_0, Q3_K: Q6_K, MXFP4: MXFP4_NL}
 """Formats the kernels run as another one, rewritten at load (``block_rewrite``)."""
 ISAS = {"auto": 0, "scalar": 1, "avx2": 2, "vnni": 3}
 ISA_NAMES = {v: k for k, v in ISAS.items()}
@@ -98,7 +102,7 @@ def unsupported_reason(ggml_type: int, k: int) -> str | None:
         return "the native CPU kernels are not loaded"
     if ggml_type not in types:
         return (f"ggml type {ggml_type} has no native kernel (those run: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, "
-                "Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, bitsandbytes NF4/FP4, and qpage's Q8_M)")
+                "Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, MXFP4, bitsandbytes NF4/FP4, and qpage's Q8_M)")
     size = types[ggml_type].weights
     if k % size:
         return f"rows of {k} weights are not whole {size}-weight blocks"
@@ -140,7 +144,8 @@ def repack(rows: torch.Tensor | np.ndarray | list[np.ndarray], ggml_type: int, k
     if why is not None:
         raise ValueError(f"gguf repack: {why}")
     if ggml_type in REWRITTEN:
-        rewrite = block_rewrite.q3k_as_q6k if ggml_type == Q3_K else block_rewrite.q2k_as_q8_0
+        rewrite = {Q3_K: block_rewrite.q3k_as_q6k, Q2_K: block_rewrite.q2k_as_q8_0,
+                   MXFP4: block_rewrite.mxfp4_as_nl}[ggml_type]
         parts, ggml_type = [rewrite(p) for p in parts], REWRITTEN[ggml_type]
     n = sum(p.shape[0] for p in parts)
     out = torch.empty(-(-n // ROWS) * ROWS * row_bytes(ggml_type, k, packed=True), dtype=torch.uint8)
