@@ -21,13 +21,11 @@ Q4_K_M, for ``benchmarks/vs_llamacpp.py --gguf``.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-import tempfile
 from pathlib import Path
 
 from common import write_json
-from gguf_quality import DATA, compare_row
+from gguf_quality import DATA, compare_files, llamacpp_quantize
 
 ROOT = Path(__file__).resolve().parents[1]
 TYPES = {"Q8_0": 7, "Q4_K_M": 15}  # llama.cpp file types
@@ -43,7 +41,6 @@ SPEED_TYPES = {"Q4_0": 2, "Q4_K_M": 15}
 def make_files(arch: str, out_dir: Path, tokenizer_dir: Path, shape: dict | None = None,
                types: dict[str, int] | None = None, keep_f32: bool = True) -> list[Path]:
     import gguf
-    import llama_cpp
 
     sys.path.insert(0, str(ROOT))
     from tests.formats.test_gguf_gemma import gemma, write_gemma_gguf
@@ -53,13 +50,7 @@ def make_files(arch: str, out_dir: Path, tokenizer_dir: Path, shape: dict | None
     model = gemma(arch, folder, tokenizer_dir, **(shape or SHAPE), **CAPS[arch])
     f32 = write_gemma_gguf(arch, model, folder, folder / f"{arch}.F32.gguf", gguf.GGMLQuantizationType.F32)
     files = [f32] if keep_f32 else []
-    for name, ftype in (types or TYPES).items():
-        params = llama_cpp.llama_model_quantize_default_params()
-        params.ftype, params.nthread = ftype, 2
-        dst = folder / f"{arch}.{name}.gguf"
-        if llama_cpp.llama_model_quantize(str(f32).encode(), str(dst).encode(), params) != 0:
-            raise SystemExit(f"llama.cpp could not quantize {arch} to {name}")
-        files.append(dst)
+    files += llamacpp_quantize(f32, {folder / f"{arch}.{name}.gguf": t for name, t in (types or TYPES).items()})
     if not keep_f32:
         f32.unlink()
     return files
@@ -86,17 +77,8 @@ def main() -> None:
         return
     tok = load_tokenizer(tok_dir)
     windows = token_windows(tok, Path(args.data), args.window, args.windows, max_chars=200 * args.window * args.windows)
-    rows = []
-    print(f"{'file':<24} {'qpage':>11} {'llama.cpp':>11} {'diff %':>7} {'KL':>9}")
-    with tempfile.TemporaryDirectory() as tmp:
-        wf = Path(tmp) / "windows.json"
-        wf.write_text(json.dumps([list(map(int, w)) for w in windows]))
-        for arch in CAPS:
-            for path in make_files(arch, Path(tmp), tok_dir):
-                row = compare_row(path, windows, wf, args.window, args.chunk, Path(tmp))
-                rows.append(row)
-                print(f"{path.name:<24} {row['qpage']:11.2f} {row['llamacpp']:11.2f} {row['diff_pct']:+7.3f} "
-                      f"{row['kl_vs_llamacpp']:9.2e}", flush=True)
+    rows = compare_files(lambda tmp: (p for arch in CAPS for p in make_files(arch, tmp, tok_dir)), windows,
+                         args.window, args.chunk)
     print(f"wrote {write_json(dict(windows=len(windows), window=args.window, chunk=args.chunk, rows=rows), args.out)}")
 
 

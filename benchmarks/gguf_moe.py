@@ -19,14 +19,13 @@ active per token (``SPEED_MOE``), and a dense Qwen3 of about the same total size
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
-import tempfile
+import sys
 from pathlib import Path
 from typing import Any
 
 from common import write_json
-from gguf_quality import DATA, compare_row
+from gguf_quality import DATA, compare_files, llamacpp_quantize
 from llamacpp_convert import convert
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,43 +52,25 @@ SPEED_DENSE = ("Qwen3Config", dict(hidden_size=1024, num_hidden_layers=18, num_a
 """A dense Qwen3 of the MoE's shape with one MLP as wide as all its experts: the same total size."""
 
 
-def build(cls_name: str, config: dict[str, Any], folder: Path, tokenizer_dir: Path, scale: float = 0.05) -> Path:
-    """A seeded random model saved with the default model's tokenizer files in ``folder``."""
-    import torch
+def build(cls_name: str, config: dict[str, Any], folder: Path, tokenizer_dir: Path) -> Path:
+    """A seeded random model (``tests.formats.gguf_writing.random_model``) saved with the default
+    model's tokenizer files in ``folder``."""
     import transformers
 
-    torch.manual_seed(0)
-    cfg = getattr(transformers, cls_name)(vocab_size=49152, **config)
-    model = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
-    with torch.no_grad():  # larger than the default init, so the experts' outputs matter
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * scale)
+    sys.path.insert(0, str(ROOT))
+    from tests.formats.gguf_writing import random_model
+
     folder.mkdir(parents=True, exist_ok=True)
+    model = random_model(getattr(transformers, cls_name)(vocab_size=49152, **config), folder, tokenizer_dir)
     model.save_pretrained(folder, safe_serialization=True)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        (folder / name).write_bytes((tokenizer_dir / name).read_bytes())
     return folder
-
-
-def quantize(f32: Path, types: dict[str, int], stem: str) -> list[Path]:
-    import llama_cpp
-
-    out = []
-    for name, ftype in types.items():
-        params = llama_cpp.llama_model_quantize_default_params()
-        params.ftype, params.nthread = ftype, 2
-        dst = f32.with_name(f"{stem}.{name}.gguf")
-        if llama_cpp.llama_model_quantize(str(f32).encode(), str(dst).encode(), params) != 0:
-            raise SystemExit(f"llama.cpp could not quantize {f32.name} to {name}")
-        out.append(dst)
-    return out
 
 
 def make_files(name: str, cls_name: str, config: dict[str, Any], out_dir: Path, tokenizer_dir: Path,
                types: dict[str, int], keep_f32: bool = True) -> list[Path]:
     folder = build(cls_name, config, out_dir / name, tokenizer_dir)
     f32 = convert(folder, out_dir / f"{name}.F32.gguf")
-    files = [f32, *quantize(f32, types, name)]
+    files = [f32, *llamacpp_quantize(f32, {out_dir / f"{name}.{t}.gguf": ft for t, ft in types.items()})]
     if not keep_f32:  # the speed files only: the float copies are several GB
         f32.unlink()
         shutil.rmtree(folder)
@@ -106,8 +87,6 @@ def main() -> None:
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "gguf_moe.json"))
     p.add_argument("--make-speed", type=Path, default=None, help="write the speed files into this folder")
     args = p.parse_args()
-    import sys
-
     sys.path.insert(0, str(ROOT))
     from qpage.engine.tokenizers import load_tokenizer
     from qpage.eval.perplexity import token_windows
@@ -121,17 +100,9 @@ def main() -> None:
         return
     tok = load_tokenizer(tok_dir)
     windows = token_windows(tok, Path(args.data), args.window, args.windows, max_chars=200 * args.window * args.windows)
-    rows = []
-    print(f"{'file':<24} {'qpage':>11} {'llama.cpp':>11} {'diff %':>7} {'KL':>9}")
-    with tempfile.TemporaryDirectory() as tmp:
-        wf = Path(tmp) / "windows.json"
-        wf.write_text(json.dumps([list(map(int, w)) for w in windows]))
-        for name, (cls_name, extra) in FAMILIES.items():
-            for path in make_files(name, cls_name, {**SHAPE, **extra}, Path(tmp), tok_dir, TYPES):
-                row = compare_row(path, windows, wf, args.window, args.chunk, Path(tmp))
-                rows.append(row)
-                print(f"{path.name:<24} {row['qpage']:11.2f} {row['llamacpp']:11.2f} {row['diff_pct']:+7.3f} "
-                      f"{row['kl_vs_llamacpp']:9.2e}", flush=True)
+    rows = compare_files(lambda tmp: (p for name, (cls_name, extra) in FAMILIES.items()
+                                      for p in make_files(name, cls_name, {**SHAPE, **extra}, tmp, tok_dir, TYPES)),
+                         windows, args.window, args.chunk)
     print(f"wrote {write_json(dict(windows=len(windows), window=args.window, chunk=args.chunk, rows=rows), args.out)}")
 
 

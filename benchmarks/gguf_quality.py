@@ -22,6 +22,7 @@ import math
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import numpy as np
@@ -35,7 +36,6 @@ TYPES = {"Q4_0": 2, "Q8_0": 7, "Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18, "IQ4_XS":
 
 def make_files(src: Path, out_dir: Path) -> list[Path]:
     import gguf
-    import llama_cpp
 
     out_dir.mkdir(parents=True, exist_ok=True)
     want = {name: out_dir / f"{src.stem.split('.')[0]}.{name}.gguf" for name in TYPES}
@@ -55,13 +55,39 @@ def make_files(src: Path, out_dir: Path) -> list[Path]:
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    for name, ftype in TYPES.items():
-        params = llama_cpp.llama_model_quantize_default_params()
-        params.ftype, params.nthread = ftype, 2
-        if llama_cpp.llama_model_quantize(str(f32).encode(), str(want[name]).encode(), params) != 0:
-            raise SystemExit(f"llama.cpp could not quantize to {name}")
+    llamacpp_quantize(f32, {want[name]: ftype for name, ftype in TYPES.items()})
     f32.unlink()
     return [src, *want.values()]
+
+
+def llamacpp_quantize(f32: Path, outputs: dict[Path, int]) -> list[Path]:
+    """``f32`` quantized by llama.cpp's ``llama_model_quantize`` to each output path's file type
+    (``llama_ftype``: 7 Q8_0, 15 Q4_K_M, 38 MXFP4_MOE, ...), on 2 threads."""
+    import llama_cpp
+
+    for dst, ftype in outputs.items():
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.ftype, params.nthread = ftype, 2
+        if llama_cpp.llama_model_quantize(str(f32).encode(), str(dst).encode(), params) != 0:
+            raise SystemExit(f"llama.cpp could not quantize {f32.name} to {dst.name}")
+    return list(outputs)
+
+
+def compare_files(files: Callable[[Path], Iterable[Path]], windows: list[list[int]], window: int, chunk: int
+                  ) -> list[dict]:
+    """Score each file ``files(tmp)`` makes (in a temporary folder) in both engines on the same
+    windows (``compare_row``), printing a row per file as it goes."""
+    rows = []
+    print(f"{'file':<36} {'qpage':>11} {'llama.cpp':>11} {'diff %':>7} {'KL':>9}")
+    with tempfile.TemporaryDirectory() as tmp:
+        wf = Path(tmp) / "windows.json"
+        wf.write_text(json.dumps([list(map(int, w)) for w in windows]))
+        for path in files(Path(tmp)):
+            row = compare_row(path, windows, wf, window, chunk, Path(tmp))
+            rows.append(row)
+            print(f"{path.name:<36} {row['qpage']:11.4f} {row['llamacpp']:11.4f} {row['diff_pct']:+7.3f} "
+                  f"{row['kl_vs_llamacpp']:9.2e}", flush=True)
+    return rows
 
 
 def qpage_logprobs(path: Path, windows: list[list[int]], chunk: int) -> np.ndarray:
@@ -112,16 +138,7 @@ def main() -> None:
     files = make_files(src, args.files)
     tok = load_tokenizer(src)
     windows = token_windows(tok, Path(args.data), args.window, args.windows, max_chars=200 * args.window * args.windows)
-    rows = []
-    print(f"{'file':<36} {'qpage':>9} {'llama.cpp':>10} {'diff %':>7} {'KL':>9}")
-    with tempfile.TemporaryDirectory() as tmp:
-        wf = Path(tmp) / "windows.json"
-        wf.write_text(json.dumps([list(map(int, w)) for w in windows]))
-        for path in files:
-            row = compare_row(path, windows, wf, args.window, args.chunk, Path(tmp))
-            rows.append(row)
-            print(f"{path.name:<36} {row['qpage']:9.4f} {row['llamacpp']:10.4f} {row['diff_pct']:+7.2f} "
-                  f"{row['kl_vs_llamacpp']:9.2e}", flush=True)
+    rows = compare_files(lambda tmp: files, windows, args.window, args.chunk)
     print(f"wrote {write_json(dict(windows=len(windows), window=args.window, chunk=args.chunk, rows=rows), args.out)}")
 
 

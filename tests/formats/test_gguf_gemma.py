@@ -17,8 +17,7 @@ import pytest
 import torch
 import transformers
 
-from qpage.formats.gguf_write import tokenizer_keys
-from tests.formats.gguf_writing import write_tensors_and_close
+from tests.formats.gguf_writing import random_model, start_file, write_tensors_and_close
 from tests.helpers import RunnerHarness
 
 gguf = pytest.importorskip("gguf")
@@ -44,32 +43,14 @@ def gemma(arch: str, folder: Path, default_model_dir: Path, **shape: Any) -> tra
     """A seeded random ``arch`` of ``SHAPE`` (``shape`` overrides it) and the default model's
     tokenizer files in ``folder``."""
     cls_name, extra = CONFIGS[arch]
-    torch.manual_seed(0)
-    cfg = getattr(transformers, cls_name)(**{**SHAPE, **extra, **shape})
-    cfg._attn_implementation = "eager"
-    model = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        (folder / name).write_bytes((default_model_dir / name).read_bytes())
-    return model
+    return random_model(getattr(transformers, cls_name)(**{**SHAPE, **extra, **shape}), folder, default_model_dir)
 
 
 def write_gemma_gguf(arch: str, model: Any, tokenizer_dir: Path, dest: Path, qtype: int) -> Path:
     """``model`` as llama.cpp's converter lays a Gemma out: every norm weight plus one, the
     gemma*.* keys; 2-d weights in ``qtype``, the rest F32."""
     c = model.config
-    w = gguf.GGUFWriter(str(dest), arch)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_block_count(c.num_hidden_layers)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
-    w.add_key_length(c.head_dim)
-    w.add_value_length(c.head_dim)
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w = start_file(dest, arch, c, tokenizer_dir, qtype == gguf.GGMLQuantizationType.Q8_0, c.head_dim)
     w.add_sliding_window(c.sliding_window)
     if arch == "gemma2":
         w.add_attn_logit_softcapping(c.attn_logit_softcapping)
@@ -79,9 +60,6 @@ def write_gemma_gguf(arch: str, model: Any, tokenizer_dir: Path, dest: Path, qty
         w.add_rope_freq_base(full["rope_theta"])
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(full["factor"])
-    w.add_file_type(7 if qtype == gguf.GGMLQuantizationType.Q8_0 else 0)
-    for key, value, vtype, sub in tokenizer_keys(tokenizer_dir, c.vocab_size):
-        w.add_key_value(key, value, vtype, sub_type=sub)
     write_tensors_and_close(w, model.state_dict(), NAMES, qtype, norm_shift=1.0, skip=("lm_head.weight",))
     return dest
 

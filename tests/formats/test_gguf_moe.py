@@ -21,8 +21,7 @@ import torch
 import transformers
 
 from qpage.formats.gguf_model import permute_rows
-from qpage.formats.gguf_write import tokenizer_keys
-from tests.formats.gguf_writing import TOP
+from tests.formats.gguf_writing import TOP, random_model, start_file
 from tests.helpers import RunnerHarness
 
 gguf = pytest.importorskip("gguf")
@@ -50,16 +49,7 @@ def moe(arch: str, folder: Path, default_model_dir: Path, **shape: Any) -> trans
     """A seeded random ``arch`` of ``SHAPE`` (``shape`` overrides it) and the default model's
     tokenizer files in ``folder``."""
     cls_name, extra = CONFIGS[arch]
-    torch.manual_seed(0)
-    cfg = getattr(transformers, cls_name)(**{**SHAPE, **extra, **shape})
-    cfg._attn_implementation = "eager"
-    model = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        (folder / name).write_bytes((default_model_dir / name).read_bytes())
-    return model
+    return random_model(getattr(transformers, cls_name)(**{**SHAPE, **extra, **shape}), folder, default_model_dir)
 
 
 def gguf_tensors(arch: str, model: Any) -> dict[str, np.ndarray]:
@@ -94,17 +84,8 @@ def write_moe_gguf(arch: str, model: Any, tokenizer_dir: Path, dest: Path, qtype
     """``model`` as llama.cpp's converter lays it out; 2-d and 3-d weights in ``qtype`` (experts
     in ``expert_qtype`` where given, as llama.cpp's MXFP4_MOE files), routers F32."""
     c = model.config
-    w = gguf.GGUFWriter(str(dest), arch)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_block_count(c.num_hidden_layers)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w = start_file(dest, arch, c, tokenizer_dir, qtype == gguf.GGMLQuantizationType.Q8_0, head_dim)
     w.add_rope_freq_base(c.rope_parameters["rope_theta"])
     w.add_expert_count(getattr(c, "num_experts", None) or c.num_local_experts)
     w.add_expert_used_count(c.num_experts_per_tok)
@@ -112,9 +93,6 @@ def write_moe_gguf(arch: str, model: Any, tokenizer_dir: Path, dest: Path, qtype
         w.add_expert_feed_forward_length(c.moe_intermediate_size)
     if arch == "qwen2moe":
         w.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
-    w.add_file_type(7 if qtype == gguf.GGMLQuantizationType.Q8_0 else 0)
-    for key, value, vtype, sub in tokenizer_keys(tokenizer_dir, c.vocab_size):
-        w.add_key_value(key, value, vtype, sub_type=sub)
     for name, x in gguf_tensors(arch, model).items():
         t = expert_qtype if expert_qtype is not None and "_exps" in name else qtype
         if t != gguf.GGMLQuantizationType.F32 and x.ndim >= 2 and "gate_inp" not in name:

@@ -20,8 +20,7 @@ import torch
 import transformers
 
 from qpage.formats.gguf_reader import GgufFormatError
-from qpage.formats.gguf_write import tokenizer_keys
-from tests.formats.gguf_writing import write_tensors_and_close
+from tests.formats.gguf_writing import random_model, start_file, write_tensors_and_close
 from tests.helpers import RunnerHarness
 
 gguf = pytest.importorskip("gguf")
@@ -33,42 +32,24 @@ NAMES = {"self_attn.qkv_proj": "attn_qkv", "self_attn.o_proj": "attn_output", "m
 
 
 def phi3(folder: Path, default_model_dir: Path, vocab: int) -> transformers.PreTrainedModel:
-    torch.manual_seed(0)
     cfg = transformers.Phi3Config(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                                   sliding_window=None, pad_token_id=0, rope_parameters=LONGROPE,
                                   original_max_position_embeddings=ORIGINAL)
-    cfg._attn_implementation = "eager"
-    model = transformers.Phi3ForCausalLM(cfg).float().eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        (folder / name).write_bytes((default_model_dir / name).read_bytes())
-    return model
+    return random_model(cfg, folder, default_model_dir)
 
 
 def write_phi3_gguf(model: Any, tokenizer_dir: Path, dest: Path, qtype: int, rotary: int | None = None) -> Path:
     """``model`` as llama.cpp's converter lays a Phi-3 out: phi3.* keys, global rope factor
     tensors, fused attn_qkv and ffn_up; 2-d weights in ``qtype``, the rest F32."""
     c = model.config
-    w = gguf.GGUFWriter(str(dest), "phi3")
+    w = start_file(dest, "phi3", c, tokenizer_dir, qtype == gguf.GGMLQuantizationType.Q8_0)
     head_dim = c.hidden_size // c.num_attention_heads
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_block_count(c.num_hidden_layers)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_rope_dimension_count(rotary or head_dim)
     w.add_rope_freq_base(10000.0)
     w.add_uint32("phi3.rope.scaling.original_context_length", ORIGINAL)
     w.add_float32("phi3.rope.scaling.attn_factor",
                   math.sqrt(1 + math.log(c.max_position_embeddings / ORIGINAL) / math.log(ORIGINAL)))
-    w.add_file_type(7 if qtype == gguf.GGMLQuantizationType.Q8_0 else 0)
-    for key, value, vtype, sub in tokenizer_keys(tokenizer_dir, c.vocab_size):
-        w.add_key_value(key, value, vtype, sub_type=sub)
     w.add_tensor("rope_factors_long.weight", np.array(LONGROPE["long_factor"], dtype=np.float32))
     w.add_tensor("rope_factors_short.weight", np.array(LONGROPE["short_factor"], dtype=np.float32))
     write_tensors_and_close(w, model.state_dict(), NAMES, qtype)

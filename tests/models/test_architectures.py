@@ -43,6 +43,20 @@ GEMMA_CASES = {
                                                         "sliding_attention": {"rope_type": "default",
                                                                               "rope_theta": 1e4}}}),
 }
+MOE = dict(num_hidden_layers=3, intermediate_size=96)
+MOE_CASES = {
+    # 8 experts, top 2 or 3; Qwen3-MoE with a dense layer among sparse ones (mlp_only_layers, or
+    # decoder_sparse_step), Qwen2-MoE with its shared expert; prompts route rows to every expert.
+    "qwen3-moe": ("Qwen3MoeConfig", {**MOE, "head_dim": 16, "num_experts": 8, "num_experts_per_tok": 2,
+                                     "moe_intermediate_size": 32, "norm_topk_prob": True, "mlp_only_layers": [1]}),
+    "qwen3-moe-step": ("Qwen3MoeConfig", {**MOE, "head_dim": 16, "num_experts": 8, "num_experts_per_tok": 3,
+                                          "moe_intermediate_size": 32, "norm_topk_prob": False,
+                                          "decoder_sparse_step": 2}),
+    "qwen2-moe": ("Qwen2MoeConfig", {**MOE, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                     "shared_expert_intermediate_size": 64, "norm_topk_prob": False}),
+    "mixtral": ("MixtralConfig", {**MOE, "num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 32,
+                                  "sliding_window": None}),
+}
 PHI3_LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 32,
                  "short_factor": [1.0 + 0.1 * i for i in range(8)], "long_factor": [1.0 + 0.9 * i for i in range(8)]}
 
@@ -59,9 +73,9 @@ def build(tmp_path: Path, cls_name: str, extra: dict) -> tuple[Path, torch.nn.Mo
     return tmp_path, model
 
 
-@pytest.mark.parametrize("case", sorted(CASES) + sorted(GEMMA_CASES))
+@pytest.mark.parametrize("case", sorted(CASES) + sorted(GEMMA_CASES) + sorted(MOE_CASES))
 def test_prefill_and_decode_logits_match_transformers(tmp_path: Path, case: str) -> None:
-    cls_name, extra = {**CASES, **GEMMA_CASES}[case]
+    cls_name, extra = {**CASES, **GEMMA_CASES, **MOE_CASES}[case]
     model_dir, ref = build(tmp_path, cls_name, extra)
     h = RunnerHarness(model_dir, num_blocks=32)
     g = torch.Generator().manual_seed(1)

@@ -1,10 +1,7 @@
-"""Mixture-of-experts families (Qwen3-MoE, Qwen2-MoE, Mixtral) as tiny random models against
-transformers' logits, on the torch path (float experts) and the C block (experts requantized
-to GGUF blocks, against the same model run on the torch path with those weights dequantized).
-
-Tolerance: as tests/models/test_architectures.py (fp32 both sides, 2e-4 absolute on logits
-of order 1). Every case has 8 or more experts, top-2 or more, prompts that route rows to
-every expert; Qwen3-MoE has a dense layer among the sparse ones, Qwen2-MoE its shared expert.
+"""Mixture-of-experts models beyond transformers' logits (which tests/models/test_architectures.py
+checks for every family, ``MOE_CASES``): the C block against the torch path on the same packed
+experts, the fused decode step, batch invariance with preemption and prefix-cache hits,
+checkpoints written by ``qpage quantize`` in each integer format, and the config's fields.
 """
 
 from __future__ import annotations
@@ -16,47 +13,7 @@ import torch
 
 from qpage.models.loader import read_arch_config
 from tests.helpers import RunnerHarness
-from tests.models.test_architectures import ATOL, build
-
-MOE = dict(num_hidden_layers=3, intermediate_size=96)
-MOE_CASES = {
-    "qwen3-moe": ("Qwen3MoeConfig", {"head_dim": 16, "num_experts": 8, "num_experts_per_tok": 2,
-                                     "moe_intermediate_size": 32, "norm_topk_prob": True, "mlp_only_layers": [1]}),
-    "qwen3-moe-step": ("Qwen3MoeConfig", {"head_dim": 16, "num_experts": 8, "num_experts_per_tok": 3,
-                                          "moe_intermediate_size": 32, "norm_topk_prob": False,
-                                          "decoder_sparse_step": 2}),
-    "qwen2-moe": ("Qwen2MoeConfig", {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
-                                     "shared_expert_intermediate_size": 64, "norm_topk_prob": False}),
-    "mixtral": ("MixtralConfig", {"num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 32,
-                                  "sliding_window": None}),
-}
-
-
-@pytest.mark.parametrize("case", sorted(MOE_CASES))
-def test_moe_logits_match_transformers(tmp_path: Path, case: str) -> None:
-    cls_name, extra = MOE_CASES[case]
-    model_dir, ref = build(tmp_path, cls_name, {**MOE, **extra})
-    h = RunnerHarness(model_dir, num_blocks=32)
-    g = torch.Generator().manual_seed(1)
-    prompts = {"a": torch.randint(0, 256, (21,), generator=g).tolist(),
-               "b": torch.randint(0, 256, (7,), generator=g).tolist()}
-    reqs = {k: h.request(k, v) for k, v in prompts.items()}
-    got = h.step([(reqs["a"], 13), (reqs["b"], 7)])
-    got_a2 = h.step([(reqs["a"], 8)])
-    with torch.no_grad():
-        want_a = ref(torch.tensor([prompts["a"]])).logits[0]
-        want_b = ref(torch.tensor([prompts["b"]])).logits[0]
-    torch.testing.assert_close(torch.cat([got["a"], got_a2["a"]]), want_a, atol=ATOL, rtol=0)
-    torch.testing.assert_close(got["b"], want_b, atol=ATOL, rtol=0)
-    for _ in range(6):
-        for k, r in reqs.items():
-            r.append_token(int(torch.randint(0, 256, (1,), generator=g)))
-            prompts[k] = r.all_token_ids
-        got = h.step([(reqs["a"], 1), (reqs["b"], 1)])
-        with torch.no_grad():
-            for k in reqs:
-                want = ref(torch.tensor([prompts[k]])).logits[0, -1:]
-                torch.testing.assert_close(got[k], want, atol=ATOL, rtol=0, msg=f"{case} seq {k}")
+from tests.models.test_architectures import MOE_CASES, build
 
 
 @pytest.fixture(scope="module", params=["qwen2moe", "qwen3moe"])
@@ -123,7 +80,7 @@ def test_moe_quantized_by_qpage_runs_packed(tmp_path: Path, case: str, scheme: s
     from qpage.quantizers.pipeline import quantize_checkpoint
 
     cls_name, extra = MOE_CASES[case]
-    src, ref = build(tmp_path / "f", cls_name, {**MOE, **extra})
+    src, ref = build(tmp_path / "f", cls_name, extra)
     g = torch.Generator().manual_seed(3)
     calib = [torch.randint(0, 256, (64,), generator=g).tolist() for _ in range(4)]
     report = quantize_checkpoint(src, tmp_path / "q", QuantScheme.parse(scheme, group_size=32), progress=False,

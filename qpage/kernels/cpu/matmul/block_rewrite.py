@@ -1,6 +1,7 @@
 """GGUF block formats the kernels run as another one, rewritten once at load: Q3_K as Q6_K
-(exactly), Q2_K as Q8_0, and MXFP4 on IQ4_NL's block (exactly) (``native_gguf.REWRITTEN``). Rows go a few thousand at a time, so
-the rewrites' temporaries (several bytes a weight) stay small."""
+(exactly), Q2_K as Q8_0, and MXFP4 on IQ4_NL's block (exactly) (``native_gguf.REWRITTEN``).
+Rows go a few thousand at a time, so the rewrites' temporaries (several bytes a weight) stay
+small."""
 
 from __future__ import annotations
 
@@ -64,7 +65,7 @@ def mxfp4_as_nl(rows: np.ndarray) -> np.ndarray:
     codes, weight j in byte j's low nibble and j + 16 in its high one) -> the same weights as
     codebook blocks [n, k / 32 * 18]: fp16 d = 2^(e-128), then the same 16 bytes, each code
     standing for E2M1 times 2 (0, 1, 2, 3, 4, 6, 8, 12 and their negatives, ``cpu_gguf_iq4.c``)."""
-    n, nbytes = rows.shape
+    n = rows.shape[0]
     b = rows.reshape(n, -1, 17)
     e = b[..., 0].astype(np.int32)
     lo, hi = MXFP4_EXPONENTS
