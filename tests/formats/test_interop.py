@@ -60,6 +60,14 @@ def compare(ours: tuple[torch.Tensor, torch.Tensor], peer: tuple[torch.Tensor, t
     assert torch.equal(lo.argmax(-1), lp.argmax(-1))
 
 
+def gptqmodel(src: Path, out: Path, *args: str) -> Path:
+    """``src`` quantized by GPTQModel (``benchmarks/peers/gptqmodel_quantize.py``) on 64-token windows."""
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks/peers/gptqmodel_quantize.py"), str(src), str(out),
+                        "--seq-len", "64", *args], capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return out
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Path:
     """A random Llama with the default model's vocabulary and tokenizer (GPTQModel loads one)."""
@@ -79,11 +87,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> P
 
 
 def test_gptqmodel_checkpoint_runs_in_qpage(tiny: Path, tmp_path: Path) -> None:
-    out = tmp_path / "gptqmodel"
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks/peers/gptqmodel_quantize.py"), str(tiny), str(out),
-                        "--random-windows", "8", "--seq-len", "64", "--group-size", "64", "--desc-act"],
-                       capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stderr[-3000:]
+    out = gptqmodel(tiny, tmp_path / "gptqmodel", "--random-windows", "8", "--group-size", "64", "--desc-act")
     g_idx = load_file(next(out.glob("*.safetensors")))["model.layers.0.mlp.down_proj.g_idx"]
     assert not torch.equal(g_idx, torch.arange(256, dtype=g_idx.dtype) // 64)  # act-order: permuted groups
     compare(qpage_run(out), peer_run(out, tmp_path), atol=5e-3)
@@ -118,11 +122,7 @@ def test_gptqmodel_moe_checkpoint_runs_in_qpage(default_model_dir: Path, tmp_pat
     ref.save_pretrained(src, safe_serialization=True)
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(default_model_dir / f, src / f)
-    out = tmp_path / "gptqmodel"
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks/peers/gptqmodel_quantize.py"), str(src), str(out),
-                        "--random-windows", "16", "--seq-len", "64", "--group-size", "64"],
-                       capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stderr[-3000:]
+    out = gptqmodel(src, tmp_path / "gptqmodel", "--random-windows", "16", "--group-size", "64")
     assert "model.layers.1.mlp.experts.5.down_proj.qweight" in load_file(next(out.glob("*.safetensors")))
     packed = RunnerHarness(out, num_blocks=16, max_len=256)
     assert {m.experts_path for m in packed.model.modules() if hasattr(m, "experts_path")} == {"cpu-native"}
