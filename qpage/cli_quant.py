@@ -141,7 +141,8 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     print(f"qpage quantize: {r.scheme}, {r.linears} linears in {r.seconds:.1f}s; "
           f"{r.bytes_in / 1e6:.1f} MB -> {r.bytes_out / 1e6:.1f} MB on disk; peak RSS {r.peak_rss_bytes / 1e6:.0f} MB")
     if r.rtn_fallbacks:
-        print(f"  {r.rtn_fallbacks} expert projections saw too few calibration rows and were rounded (RTN) instead")
+        print(f"  {r.rtn_fallbacks} projections (experts few tokens were routed to) saw too few calibration rows "
+              "and were rounded (RTN) instead")
     if args.eval_text:
         _report_quality(r.out, src, args.eval_text, args.seq_len, args.eval_windows)
     else:

@@ -372,7 +372,8 @@ class LLMEngine:
         self.metrics.update_speculation()
 
     def kernel_paths(self) -> dict[str, Any]:
-        """Which kernels run: the attention backend and quantized linears counted by path."""
+        """Which kernels run: the attention backend, quantized linears counted by path, and a
+        mixture of experts' sparse layers counted by path (``moe_layers``)."""
         linears: dict[str, int] = {}
         for mod in self.model.quant_linears():
             linears[mod.kernel_path] = linears.get(mod.kernel_path, 0) + 1

@@ -281,6 +281,8 @@ def iter_tensors(f: GgufFile) -> Iterator[tuple[str, str, torch.Tensor | GgufTen
     for name, info in f.tensors.items():
         parts = name.split(".")
         if len(parts) == 4 and parts[2] in EXPERT_TENSORS:
+            if parts[3] != "weight":
+                raise GgufFormatError(f"{f.path}: tensor {name!r}: biases on experts (gpt-oss) are not supported")
             yield from _experts(f, info, parts[1], parts[2])
             continue
         target = hf_name(name, arch)

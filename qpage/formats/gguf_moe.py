@@ -18,7 +18,9 @@ from qpage.formats.gguf_reader import GgufFile, GgufFormatError
 MOE_ARCHITECTURES = {"qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM"}
 """GGUF ``general.architecture`` of the MoE families named apart (Mixtral files say "llama")."""
 MIXTRAL = "MixtralForCausalLM"
+"""What a ``llama`` file with experts runs as."""
 NORM_TOPK = {"qwen2moe": False, "qwen3moe": True, "llama": True}
+"""Whether llama.cpp's graph for the architecture renormalises the chosen experts' weights."""
 MOE_LAYER_NAMES = {"ffn_gate_inp": "mlp.gate", "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
                    "ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
                    "ffn_down_shexp": "mlp.shared_expert.down_proj"}
@@ -27,6 +29,7 @@ EXPERT_TENSORS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_d
 
 
 def is_moe(f: GgufFile, arch: str) -> bool:
+    """Whether the file is a mixture of experts (its architecture, or an expert count)."""
     return arch in MOE_ARCHITECTURES or bool(f.get(f"{arch}.expert_count"))
 
 

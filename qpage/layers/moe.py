@@ -37,9 +37,11 @@ class ExpertMLP(nn.Module):
 
 def route(logits: torch.Tensor, top_k: int, norm_topk: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights fp32 [rows, top_k], expert ids [rows, top_k]): the softmax (in fp32) over all
-    experts, its top_k largest, renormalised to sum 1 with ``norm_topk``."""
+    experts, its top_k largest (ties to the lower id, as the C block), renormalised to sum 1
+    with ``norm_topk``."""
     probs = torch.softmax(logits.float(), dim=-1)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
+    weights, ids = torch.sort(probs, dim=-1, descending=True, stable=True)
+    weights, ids = weights[:, :top_k], ids[:, :top_k]
     if norm_topk:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, ids

@@ -131,17 +131,26 @@ class ArchConfig:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element_bytes
 
 
-def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+def _rope(cfg: dict[str, Any], source: str) -> tuple[float, dict[str, Any] | None]:
+    """(rope base, scaling or None); LongRoPE's scaling gets the original and full context lengths."""
     # transformers >= 5 writes `rope_parameters`; older configs `rope_theta` + `rope_scaling`.
     params = cfg.get("rope_parameters")
     if isinstance(params, dict):
         theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
         rtype = params.get("rope_type", params.get("type", "default"))
-        return theta, (None if rtype == "default" else dict(params))
-    scaling = cfg.get("rope_scaling")
-    if isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type")) == "default":
-        scaling = None
-    return float(cfg.get("rope_theta", 10000.0)), scaling
+        scaling = None if rtype == "default" else dict(params)
+    else:
+        theta, scaling = float(cfg.get("rope_theta", 10000.0)), cfg.get("rope_scaling")
+        if isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type")) == "default":
+            scaling = None
+    if scaling is not None and scaling.get("rope_type", scaling.get("type")) in ("longrope", "su"):
+        scaling = dict(scaling)
+        original = scaling.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings")
+        if not original:
+            raise ValueError(f"{source}: longrope rope scaling needs original_max_position_embeddings")
+        scaling["original_max_position_embeddings"] = int(original)
+        scaling["max_position_embeddings"] = int(cfg.get("max_position_embeddings", 4096))
+    return theta, scaling
 
 
 def _quantization(cfg: dict[str, Any], source: str) -> dict[str, Any] | None:
@@ -185,14 +194,7 @@ def parse_arch_config(cfg: dict[str, Any], source: str = "config.json") -> ArchC
     try:
         hidden = int(cfg["hidden_size"])
         heads = int(cfg["num_attention_heads"])
-        theta, scaling = _rope(cfg)
-        if scaling is not None and scaling.get("rope_type", scaling.get("type")) in ("longrope", "su"):
-            scaling = dict(scaling)
-            original = scaling.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings")
-            if not original:
-                raise ValueError(f"{source}: longrope rope scaling needs original_max_position_embeddings")
-            scaling["original_max_position_embeddings"] = int(original)
-            scaling["max_position_embeddings"] = int(cfg.get("max_position_embeddings", 4096))
+        theta, scaling = _rope(cfg, source)
         if gemma:
             return _gemma(cfg, source, arch, scaling)
         is_qwen = arch.startswith("Qwen")

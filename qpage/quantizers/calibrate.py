@@ -58,6 +58,10 @@ class _Hessian:
         return (2 * self.h / max(self.count, 1)).float()
 
 
+HESSIAN_BUDGET = 2 << 30
+"""Bytes of Hessians one pass over the calibration windows records: a layer whose linears
+need more (a mixture of experts: Mixtral-8x7B's eight down projections alone are 13 GB in
+fp64) is recorded in several passes, each quantizing its linears and freeing their Hessians."""
 MIN_ROWS = 32
 """Calibration rows below which a linear is rounded (RTN) rather than calibrated: an expert of a
 mixture that few tokens were routed to (its Hessian would be mostly the damping term)."""
@@ -156,25 +160,43 @@ def _layer_by_layer(src: Path, windows: list[list[int]], store: ResultSink,
         parts = fused_parts(source.shell(li).layer_projections(0))
         out: dict[str, Any] = {}
         linears = {fused: layer.get_submodule(fused) for fused in parts}
-        hess = {k: _Hessian(m.in_features, diagonal_only) for k, m in linears.items()}
-        _run_layer(source.shell(li), layer, hidden, backend, c, record=(linears, hess))
         pre = f"model.layers.{li}."
-        for key, mod in linears.items():
-            # Rows are independent (GPTQ's share H): the fused weight is quantized in one
-            # pass and split into its projections by the quantizer.
-            w = mod.weight.data
-            few = fallback is not None and hess[key].count < MIN_ROWS
-            results, dequantized = (fallback if few else quantize)(  # type: ignore[operator]
-                w, hess[key], [(pre + n, off, rows) for n, off, rows in parts[key]])
-            if few:
-                fell_back += [pre + n for n, _, _ in parts[key]]
-            out.update(results)
-            w.copy_(dequantized)  # also updates the BLAS copy
+        new_weights = {}
+        for group in _passes(linears, diagonal_only):
+            # Every pass sees the layer as it was: the quantized weights go in after the last.
+            hess = {k: _Hessian(linears[k].in_features, diagonal_only) for k in group}
+            _run_layer(source.shell(li), layer, hidden, backend, c, record=({k: linears[k] for k in group}, hess))
+            for key in group:
+                # Rows are independent (GPTQ's share H): the fused weight is quantized in one
+                # pass and split into its projections by the quantizer.
+                few = fallback is not None and hess[key].count < MIN_ROWS
+                results, new_weights[key] = (fallback if few else quantize)(  # type: ignore[operator]
+                    linears[key].weight.data, hess.pop(key), [(pre + n, off, rows) for n, off, rows in parts[key]])
+                if few:
+                    fell_back += [pre + n for n, _, _ in parts[key]]
+                out.update(results)
+        for key, w in new_weights.items():
+            linears[key].weight.data.copy_(w)  # also updates the BLAS copy
         store.put_layer(li, out)
         hidden = _run_layer(source.shell(li), layer, hidden, backend, c, record=None)
         if on_layer is not None:
             on_layer(li + 1, c.num_layers)
     return fell_back
+
+
+def _passes(linears: dict[str, Any], diagonal_only: bool) -> list[list[str]]:
+    """The layer's linears in groups whose Hessians fit ``HESSIAN_BUDGET`` (one group for a
+    dense layer), in order."""
+    groups: list[list[str]] = [[]]
+    used = 0
+    for key, mod in linears.items():
+        size = 8 * mod.in_features * (1 if diagonal_only else mod.in_features)
+        if groups[-1] and used + size > HESSIAN_BUDGET:
+            groups.append([])
+            used = 0
+        groups[-1].append(key)
+        used += size
+    return groups
 
 
 def _run_layer(model: Any, layer: Any, hidden: list[torch.Tensor], backend: Any, c: Any,

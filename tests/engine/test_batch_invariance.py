@@ -57,7 +57,9 @@ def _logprobs(entries: list[Any] | None) -> tuple[Any, ...] | None:
                                               for d in entries)
 
 
-def _check(model: str | None, kv: str, **extra: Any) -> None:
+def check_invariance(model: str | None, kv: str, **extra: Any) -> None:
+    """Greedy tokens, their logprobs and prompt logprobs of ``model`` alone equal every other run's
+    (batched, chunked, preempted, prefix hits); ``extra``: more engine settings."""
     base = {"model": model, "kv_cache_dtype": kv, "log_stats": False, "max_model_len": 256, **extra}
     llm = LLM(enable_prefix_caching=False, max_num_batched_tokens=1024, **base)
     arch = llm.llm_engine.arch
@@ -87,16 +89,16 @@ def _check(model: str | None, kv: str, **extra: Any) -> None:
 
 @pytest.mark.parametrize("kv", ["auto", "fp8", "int8", "int4"])
 def test_default_gguf_every_kv_format(kv: str) -> None:
-    _check(None, kv)
+    check_invariance(None, kv)
 
 
 @pytest.mark.parametrize("name", ["Q4_K_M", "Q6_K", "IQ4_XS", "Q8_0"])
 def test_block_formats(name: str) -> None:
-    _check(str(FIXTURES / f"tiny-llama.{name}.gguf"), "auto")
+    check_invariance(str(FIXTURES / f"tiny-llama.{name}.gguf"), "auto")
 
 
 def test_block_format_dequantized() -> None:
-    _check(str(FIXTURES / "tiny-llama.Q4_K_M.gguf"), "auto", dequantize_weights=True)
+    check_invariance(str(FIXTURES / "tiny-llama.Q4_K_M.gguf"), "auto", dequantize_weights=True)
 
 
 @pytest.fixture(scope="module")
@@ -126,4 +128,4 @@ def tiny_checkpoints(default_model_dir: Path, tmp_path_factory: pytest.TempPathF
 
 @pytest.mark.parametrize("name", ["fp32", "fp8", "nf4", "gptq-int4-act-order", "int8"])
 def test_checkpoint_formats(tiny_checkpoints: dict[str, Path], name: str) -> None:
-    _check(str(tiny_checkpoints[name]), "auto")
+    check_invariance(str(tiny_checkpoints[name]), "auto")

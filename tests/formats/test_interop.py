@@ -6,8 +6,9 @@ Both sides are compared on one linear's dequantized weight and on logits. GPTQMo
 kernel rounds dequantized weights to fp16, so weights agree to fp16 rounding (rtol 2^-10),
 and logits (same argmax everywhere) to 5e-3 absolute on the 2-layer model (measured 1.7e-3,
 logits ~3) and 0.1 on the 30-layer default model (measured 0.031, logits ~20), not to fp32.
-qpage runs the weights dequantized here (``dequantize_weights``): this tests the reader; the
-block kernels are tested against that path in tests/quantizers/test_packed_cpu.py.
+qpage runs the weights dequantized in those two (``dequantize_weights``): they test the reader;
+the block kernels are tested against that path in tests/quantizers/test_packed_cpu.py. The MoE
+test runs both paths.
 """
 
 from __future__ import annotations

@@ -206,17 +206,19 @@ def test_rewritten_formats(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_mxfp4_rewrite_is_exact_and_refuses_scales_beyond_fp16() -> None:
     """MXFP4 on IQ4_NL's block with its codebook: the same weights bit for bit (held to the
-    ``gguf`` package's MXFP4 dequantization), scales 2^-23..2^16 included; exponents that fp16
-    cannot hold are refused by name."""
+    ``gguf`` package's MXFP4 dequantization), scales 2^-23..2^16 and all-zero blocks (written
+    with e = 0) included; exponents that fp16 cannot hold are refused by name."""
     rng = np.random.default_rng(9)
     w = (rng.standard_normal((8, 128)) * np.exp2(rng.integers(-22, 14, (8, 1)))).astype(np.float32)
+    w[3, 32:64] = 0.0
     rows = gguf.quants.quantize(w, gguf.GGMLQuantizationType.MXFP4)
+    assert rows[3, 17] == 0  # the zero block's exponent
     want = gguf.quants.dequantize(rows, gguf.GGMLQuantizationType.MXFP4)
     held = ng.dequantize_rows(ng.repack(rows, ng.MXFP4, 128), torch.arange(8)).numpy()
     assert np.array_equal(held, want)
     bad = rows.copy()
     bad[0, 0] = 150  # a block scale of 2^23
-    with pytest.raises(ValueError, match="MXFP4 block scales"):
+    with pytest.raises(ValueError, match="MXFP4 block scale"):
         ng.repack(bad, ng.MXFP4, 128)
 
 

@@ -60,9 +60,9 @@ def test_moe_batch_invariance_preemption_and_prefix_hits(moe_gguf: Path) -> None
     """Greedy tokens and logprobs of an MoE model equal a roomy run alone: batched with sampled
     neighbours, chunked, preempted under a tight KV budget, over prefix-cache hits
     (``tests.engine.test_batch_invariance``)."""
-    from tests.engine.test_batch_invariance import _check
+    from tests.engine.test_batch_invariance import check_invariance
 
-    _check(str(moe_gguf), "auto")
+    check_invariance(str(moe_gguf), "auto")
 
 
 @pytest.mark.parametrize("case, scheme, fmt, max_kl", [
@@ -121,3 +121,26 @@ def test_moe_config_fields_and_refusals() -> None:
                            "moe_intermediate_size": 32})
     with pytest.raises(ValueError, match=r"gpt-oss .*not supported yet"):
         parse_arch_config({**base, "architectures": ["GptOssForCausalLM"]})
+
+
+def test_gptq_in_several_passes_writes_the_same_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A layer whose Hessians exceed the budget is recorded in several passes over the
+    calibration windows, each seeing the layer as it was: the checkpoint is the same bytes."""
+    from safetensors.torch import load_file
+
+    from qpage.formats.scheme import QuantScheme
+    from qpage.quantizers import calibrate
+    from qpage.quantizers.pipeline import quantize_checkpoint
+
+    cls_name, extra = MOE_CASES["qwen2-moe"]
+    src, _ = build(tmp_path / "f", cls_name, extra)
+    calib = [torch.randint(0, 256, (64,), generator=torch.Generator().manual_seed(3)).tolist() for _ in range(2)]
+    scheme = QuantScheme.parse("int4-gptq", group_size=32)
+    quantize_checkpoint(src, tmp_path / "one", scheme, progress=False, calib=calib)
+    monkeypatch.setattr(calibrate, "HESSIAN_BUDGET", 8 * 64 * 64)  # one 64-wide linear a pass
+    quantize_checkpoint(src, tmp_path / "many", scheme, progress=False, calib=calib)
+    def tensors(folder: Path) -> dict[str, torch.Tensor]:
+        return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+    one, many = tensors(tmp_path / "one"), tensors(tmp_path / "many")
+    assert one and one.keys() == many.keys() and all(torch.equal(one[k], many[k]) for k in one)

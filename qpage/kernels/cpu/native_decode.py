@@ -18,7 +18,8 @@ import torch
 
 from qpage.kernels.cpu.matmul.native_gguf import PiecewiseMatmul
 from qpage.kernels.cpu.native import as_i64, load
-from qpage.kernels.cpu.native_moe import CMoe, CProj, MoeKernel, c_proj
+from qpage.kernels.cpu.native_moe import CMoe, MoeKernel
+from qpage.kernels.cpu.native_step import CProj, c_proj
 
 _p, _i32, _i64, _f = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
 

@@ -2,9 +2,8 @@
 expert's two projections over the rows routed to it, the weighted sum, and a shared expert.
 
 It runs experts whose projections are all on the block-format kernels (``native_gguf``,
-every piece packed, inputs in order), the router in fp32. The C structs for a projection
-(``CPiece``, ``CProj``) are shared with the fused decode step (``native_decode``), which
-calls the same block inside its layers.
+every piece packed, inputs in order; ``native_step``), the router in fp32. The fused decode
+step (``native_decode``) calls the same block inside its layers.
 """
 
 from __future__ import annotations
@@ -16,20 +15,9 @@ import torch
 
 from qpage.kernels.cpu.matmul.native_gguf import PiecewiseMatmul
 from qpage.kernels.cpu.native import load
+from qpage.kernels.cpu.native_step import CProj, c_proj, unfit_reason
 
-_p, _i32, _i64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
-
-
-class CPiece(ctypes.Structure):
-    """``qp_piece``: output columns [col0, col0 + n) on one packed weight."""
-
-    _fields_ = [("type", _i32), ("pad", _i32), ("w", _p), ("n", _i64), ("col0", _i64)]
-
-
-class CProj(ctypes.Structure):
-    """``qp_proj``: a projection's pieces and an optional bias."""
-
-    _fields_ = [("pieces", ctypes.POINTER(CPiece)), ("num_pieces", _i32), ("pad", _i32), ("bias", _p)]
+_p, _i32 = ctypes.c_void_p, ctypes.c_int32
 
 
 class CMoe(ctypes.Structure):
@@ -39,23 +27,6 @@ class CMoe(ctypes.Structure):
                 ("shared_inter", _i32), ("pad", _i32), ("router", _p), ("gate_up", ctypes.POINTER(CProj)),
                 ("down", ctypes.POINTER(CProj)), ("shared_gate_up", ctypes.POINTER(CProj)),
                 ("shared_down", ctypes.POINTER(CProj)), ("shared_gate", _p)]
-
-
-def unfit_reason(mm: object) -> str | None:
-    """Why a projection cannot run in the C step or block (None: it can)."""
-    if not isinstance(mm, PiecewiseMatmul):
-        return "it is not on the block-format kernels"
-    if mm.input_perm is not None:
-        return "its inputs are permuted (act-order)"
-    return "a part of it is a float tensor" if mm.dense_pieces() else None
-
-
-def c_proj(mm: PiecewiseMatmul, bias: torch.Tensor | None, keep: list[object]) -> CProj:
-    """The C description of ``mm`` (its pieces array appended to ``keep``, which must outlive it)."""
-    packed = mm.packed_pieces()
-    pieces = (CPiece * len(packed))(*[CPiece(t, 0, w, n, c0) for c0, t, w, n in packed])
-    keep.append(pieces)
-    return CProj(pieces, len(pieces), 0, bias.data_ptr() if bias is not None else None)
 
 
 @dataclass
@@ -76,6 +47,10 @@ def weights_unfit_reason(w: MoeWeights) -> str | None:
     """Why the C block cannot run these weights (None: it can)."""
     if w.router.dtype != torch.float32 or not w.router.is_contiguous() or w.router.device.type != "cpu":
         return "the router is not contiguous fp32 on the CPU"
+    if w.router.dim() != 2 or w.router.shape[0] != len(w.experts) or not 0 < w.top_k <= len(w.experts):
+        return f"a router of shape {tuple(w.router.shape)} for {len(w.experts)} experts, top {w.top_k}"
+    if w.shared_gate is not None and w.shared_gate.numel() != w.router.shape[1]:
+        return "the shared expert's gate is not one weight per hidden unit"
     for i, pair in enumerate([*w.experts, *([w.shared] if w.shared is not None else [])]):
         for mm in pair:
             why = unfit_reason(mm)

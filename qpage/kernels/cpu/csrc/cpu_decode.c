@@ -84,6 +84,28 @@ int qp_project(const qp_proj *p, const float *x, int rows, int k, float *out, in
     return 0;
 }
 
+/* The layer's MLP on the normed h [rows, hidden], its output left in h: gate_up into gu, the
+ * activation into a (the step's scratch), down back into h; or the layer's mixture of experts
+ * into moe_out, copied back. Then the norm of the MLP's output, where the layer has one. */
+static int mlp(const qp_layer *L, const qp_shape *sh, float *h, int rows, float *gu, float *a, float *moe_out,
+               const qp_act *act) {
+    const int hidden = sh->hidden, inter = sh->inter;
+    int rc;
+    if (L->moe) {
+        if ((rc = qp_moe_f32(L->moe, h, rows, hidden, moe_out, sh->threads))) return rc;
+        memcpy(h, moe_out, sizeof(float) * (size_t)rows * (size_t)hidden);
+    } else {
+        if ((rc = qp_project(&L->gate_up, h, rows, hidden, gu, 2 * (int64_t)inter, act, sh->threads))) return rc;
+        if (sh->gelu)
+            qp_gelu_tanh_mul_f32(gu, 2 * (int64_t)inter, a, rows, inter);
+        else
+            qp_silu_mul_f32(gu, 2 * (int64_t)inter, a, rows, inter);
+        if ((rc = qp_project(&L->down, a, rows, inter, h, hidden, act, sh->threads))) return rc;
+    }
+    if (L->mlp_out_norm) qp_rms_norm_f32(h, hidden, h, L->mlp_out_norm, rows, hidden, sh->eps);
+    return 0;
+}
+
 /* h [rows, hidden]: the embedding output in, the last layer's MLP output out; residual
  * [rows, hidden] out. cos[i], sin[i] [rows, head_dim]: rotary tables i (sin signed as
  * qp_rope_f32 takes it); per KV group g, slots[g] [rows] and num_groups[g] decode groups at
@@ -138,19 +160,7 @@ int qp_gguf_decode_layers(const qp_layer *layers, int num_layers, const qp_shape
         if ((rc = qp_project(&L->o, attn, rows, (int)q_n, h, hidden, &act, sh->threads))) break;
         if (L->attn_out_norm) qp_rms_norm_f32(h, hidden, h, L->attn_out_norm, rows, hidden, sh->eps);
         qp_add_rms_norm_f32(h, residual, L->post_norm, rows, hidden, sh->eps);
-        if (L->moe) {
-            if ((rc = qp_moe_f32(L->moe, h, rows, hidden, moe_out, sh->threads))) break;
-            memcpy(h, moe_out, sizeof(float) * (size_t)rows * (size_t)hidden);
-            if (L->mlp_out_norm) qp_rms_norm_f32(h, hidden, h, L->mlp_out_norm, rows, hidden, sh->eps);
-            continue;
-        }
-        if ((rc = qp_project(&L->gate_up, h, rows, hidden, qkv, 2 * (int64_t)inter, &act, sh->threads))) break;
-        if (sh->gelu)
-            qp_gelu_tanh_mul_f32(qkv, 2 * (int64_t)inter, attn, rows, inter);
-        else
-            qp_silu_mul_f32(qkv, 2 * (int64_t)inter, attn, rows, inter);
-        if ((rc = qp_project(&L->down, attn, rows, inter, h, hidden, &act, sh->threads))) break;
-        if (L->mlp_out_norm) qp_rms_norm_f32(h, hidden, h, L->mlp_out_norm, rows, hidden, sh->eps);
+        if ((rc = mlp(L, sh, h, rows, qkv, attn, moe_out, &act))) break;
     }
     free(qkv);
     free(attn);

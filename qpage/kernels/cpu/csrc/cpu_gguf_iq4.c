@@ -9,7 +9,7 @@
  * or / 120, per 32 weights; those factors round the codebooks with the least error, and FP4's
  * all but 0.0052 exactly); the loader (formats/bnb.py) writes them. MXFP4 (OCP microscaling: E2M1
  * codes, an E8M0 exponent e per 32 weights, w = 2^(e-127) E2M1[q]) is E2M1 times 2 (integers) with
- * d = 2^(e-128), exact in fp16 for e in [104, 143]; matmul/block_rewrite.py writes it.
+ * d = 2^(e-128) (fp16: exact for e in [104, 143]); matmul/block_rewrite.py writes it.
  *
  * Kernel layouts: IQ4_NL's is Q4_0's (per block the 16 rows' d, then 4 nibble vectors).
  * IQ4_XS per super-block: the 16 rows' d (16 fp16), their ls - 32 as [sub-block][row] int8

@@ -60,6 +60,8 @@ static int run_mlp(const qp_proj *gate_up, const qp_proj *down, int inter, const
 
 int qp_moe_f32(const qp_moe *m, const float *x, int rows, int hidden, float *out, int threads) {
     const int ne = m->num_experts, k = m->top_k;
+    if (ne < 1 || k < 1 || k > ne || rows < 0 || m->inter < 1) return -1;
+    if (rows == 0) return 0;
     const int wide = m->inter > m->shared_inter ? m->inter : m->shared_inter;
     const int kmax = hidden > wide ? hidden : wide;
     const size_t nr = (size_t)rows;

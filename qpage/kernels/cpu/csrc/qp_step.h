@@ -47,7 +47,7 @@ typedef struct {
 
 /* out[rows, hidden] = the block's output for x[rows, hidden] (out and x distinct). Rows are
  * grouped by expert so that each chosen expert runs one matmul over its rows. Returns as
- * qp_project. */
+ * qp_project (-1 also for a block that is not 1 <= top_k <= num_experts). */
 int qp_moe_f32(const qp_moe *m, const float *x, int rows, int hidden, float *out, int threads);
 
 #endif

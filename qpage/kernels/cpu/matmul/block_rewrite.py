@@ -1,7 +1,7 @@
 """GGUF block formats the kernels run as another one, rewritten once at load: Q3_K as Q6_K
-(exactly), Q2_K as Q8_0, and MXFP4 on IQ4_NL's block (exactly) (``native_gguf.REWRITTEN``).
-Rows go a few thousand at a time, so the rewrites' temporaries (several bytes a weight) stay
-small."""
+(exactly), Q2_K as Q8_0, and MXFP4 on IQ4_NL's block (exactly but for weights under 1e-6)
+(``native_gguf.REWRITTEN``). The K-quant rewrites go a few thousand rows at a time, so their
+temporaries (several bytes a weight) stay small; MXFP4's are a few bytes a block."""
 
 from __future__ import annotations
 
@@ -56,24 +56,29 @@ def q3k_as_q6k(rows: np.ndarray) -> np.ndarray:
     return _by_chunks(rows, one, 110, 210)
 
 
-MXFP4_EXPONENTS = (104, 143)
-"""E8M0 exponents whose 2^(e-128) fp16 holds exactly (its smallest subnormal to its largest power of 2)."""
+MXFP4_MAX_EXPONENT = 143
+"""The largest E8M0 exponent whose 2^(e-128) fp16 holds (2^15); from 104 up (2^-24, fp16's
+smallest subnormal) it is exact, below that rounded (weights under 12 * 2^-24 move by at most
+half of that: 4e-7)."""
 
 
 def mxfp4_as_nl(rows: np.ndarray) -> np.ndarray:
     """MXFP4 rows uint8 [n, k / 32 * 17] (per block an E8M0 exponent e, then 16 bytes of E2M1
     codes, weight j in byte j's low nibble and j + 16 in its high one) -> the same weights as
     codebook blocks [n, k / 32 * 18]: fp16 d = 2^(e-128), then the same 16 bytes, each code
-    standing for E2M1 times 2 (0, 1, 2, 3, 4, 6, 8, 12 and their negatives, ``cpu_gguf_iq4.c``)."""
+    standing for E2M1 times 2 (0, 1, 2, 3, 4, 6, 8, 12 and their negatives, ``cpu_gguf_iq4.c``).
+    A block of zeros (ggml writes e = 0 for it) gets d = 0."""
     n = rows.shape[0]
     b = rows.reshape(n, -1, 17)
     e = b[..., 0].astype(np.int32)
-    lo, hi = MXFP4_EXPONENTS
-    if e.size and (int(e.min()) < lo or int(e.max()) > hi):
-        raise ValueError(f"MXFP4 block scales 2^{int(e.min()) - 127}..2^{int(e.max()) - 127} fall outside the "
-                         f"kernels' fp16 scale (2^{lo - 127}..2^{hi - 127})")
+    zero = ((b[..., 1:] & 0x77) == 0).all(-1)  # every code +-0
+    e = np.where(zero, 128, e)
+    if e.size and int(e.max()) > MXFP4_MAX_EXPONENT:
+        raise ValueError(f"MXFP4 block scale 2^{int(e.max()) - 127} is beyond the kernels' fp16 scale "
+                         f"(2^{MXFP4_MAX_EXPONENT - 127} at most)")
+    d = np.where(zero, np.float32(0), np.ldexp(np.float32(1), e - 128)).astype(np.float16)
     out = np.empty((n, b.shape[1], 18), dtype=np.uint8)
-    out[..., :2] = np.ldexp(np.float32(1), e - 128).astype(np.float16)[..., None].view(np.uint8)
+    out[..., :2] = d[..., None].view(np.uint8)
     out[..., 2:] = b[..., 1:]
     return out.reshape(n, -1)
 

@@ -76,6 +76,8 @@ def block_types() -> dict[int, BlockType]:
         out[info[0]] = BlockType(info[1], info[2], info[3])
         i += 1
     for t, runs_as in REWRITTEN.items():
+        if t not in {int(q) for q in GGMLQuantizationType}:
+            continue  # a format the installed gguf package predates (MXFP4): no file holds it then
         weights, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType(t)]
         target = out[runs_as]
         out[t] = BlockType(weights, nbytes, target.packed_bytes * weights // target.weights)
