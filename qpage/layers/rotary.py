@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None,
@@ -25,6 +25,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None,
         return _llama3_inv_freq(inv_freq, scaling), 1.0  # type: ignore[arg-type]
     if rope_type in ("longrope", "su"):
         return _longrope(inv_freq, scaling, max_positions)  # type: ignore[arg-type]
+    if rope_type == "yarn":
+        return _yarn(head_dim, theta, scaling)  # type: ignore[arg-type]
     raise ValueError(
         f"rope_scaling type {rope_type!r} is not supported; supported: "
         f"{', '.join(SUPPORTED_ROPE_TYPES)}. ('dynamic' NTK changes the rotation of cached keys "
@@ -47,6 +49,39 @@ def _longrope(inv_freq: torch.Tensor, s: dict[str, Any], max_positions: int) -> 
     if attention is None:
         attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
     return inv_freq / torch.tensor(factors, dtype=torch.float32), float(attention)
+
+
+def _yarn(head_dim: int, theta: float, s: dict[str, Any]) -> tuple[torch.Tensor, float]:
+    """YaRN: frequencies that turn fewer than ``beta_slow`` times over the original context are
+    divided by ``factor`` (interpolated), those turning more than ``beta_fast`` times kept, a
+    linear ramp over the dimensions between (their bounds floored and ceiled unless ``truncate``
+    is false); cos/sin scaled by ``attention_factor``, else 0.1 ln(factor) + 1 (DeepSeek's
+    ``mscale`` / ``mscale_all_dim`` ratio where both are given). The same for every position, so
+    a cached key's rotation never changes (transformers' ``_compute_yarn_parameters``)."""
+    original = float(s["original_max_position_embeddings"])
+    factor = float(s.get("factor") or s["max_position_embeddings"] / original)
+
+    def mscale(m: float = 1.0) -> float:
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    attention = s.get("attention_factor")
+    if attention is None:
+        m, m_all = s.get("mscale"), s.get("mscale_all_dim")
+        attention = mscale(m) / mscale(m_all) if m and m_all else mscale()
+    beta_fast, beta_slow = float(s.get("beta_fast") or 32), float(s.get("beta_slow") or 1)
+
+    def dim_of(rotations: float) -> float:
+        return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_of(beta_fast), dim_of(beta_slow)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    pos_freqs = theta ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low if high != low else 0.001))
+    keep = 1 - ramp.clamp(0, 1)  # 1: extrapolate (the original frequency), 0: interpolate
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - keep) + (1.0 / pos_freqs) * keep
+    return inv_freq, float(attention)
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:

@@ -143,6 +143,11 @@ def _rope(cfg: dict[str, Any], source: str) -> tuple[float, dict[str, Any] | Non
         theta, scaling = float(cfg.get("rope_theta", 10000.0)), cfg.get("rope_scaling")
         if isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type")) == "default":
             scaling = None
+    if scaling is not None and scaling.get("rope_type", scaling.get("type")) == "yarn":
+        if not scaling.get("original_max_position_embeddings") and not cfg.get("original_max_position_embeddings"):
+            raise ValueError(f"{source}: yarn rope scaling needs original_max_position_embeddings")
+        scaling = {"max_position_embeddings": int(cfg.get("max_position_embeddings", 4096)),
+                   "original_max_position_embeddings": cfg.get("original_max_position_embeddings"), **scaling}
     if scaling is not None and scaling.get("rope_type", scaling.get("type")) in ("longrope", "su"):
         scaling = dict(scaling)
         original = scaling.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings")

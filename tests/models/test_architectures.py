@@ -31,6 +31,13 @@ CASES = {
     "qwen2-qkv-bias": ("Qwen2Config", {}),
     "qwen2-window": ("Qwen2Config", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}),
     "qwen3-qk-norm": ("Qwen3Config", {"head_dim": 32}),
+    # YaRN over an original context shorter than the prompts; gpt-oss's untruncated ramp, and
+    # DeepSeek's mscale ratio.
+    "qwen3-yarn": ("Qwen3Config", {"head_dim": 32, "rope_parameters": {
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "rope_theta": 10000.0}}),
+    "llama-yarn-untruncated": ("LlamaConfig", {"rope_parameters": {
+        "rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 12, "rope_theta": 150000.0,
+        "beta_fast": 16.0, "beta_slow": 2.0, "truncate": False, "mscale": 0.8, "mscale_all_dim": 0.5}}),
     "phi3-fused": ("Phi3Config", {"sliding_window": None, "pad_token_id": 0}),
 }
 GEMMA_CASES = {
