@@ -1,7 +1,8 @@
-"""A sparse mixture-of-experts MLP (Qwen2-MoE, Qwen3-MoE, Mixtral): a router scores every
-expert for each token; the token runs its ``top_k`` best experts (SwiGLU MLPs) and sums their
-outputs weighted by the router's softmax probabilities (renormalised over the chosen ones
-when ``norm_topk``); Qwen2-MoE adds a shared expert to every token, gated by a sigmoid.
+"""A sparse mixture-of-experts MLP (Qwen2-MoE, Qwen3-MoE, Mixtral, gpt-oss): a router scores
+every expert for each token; the token runs its ``top_k`` best experts (SwiGLU MLPs) and sums
+their outputs weighted by the router's softmax probabilities (renormalised over the chosen ones
+when ``norm_topk``); Qwen2-MoE adds a shared expert to every token, gated by a sigmoid;
+gpt-oss's router and experts have biases and its SwiGLU is clamped.
 
 Each expert's projections are linears from the one factory (packed GGUF blocks, GPTQ/AWQ
 integers, dense), so experts load, quantize and run as any other linear. The router stays in
@@ -24,15 +25,29 @@ from qpage.layers.ops import TORCH_OPS, CpuNativeOps, TorchOps
 
 
 class ExpertMLP(nn.Module):
-    """One expert: down(silu(x W_gate) * (x W_up)), gate and up fused in ``gate_up_proj``."""
+    """One expert: down(act(x W_gate) * (x W_up)), gate and up fused in ``gate_up_proj`` (gate
+    rows first); act SiLU, or with ``swiglu`` (limit, alpha) gpt-oss's clamped form
+    (``clamped_swiglu``)."""
 
-    def __init__(self, hidden: int, inter: int, quant: LinearConfig | None) -> None:
+    def __init__(self, hidden: int, inter: int, quant: LinearConfig | None, bias: bool = False,
+                 swiglu: tuple[float, float] | None = None) -> None:
         super().__init__()
-        self.gate_up_proj = make_linear(hidden, 2 * inter, False, quant)
-        self.down_proj = make_linear(inter, hidden, False, quant)
+        self.gate_up_proj = make_linear(hidden, 2 * inter, bias, quant)
+        self.down_proj = make_linear(inter, hidden, bias, quant)
+        self.swiglu = swiglu
 
     def run(self, x: torch.Tensor, ops: TorchOps) -> torch.Tensor:
-        return self.down_proj.forward(ops.silu_mul(self.gate_up_proj.forward(x)))
+        gate_up = self.gate_up_proj.forward(x)
+        act = ops.silu_mul(gate_up) if self.swiglu is None else clamped_swiglu(gate_up, *self.swiglu)
+        return self.down_proj.forward(act)
+
+
+def clamped_swiglu(gate_up: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:
+    """gpt-oss's activation on [rows, 2 inter] (gate then up): the gate clamped above at
+    ``limit``, up to [-limit, limit]; (up + 1) * gate * sigmoid(alpha * gate)."""
+    inter = gate_up.shape[-1] // 2
+    gate, up = gate_up[..., :inter].clamp(max=limit), gate_up[..., inter:].clamp(-limit, limit)
+    return (up + 1) * gate * torch.sigmoid(gate * alpha)
 
 
 def route(logits: torch.Tensor, top_k: int, norm_topk: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,13 +66,16 @@ class SparseMoe(nn.Module):
     """A sparse layer's MLP: router, experts, optional shared expert (names as Qwen's checkpoints)."""
 
     def __init__(self, hidden: int, num_experts: int, top_k: int, inter: int, norm_topk: bool,
-                 shared_inter: int, quant: LinearConfig | None) -> None:
-        """``shared_inter``: width of the shared expert (0: none)."""
+                 shared_inter: int, quant: LinearConfig | None, bias: bool = False,
+                 swiglu: tuple[float, float] | None = None) -> None:
+        """``shared_inter``: width of the shared expert (0: none); ``bias``: the router and the
+        experts have biases; ``swiglu``: gpt-oss's clamped activation (limit, alpha)."""
         super().__init__()
         self.top_k, self.norm_topk = top_k, norm_topk
         self.gate = nn.Parameter(torch.empty(num_experts, hidden), requires_grad=False)
         """The router [experts, hidden] (never quantized)."""
-        self.experts = nn.ModuleList(ExpertMLP(hidden, inter, quant) for _ in range(num_experts))
+        self.gate_bias = nn.Parameter(torch.empty(num_experts), requires_grad=False) if bias else None
+        self.experts = nn.ModuleList(ExpertMLP(hidden, inter, quant, bias, swiglu) for _ in range(num_experts))
         self.shared_expert = ExpertMLP(hidden, shared_inter, quant) if shared_inter else None
         self.shared_expert_gate = (nn.Parameter(torch.empty(1, hidden), requires_grad=False)
                                    if shared_inter else None)
@@ -74,6 +92,9 @@ class SparseMoe(nn.Module):
         self.kernel, self.experts_path = None, "torch"
         if not isinstance(ops, CpuNativeOps):
             self.unfit = f"the model's ops are {ops.name}, not the C kernels"
+            return
+        if self.gate_bias is not None or self.experts[0].swiglu is not None:
+            self.unfit = "biased experts and the clamped SwiGLU (gpt-oss) are not in the C block yet"
             return
         shared = self.shared_expert
         w = MoeWeights(self.gate.data.float().contiguous(),
@@ -95,7 +116,7 @@ class SparseMoe(nn.Module):
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         """The torch path: rows grouped by expert, experts in id order, each output added to its
         rows times the routing weight (in x's dtype, as the reference models)."""
-        weights, ids = route(F.linear(x, self.gate), self.top_k, self.norm_topk)
+        weights, ids = route(F.linear(x, self.gate, self.gate_bias), self.top_k, self.norm_topk)
         weights = weights.to(x.dtype)
         out = torch.zeros_like(x)
         for e in torch.unique(ids).tolist():

@@ -17,11 +17,11 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM",
     "MixtralForCausalLM",
+    "GptOssForCausalLM",
 )
-MOE_ARCHITECTURES = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM")
+MOE_ARCHITECTURES = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM", "GptOssForCausalLM")
 """Mixture-of-experts models (``models.moe``): each sparse layer's MLP is a router and experts."""
-NOT_YET = {"GptOssForCausalLM": "gpt-oss (MXFP4 experts, attention sinks, YaRN) is not supported yet",
-           "DeepseekV3ForCausalLM": "DeepSeek-V3's latent attention is not supported",
+NOT_YET = {"DeepseekV3ForCausalLM": "DeepSeek-V3's latent attention is not supported",
            "DeepseekV2ForCausalLM": "DeepSeek-V2's latent attention is not supported"}
 """Architectures people ask for that qpage refuses with a reason (rather than only "not supported")."""
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
@@ -93,6 +93,14 @@ class ArchConfig:
     """Width of the shared expert every token also runs, its output gated by a sigmoid (Qwen2-MoE; 0: none)."""
     sparse_layers: tuple[bool, ...] | None = None
     """Per layer, whether its MLP is the experts (else a dense MLP of ``intermediate_size``)."""
+    expert_bias: bool = False
+    """The router and every expert projection have biases (gpt-oss)."""
+    swiglu_limit: float | None = None
+    """gpt-oss's clamped SwiGLU: gate clamped above and up to +-limit, then
+    (up + 1) * gate * sigmoid(alpha * gate); None: plain SiLU(gate) * up."""
+    swiglu_alpha: float = 1.702
+    attention_sinks: bool = False
+    """A learned logit per head joins each softmax, attending to nothing (gpt-oss)."""
 
     @property
     def fused_checkpoint(self) -> bool:
@@ -180,7 +188,7 @@ def parse_arch_config(cfg: dict[str, Any], source: str = "config.json") -> ArchC
         raise ValueError(
             f"{source}: architecture {arch!r} is not supported; qpage runs "
             f"{', '.join(SUPPORTED_ARCHITECTURES)} (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, SmolLM, Phi-3/3.5/4, "
-            "Gemma 2/3, Qwen2-MoE, Qwen3-MoE, Mixtral)"
+            "Gemma 2/3, Qwen2-MoE, Qwen3-MoE, Mixtral, gpt-oss)"
         )
     if arch == "Gemma3ForConditionalGeneration":
         cfg = _gemma3_text(cfg, source)
@@ -242,13 +250,19 @@ def parse_arch_config(cfg: dict[str, Any], source: str = "config.json") -> ArchC
 
 def _moe(cfg: dict[str, Any], arch: str, layers: int, source: str) -> dict[str, Any]:
     """The experts' fields: Qwen's sparse layers are those not in ``mlp_only_layers`` at every
-    ``decoder_sparse_step``-th layer; Mixtral's are all, its top-k weights renormalised
-    (a softmax over the chosen experts' logits)."""
+    ``decoder_sparse_step``-th layer; Mixtral's and gpt-oss's are all, their top-k weights
+    renormalised (a softmax over the chosen experts' logits); gpt-oss's experts and router have
+    biases, its SwiGLU is clamped, its attention has sinks."""
     experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
     top_k = int(cfg.get("num_experts_per_tok") or 0)
     if experts <= 0 or not 0 < top_k <= experts:
         raise ValueError(f"{source}: {arch} needs num_experts > 0 and 0 < num_experts_per_tok <= num_experts, got "
                          f"{experts} and {top_k}")
+    if arch == "GptOssForCausalLM":
+        return {"num_experts": experts, "experts_per_token": top_k, "norm_topk_prob": True, "expert_bias": True,
+                "moe_intermediate_size": int(cfg["intermediate_size"]), "sparse_layers": (True,) * layers,
+                "swiglu_limit": float(cfg.get("swiglu_limit", 7.0)),
+                "swiglu_alpha": float(cfg.get("swiglu_alpha", 1.702)), "attention_sinks": True}
     if arch == "MixtralForCausalLM":
         if float(cfg.get("router_jitter_noise") or 0.0):
             raise ValueError(f"{source}: router_jitter_noise is a training setting; set it to 0")

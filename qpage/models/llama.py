@@ -63,6 +63,8 @@ def projections(c: ArchConfig) -> list[tuple[str, str, int, int]]:
 
 def has_bias(c: ArchConfig, name: str) -> bool:
     """Whether the checkpoint projection ``name`` (of ``projections``) has a bias."""
+    if name.startswith("mlp.experts."):
+        return c.expert_bias
     if name == "self_attn.o_proj":
         return c.o_bias
     return c.qkv_bias if name.startswith("self_attn.") else c.mlp_bias
@@ -86,6 +88,8 @@ class Attention(nn.Module):
         self.scale = c.attention_scale
         self.window = window
         self.softcap = c.attn_logit_softcap
+        self.sinks = nn.Parameter(torch.empty(c.num_heads), requires_grad=False) if c.attention_sinks else None
+        """One learned logit per head in every softmax (gpt-oss), or None."""
         self.ops: TorchOps = TORCH_OPS
 
     def forward(
@@ -104,7 +108,7 @@ class Attention(nn.Module):
         q, k, v = cache.transform.apply(q, k, v)  # centering/rotation of a quantized cache (exact)
         backend.write_cache(k, v, cache, meta.slot_mapping)
         out = cache.transform.restore(backend.attend(q, k, v, cache, meta, self.scale, self.window,
-                                                              self.softcap))
+                                                              self.softcap, self.sinks))
         return self.o_proj.forward(out.reshape(t, c.q_size))
 
 
@@ -205,7 +209,8 @@ class LlamaForCausalLM(nn.Module):
         (``layers.attention.selector.FEATURES``)."""
         attns = [layer.self_attn for layer in self.layers]
         return frozenset({*(["sliding-window"] if any(a.window is not None for a in attns) else []),
-                          *(["softcap"] if any(a.softcap is not None for a in attns) else [])})
+                          *(["softcap"] if any(a.softcap is not None for a in attns) else []),
+                          *(["sinks"] if any(a.sinks is not None for a in attns) else [])})
 
     def to_device(self, device: torch.device) -> None:
         self.to(device)
@@ -294,6 +299,8 @@ class LlamaForCausalLM(nn.Module):
                 if has_bias(c, name):
                     out[f"{pre}{name}.bias"] = (mod.bias, off, rows)
             attn = layer.self_attn
+            if attn.sinks is not None:
+                whole(f"{pre}self_attn.sinks", attn.sinks)
             if attn.q_norm is not None and attn.k_norm is not None:
                 whole(f"{pre}self_attn.q_norm.weight", attn.q_norm.weight)
                 whole(f"{pre}self_attn.k_norm.weight", attn.k_norm.weight)

@@ -1,10 +1,12 @@
-"""Mixture-of-experts models on the Llama family's layers: Qwen2-MoE, Qwen3-MoE and Mixtral.
+"""Mixture-of-experts models on the Llama family's layers: Qwen2-MoE, Qwen3-MoE, Mixtral and
+gpt-oss.
 
 Attention, norms and the dense layers are the Llama family's (``models.llama``; Qwen3-MoE
-has Qwen3's q/k norms, Qwen2-MoE Qwen2's qkv bias); a sparse layer's MLP is a
-``layers.moe.SparseMoe``. Checkpoint names are Qwen's (``mlp.gate``, ``mlp.experts.N.
-gate_proj``, ``mlp.shared_expert``, ``mlp.shared_expert_gate``); Mixtral's
-(``block_sparse_moe.gate``, ``experts.N.w1/w3/w2``) are read as those.
+has Qwen3's q/k norms, Qwen2-MoE Qwen2's qkv bias, gpt-oss biases everywhere, sinks and
+alternating windowed layers); a sparse layer's MLP is a ``layers.moe.SparseMoe``. Checkpoint
+names are Qwen's (``mlp.gate``, ``mlp.experts.N.gate_proj``, ``mlp.shared_expert``,
+``mlp.shared_expert_gate``); Mixtral's (``block_sparse_moe.gate``, ``experts.N.w1/w3/w2``)
+and gpt-oss's (``mlp.router``, stacked ``mlp.experts.gate_up_proj``) are read as those.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from qpage.models.sharding import WHOLE_MODEL, PartLoader
 
 _MIXTRAL = re.compile(r"\.block_sparse_moe\.(?:experts\.(\d+)\.(w[123])(?=\.|$))?")
 _MIXTRAL_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+_GPT_OSS_EXPERTS = re.compile(r"^(model\.layers\.\d+)\.mlp\.experts\.(gate_up_proj|down_proj)(_bias)?$")
 
 
 def mixtral_name(name: str) -> str:
@@ -45,8 +48,9 @@ class MoeForCausalLM(LlamaForCausalLM):
     def build_layer(self, c: ArchConfig, i: int, max_positions: int) -> nn.Module:
         if not c.is_sparse(i):
             return super().build_layer(c, i, max_positions)
+        swiglu = None if c.swiglu_limit is None else (c.swiglu_limit, c.swiglu_alpha)
         moe = SparseMoe(c.hidden_size, c.num_experts, c.experts_per_token, c.moe_intermediate_size, c.norm_topk_prob,
-                        c.shared_expert_intermediate_size, linear_quant(c))
+                        c.shared_expert_intermediate_size, linear_quant(c), c.expert_bias, swiglu)
         return DecoderLayer(c, c.attention_windows(max_positions)[i], moe)
 
     def layer_projections(self, i: int) -> list[tuple[str, str, int, int]]:
@@ -66,6 +70,8 @@ class MoeForCausalLM(LlamaForCausalLM):
             moe = layer.mlp
             if isinstance(moe, SparseMoe):
                 out[f"model.layers.{i}.mlp.gate.weight"] = (moe.gate, 0, moe.gate.shape[0])
+                if moe.gate_bias is not None:
+                    out[f"model.layers.{i}.mlp.gate.bias"] = (moe.gate_bias, 0, moe.gate_bias.shape[0])
                 if moe.shared_expert_gate is not None:
                     out[f"model.layers.{i}.mlp.shared_expert_gate.weight"] = (moe.shared_expert_gate, 0, 1)
         return out
@@ -77,5 +83,31 @@ class MoeForCausalLM(LlamaForCausalLM):
 
 def _renamed(tensors: Iterable[tuple[str, str, torch.Tensor | LazyTensor | GgufTensor]]
              ) -> Iterator[tuple[str, str, torch.Tensor | LazyTensor | GgufTensor]]:
+    """Every tensor under Qwen's MoE names: Mixtral's renamed, gpt-oss's router renamed and its
+    stacked experts split (``gpt_oss_experts``)."""
     for file, name, t in tensors:
-        yield file, mixtral_name(name), t
+        m = _GPT_OSS_EXPERTS.match(name)
+        if m is not None:
+            value = t.read() if isinstance(t, LazyTensor) else t
+            if not isinstance(value, torch.Tensor):
+                raise ValueError(f"{file}: {name} is quantized; gpt-oss's experts load from float tensors")
+            for split_name, part in gpt_oss_experts(m.group(1), m.group(2), value):
+                yield file, split_name, part
+            continue
+        yield file, mixtral_name(name).replace(".mlp.router.", ".mlp.gate."), t
+
+
+def gpt_oss_experts(layer: str, proj: str, t: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    """gpt-oss's stacked experts as one tensor per expert and projection: ``gate_up_proj``
+    [experts, hidden, 2 inter] holds x -> [gate, up] with gate and up interleaved (even, odd
+    columns); ``down_proj`` [experts, inter, hidden]; their biases [experts, 2 inter] and
+    [experts, hidden]. Weights come out [out, in], gate and up apart."""
+    bias = t.dim() == 2
+    for e in range(t.shape[0]):
+        w = t[e] if bias else t[e].t()
+        pre, suffix = f"{layer}.mlp.experts.{e}", "bias" if bias else "weight"
+        if proj == "gate_up_proj":
+            yield f"{pre}.gate_proj.{suffix}", w[0::2].contiguous()
+            yield f"{pre}.up_proj.{suffix}", w[1::2].contiguous()
+        else:
+            yield f"{pre}.down_proj.{suffix}", w.contiguous()

@@ -187,6 +187,9 @@ def quantize_checkpoint(src: Path, out: Path, scheme: QuantScheme, shard_bytes: 
     if "quantization_config" in config:
         raise ValueError(f"{src} is already quantized ({config['quantization_config'].get('quant_method')}); "
                          "quantize the original checkpoint")
+    if "GptOssForCausalLM" in (config.get("architectures") or []):
+        raise ValueError(f"{src}: quantizing gpt-oss (its experts stacked in one tensor per layer) is not supported "
+                         "yet; run it as it is")
     files = weight_files(src, allow_pickle=False)
     shapes = _linear_shapes(files)
     total = len(shapes)

@@ -63,6 +63,13 @@ MOE_CASES = {
                                      "shared_expert_intermediate_size": 64, "norm_topk_prob": False}),
     "mixtral": ("MixtralConfig", {**MOE, "num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 32,
                                   "sliding_window": None}),
+    # Both layer kinds (an 8-token window under 21-token prompts), sinks, biases, YaRN, and a
+    # SwiGLU limit the activations reach.
+    "gpt-oss": ("GptOssConfig", {**MOE, "head_dim": 16, "num_local_experts": 8, "num_experts_per_tok": 2,
+                                 "intermediate_size": 32, "sliding_window": 8, "swiglu_limit": 0.5,
+                                 "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
+                                                     "beta_slow": 1.0, "truncate": False, "rope_theta": 150000.0,
+                                                     "original_max_position_embeddings": 16}}),
 }
 PHI3_LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 32,
                  "short_factor": [1.0 + 0.1 * i for i in range(8)], "long_factor": [1.0 + 0.9 * i for i in range(8)]}

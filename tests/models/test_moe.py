@@ -103,7 +103,8 @@ def test_moe_quantized_by_qpage_runs_packed(tmp_path: Path, case: str, scheme: s
 
 def test_moe_config_fields_and_refusals() -> None:
     """Qwen's sparse layers (``decoder_sparse_step``, ``mlp_only_layers``), Mixtral's always
-    renormalised routing, and architectures refused by name with the reason."""
+    renormalised routing, gpt-oss's sinks, biases and clamp, and architectures refused by name
+    with the reason."""
     from qpage.models.arch import parse_arch_config
 
     base = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 4, "num_attention_heads": 4,
@@ -119,8 +120,11 @@ def test_moe_config_fields_and_refusals() -> None:
     with pytest.raises(ValueError, match="num_experts_per_tok <= num_experts"):
         parse_arch_config({**base, "architectures": ["Qwen2MoeForCausalLM"], "num_experts": 1,
                            "moe_intermediate_size": 32})
-    with pytest.raises(ValueError, match=r"gpt-oss .*not supported yet"):
-        parse_arch_config({**base, "architectures": ["GptOssForCausalLM"]})
+    g = parse_arch_config({**base, "architectures": ["GptOssForCausalLM"], "num_local_experts": 8,
+                           "attention_bias": True})
+    assert g.attention_sinks and g.expert_bias and g.swiglu_limit == 7.0 and g.qkv_bias and g.o_bias
+    with pytest.raises(ValueError, match=r"DeepSeek-V3's latent attention is not supported"):
+        parse_arch_config({**base, "architectures": ["DeepseekV3ForCausalLM"]})
 
 
 def test_gptq_in_several_passes_writes_the_same_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -144,3 +148,13 @@ def test_gptq_in_several_passes_writes_the_same_checkpoint(tmp_path: Path, monke
 
     one, many = tensors(tmp_path / "one"), tensors(tmp_path / "many")
     assert one and one.keys() == many.keys() and all(torch.equal(one[k], many[k]) for k in one)
+
+
+def test_gpt_oss_is_not_quantized_yet(tmp_path: Path) -> None:
+    from qpage.formats.scheme import QuantScheme
+    from qpage.quantizers.pipeline import quantize_checkpoint
+
+    src, _ = build(tmp_path / "f", *MOE_CASES["gpt-oss"])
+    with pytest.raises(ValueError, match=r"quantizing gpt-oss .* is not supported yet"):
+        quantize_checkpoint(src, tmp_path / "q", QuantScheme.parse("int4-rtn"), progress=False)
+    assert not (tmp_path / "q").exists()

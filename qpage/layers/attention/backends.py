@@ -44,11 +44,13 @@ class AttentionBackend(Protocol):
     def write_cache(self, k: torch.Tensor, v: torch.Tensor, cache: LayerKV, slot_mapping: torch.Tensor) -> None: ...
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKV, meta: Any,
-               scale: float, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+               scale: float, window: int | None = None, softcap: float | None = None,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, KVH, D] (this step's, already written) -> [T, H, D].
         ``window``: each row attends to its last ``window`` positions only; ``softcap``: scores
-        pass through ``softcap * tanh(s / softcap)`` (only backends that declare these
-        features are given them: ``selector.FEATURES``)."""
+        pass through ``softcap * tanh(s / softcap)``; ``sinks`` [H]: one more logit per head in
+        the softmax's denominator, attending to nothing (gpt-oss). Only backends that declare
+        these features are given them (``selector.FEATURES``)."""
         ...
 
 
@@ -70,15 +72,15 @@ class TorchPagedAttention:
 
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKV, meta: AttentionMetadata,
-        scale: float, window: int | None = None, softcap: float | None = None,
+        scale: float, window: int | None = None, softcap: float | None = None, sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, KVH, D] (this step's, already written). Returns [T, H, D].
 
         With a quantized cache every key and value is read back from the cache, this step's
         included, so all paths (and the Triton kernels) attend to the same quantized K/V.
         """
-        if window is not None or softcap is not None:
-            return masked_attention(q, cache, meta, scale, window, softcap)
+        if window is not None or softcap is not None or sinks is not None:
+            return masked_attention(q, cache, meta, scale, window, softcap, sinks)
         outs = [self._decode(q[d.start : d.end], cache, d, scale) for d in meta.decode_groups]
         for p in meta.prefills:
             if self.read_back and p.mask is None:
@@ -205,9 +207,10 @@ class CpuNativePagedAttention(CpuBlasPagedAttention):
 
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKV, meta: AttentionMetadata,
-        scale: float, window: int | None = None, softcap: float | None = None,
+        scale: float, window: int | None = None, softcap: float | None = None, sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """q: [T, H, D] (this step's K/V are already in the cache). Returns [T, H, D]."""
+        assert sinks is None, "the selector gives sinks to backends declaring them"
         outs = [self._rows(q[d.start : d.end], cache, d.block_table, _seq_lens(d), scale, window, softcap)
                 for d in meta.decode_groups]
         for p in meta.prefills:
@@ -217,9 +220,9 @@ class CpuNativePagedAttention(CpuBlasPagedAttention):
 
 
 def masked_attention(q: torch.Tensor, cache: LayerKV, meta: AttentionMetadata, scale: float, window: int | None,
-                     softcap: float | None) -> torch.Tensor:
-    """Attention with a sliding window and/or soft-capped scores, every row over K/V read back
-    from the cache (this step's included): a decode row at context length n sees positions
+                     softcap: float | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention with a sliding window, soft-capped scores and/or sinks, every row over K/V read
+    back from the cache (this step's included): a decode row at context length n sees positions
     [n - window, n), a prompt row at position p sees (p - window, p]."""
     outs = []
     for d in meta.decode_groups:
@@ -230,7 +233,7 @@ def masked_attention(q: torch.Tensor, cache: LayerKV, meta: AttentionMetadata, s
         if window is not None:
             mask &= pos[None, :] >= (lens - window)[:, None]
         out = scaled_attention(q[d.start : d.end].unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2),
-                               mask[:, None, None, :], scale, softcap)
+                               mask[:, None, None, :], scale, softcap, sinks)
         outs.append(out.squeeze(2))
     for p in meta.prefills:
         n = p.end - p.start
@@ -241,23 +244,29 @@ def masked_attention(q: torch.Tensor, cache: LayerKV, meta: AttentionMetadata, s
         if window is not None:
             mask &= kpos > qpos - window
         out = scaled_attention(q[p.start : p.end].transpose(0, 1)[None], keys.transpose(1, 2),
-                               values.transpose(1, 2), mask[None, None], scale, softcap)
+                               values.transpose(1, 2), mask[None, None], scale, softcap, sinks)
         outs.append(out[0].transpose(0, 1))
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
 
 
 def scaled_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float,
-                     softcap: float | None) -> torch.Tensor:
+                     softcap: float | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, H, Tq, D], keys/values [B, KVH, Tk, D], mask bool broadcasting to [B, H, Tq, Tk]
-    (True: attend). Soft-capped scores take the reference's eager path: scores, cap, mask,
-    softmax in fp32."""
-    if softcap is None:
+    (True: attend). Soft caps and sinks take the reference's eager path: scores, cap, mask, the
+    sink as one more column of the softmax (then dropped), softmax in fp32."""
+    if softcap is None and sinks is None:
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
     group = q.shape[1] // keys.shape[1]
     keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
     s = torch.matmul(q, keys.transpose(-1, -2)) * scale
-    s = (torch.tanh(s / softcap) * softcap).masked_fill(~mask, float("-inf"))
-    return torch.matmul(torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype), values)
+    if softcap is not None:
+        s = torch.tanh(s / softcap) * softcap
+    s = s.float().masked_fill(~mask, float("-inf"))
+    if sinks is None:
+        return torch.matmul(torch.softmax(s, dim=-1).to(q.dtype), values)
+    sink = sinks.float().view(1, -1, 1, 1).expand(s.shape[0], -1, s.shape[2], 1)
+    p = torch.softmax(torch.cat([s, sink], dim=-1), dim=-1)[..., :-1]
+    return torch.matmul(p.to(q.dtype), values)
 
 
 def _seq_lens(d: DecodeGroup) -> torch.Tensor:

@@ -22,9 +22,10 @@ from qpage.layers.attention.triton_backend import TritonPagedAttention
 
 logger = logging.getLogger("qpage")
 
-FEATURES = ("sliding-window", "softcap")
+FEATURES = ("sliding-window", "softcap", "sinks")
 """What a model may ask of attention beyond plain causal attention: layers that attend to a
-sliding window of positions, scores soft-capped before the softmax (Gemma)."""
+sliding window of positions, scores soft-capped before the softmax (Gemma), a learned sink
+logit per head in the softmax (gpt-oss)."""
 
 
 @dataclass(frozen=True)
@@ -74,7 +75,7 @@ ATTENTION_CAPABILITIES = (
                           needs_triton=True, auto=True, make=TritonPagedAttention),
     AttentionCapabilities("cpu-native", ("cpu",), (torch.float32,), ALL_KV, 1024, needs_triton=False, auto=True,
                           make=CpuNativePagedAttention, unavailable=native.unavailable_reason,
-                          features=frozenset(FEATURES)),
+                          features=frozenset({"sliding-window", "softcap"})),
     AttentionCapabilities("cpu-blas", ("cpu",), (torch.float32,), ALL_KV, 1024,
                           needs_triton=False, auto=True, make=CpuBlasPagedAttention),
     AttentionCapabilities("torch", ("cpu", "cuda", "mps"), (torch.float16, torch.bfloat16, torch.float32), ALL_KV,

@@ -94,8 +94,10 @@ class TritonPagedAttention:
         write_kv_cache(k, v, cache.k, cache.v, slot_mapping)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKV, meta: TritonMetadata,
-               scale: float, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
-        assert window is None and softcap is None, "the selector gives windows and soft caps to backends declaring them"
+               scale: float, window: int | None = None, softcap: float | None = None,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
+        assert window is None and softcap is None and sinks is None, (
+            "the selector gives windows, soft caps and sinks to backends declaring them")
         return _attend(q, cache, meta, scale)
 
 
