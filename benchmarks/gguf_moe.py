@@ -4,7 +4,8 @@ weights, so the two must agree (the bar is 1%).
 
 The models are random (seeded) transformers models with the default model's tokenizer:
 hidden 256, 8 experts of width 256 (whole K-quant super-blocks), top-2, 4 layers; Qwen2-MoE
-with its shared expert (width 512). Each is converted by llama.cpp's own converter
+with its shared expert (width 512); gpt-oss with its 128-token window on every other layer
+(under 512-token windows of text), sinks, biases and YaRN. Each is converted by llama.cpp's own converter
 (``llamacpp_convert.py``) to F32 and quantized by llama.cpp to Q8_0, Q4_K_M and MXFP4_MOE
 (experts in MXFP4, the rest Q8_0).
 
@@ -40,6 +41,11 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
                                         norm_topk_prob=False)),
     "mixtral": ("MixtralConfig", dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=256,
                                       sliding_window=None)),
+    "gpt-oss": ("GptOssConfig", dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=256,
+                                     sliding_window=128, rope_parameters={
+                                         "rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                         "truncate": False, "rope_theta": 150000.0,
+                                         "original_max_position_embeddings": 4096})),
 }
 SPEED_MOE = ("Qwen3MoeConfig", dict(hidden_size=1024, num_hidden_layers=18, num_attention_heads=16,
                                     num_key_value_heads=4, head_dim=64, num_experts=32, num_experts_per_tok=8,

@@ -28,6 +28,7 @@ from gguf.quants import dequantize
 from qpage.config import cache_root
 from qpage.formats.gguf_moe import EXPERT_TENSORS, MOE_ARCHITECTURES, MOE_LAYER_NAMES, expert_names, is_moe, moe_config
 from qpage.formats.gguf_reader import BF16, F16, F32, GgufFile, GgufFormatError, TensorInfo
+from qpage.formats.gguf_rope import longrope, yarn
 
 logger = logging.getLogger("qpage")
 
@@ -54,7 +55,8 @@ _LAYER_NAMES = {
 }
 _GEMMA_NAMES = {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
                 "post_ffw_norm": "post_feedforward_layernorm"}
-_ARCH_LAYER_NAMES = {"phi3": {"ffn_up": "mlp.gate_up_proj"}, "gemma2": _GEMMA_NAMES, "gemma3": _GEMMA_NAMES}
+_ARCH_LAYER_NAMES = {"phi3": {"ffn_up": "mlp.gate_up_proj"}, "gemma2": _GEMMA_NAMES, "gemma3": _GEMMA_NAMES,
+                     "gpt-oss": {"post_attention_norm": "post_attention_layernorm"}}
 """Per architecture, tensors whose name means something else there (phi3's ffn_up holds gate
 then up, as Phi-3's gate_up_proj; Gemma's ffn_norm is the norm before the MLP, with norms
 after attention and MLP besides)."""
@@ -127,7 +129,7 @@ def hf_config(f: GgufFile) -> dict[str, Any]:
         raise GgufFormatError(f"{f.path}: rope_freqs.weight (Llama 3.1-style rotary frequency factors) is not "
                               "supported yet in GGUF files; run the model's safetensors checkpoint instead")
     scaling = f.get(f"{arch}.rope.scaling.type")
-    if scaling not in (None, "none") and not (scaling == "linear" and arch in GEMMA_PATTERN):
+    if scaling not in (None, "none", "yarn") and not (scaling == "linear" and arch in GEMMA_PATTERN):
         raise GgufFormatError(f"{f.path}: rotary scaling {scaling!r} is not supported yet in GGUF files")
     heads = _positive(f, f"{arch}.attention.head_count")
     hidden = _positive(f, f"{arch}.embedding_length")
@@ -157,7 +159,9 @@ def hf_config(f: GgufFile) -> dict[str, Any]:
         "quantization_config": {"quant_method": "gguf"},
     }
     if "rope_factors_long.weight" in f.tensors:
-        cfg["rope_parameters"] = _longrope(f, arch, cfg["rope_theta"])
+        cfg["rope_parameters"] = longrope(f, arch, cfg["rope_theta"])
+    if scaling == "yarn":
+        cfg["rope_parameters"] = yarn(f, arch, cfg["rope_theta"])
     window = f.get(f"{arch}.attention.sliding_window")
     if is_moe(f, arch):
         cfg.update(moe_config(f, arch, cfg["num_hidden_layers"]))
@@ -204,22 +208,6 @@ def _gemma(f: GgufFile, arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
     local = {"rope_type": "default", "rope_theta": float(f.get(f"{arch}.rope.freq_base_swa", 10000.0))}
     out["rope_parameters"] = {"full_attention": full, "sliding_attention": local}
     return out
-
-
-def _longrope(f: GgufFile, arch: str, theta: float) -> dict[str, Any]:
-    """Phi-3's LongRoPE as a config's rope_parameters, from the file's factor tensors and keys."""
-    original = f.get(f"{arch}.rope.scaling.original_context_length")
-    if "rope_factors_short.weight" not in f.tensors or not original:
-        raise GgufFormatError(f"{f.path}: rope_factors_long.weight needs rope_factors_short.weight and "
-                              f"{arch}.rope.scaling.original_context_length")
-    params: dict[str, Any] = {
-        "rope_type": "longrope", "rope_theta": theta, "original_max_position_embeddings": int(original),
-        "long_factor": [float(v) for v in f.data("rope_factors_long.weight").reshape(-1)],
-        "short_factor": [float(v) for v in f.data("rope_factors_short.weight").reshape(-1)]}
-    attention = f.get(f"{arch}.rope.scaling.attn_factor")
-    if attention is not None:
-        params["attention_factor"] = float(attention)
-    return params
 
 
 def _positive(f: GgufFile, key: str) -> int:
@@ -281,9 +269,7 @@ def iter_tensors(f: GgufFile) -> Iterator[tuple[str, str, torch.Tensor | GgufTen
     for name, info in f.tensors.items():
         parts = name.split(".")
         if len(parts) == 4 and parts[2] in EXPERT_TENSORS:
-            if parts[3] != "weight":
-                raise GgufFormatError(f"{f.path}: tensor {name!r}: biases on experts (gpt-oss) are not supported")
-            yield from _experts(f, info, parts[1], parts[2])
+            yield from _experts(f, info, parts[1], parts[2], parts[3])
             continue
         target = hf_name(name, arch)
         if target is None:
@@ -293,6 +279,8 @@ def iter_tensors(f: GgufFile) -> Iterator[tuple[str, str, torch.Tensor | GgufTen
             value = value - 1.0
         if name.endswith("ffn_gate_inp_shexp.weight") and isinstance(value, torch.Tensor):
             value = value.reshape(1, -1)  # stored [hidden]; a linear to one output
+        if target is not None and target.endswith("self_attn.sinks.weight"):
+            target = target.removesuffix(".weight")  # a parameter of the attention, not a linear's
         if arch in PERMUTED and name.endswith(("attn_q.weight", "attn_k.weight", "attn_q.bias", "attn_k.bias")):
             h = heads if ".attn_q." in name else kv_heads
             if not isinstance(h, int) or h <= 0 or info.shape[0] % (2 * h):
@@ -302,10 +290,16 @@ def iter_tensors(f: GgufFile) -> Iterator[tuple[str, str, torch.Tensor | GgufTen
         yield f.path.name, target, value
 
 
-def _experts(f: GgufFile, info: TensorInfo, layer: str, kind: str
+def _experts(f: GgufFile, info: TensorInfo, layer: str, kind: str, suffix: str
              ) -> Iterator[tuple[str, str, torch.Tensor | GgufTensor]]:
-    """A 3-d expert tensor [experts, rows, cols] as one 2-d weight per expert (views)."""
-    if len(info.shape) != 3:
+    """A 3-d expert tensor [experts, rows, cols] as one 2-d weight per expert (views); a bias
+    [experts, rows] as one row each."""
+    if suffix == "bias" and len(info.shape) == 2 and info.ggml_type in (F32, F16, BF16):
+        biases = tensor_value(f, info)
+        for e, name in enumerate(expert_names(layer, kind, info.shape[0], "bias")):
+            yield f.path.name, name, biases[e]
+        return
+    if len(info.shape) != 3 or suffix != "weight":
         raise GgufFormatError(f"{f.path}: tensor {info.name!r} has shape {info.shape}; expected [experts, rows, cols]")
     experts, n, k = info.shape
     floats = tensor_value(f, info) if info.ggml_type in (F32, F16, BF16) else None
