@@ -26,7 +26,8 @@ from qpage.models.sharding import WHOLE_MODEL, PartLoader
 
 _MIXTRAL = re.compile(r"\.block_sparse_moe\.(?:experts\.(\d+)\.(w[123])(?=\.|$))?")
 _MIXTRAL_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
-_GPT_OSS_EXPERTS = re.compile(r"^(model\.layers\.\d+)\.mlp\.experts\.(gate_up_proj|down_proj)(_bias)?$")
+GPT_OSS_EXPERTS = re.compile(r"^(model\.layers\.\d+)\.mlp\.experts\.(gate_up_proj|down_proj)(_bias)?$")
+"""gpt-oss's stacked experts (layer prefix, projection, bias suffix): split by ``gpt_oss_experts``."""
 
 
 def mixtral_name(name: str) -> str:
@@ -86,7 +87,7 @@ def _renamed(tensors: Iterable[tuple[str, str, torch.Tensor | LazyTensor | GgufT
     """Every tensor under Qwen's MoE names: Mixtral's renamed, gpt-oss's router renamed and its
     stacked experts split (``gpt_oss_experts``)."""
     for file, name, t in tensors:
-        m = _GPT_OSS_EXPERTS.match(name)
+        m = GPT_OSS_EXPERTS.match(name)
         if m is not None:
             value = t.read() if isinstance(t, LazyTensor) else t
             if not isinstance(value, torch.Tensor):

@@ -38,7 +38,7 @@ from qpage.formats.gptq import pack_linear, quantization_config
 from qpage.formats.safetensors_io import iter_tensors, read_header, write_file
 from qpage.formats.scheme import CALIBRATED, QuantScheme
 from qpage.models.loader import weight_files
-from qpage.models.moe import mixtral_name
+from qpage.models.moe import GPT_OSS_EXPERTS, gpt_oss_experts, mixtral_name
 from qpage.quantizers.fp8 import quantize_fp8
 from qpage.quantizers.nf4 import quantize_nf4
 from qpage.quantizers.rtn import quantize_rtn
@@ -65,9 +65,15 @@ class QuantizeReport:
 
 def _tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor of the checkpoint; the decoder linears, quantized and dropped before the
-    next tensor is read, share one reused read buffer."""
+    next tensor is read, share one reused read buffer. gpt-oss's stacked experts come out one
+    tensor per expert and projection (``models.moe.gpt_oss_experts``), as every other MoE's."""
     for f in files:
-        yield from iter_tensors(f, transient=lambda name: LINEAR.match(name) is not None)
+        for name, t in iter_tensors(f, transient=lambda name: LINEAR.match(name) is not None):
+            m = GPT_OSS_EXPERTS.match(name)
+            if m is None:
+                yield name, t
+            else:
+                yield from gpt_oss_experts(m.group(1), m.group(2), t)
 
 
 def _linear_shapes(files: list[Path]) -> dict[str, list[int]]:
@@ -78,6 +84,13 @@ def _linear_shapes(files: list[Path]) -> dict[str, list[int]]:
             m = LINEAR.match(k)
             if m:
                 out[m.group(1)] = info["shape"]
+            g = GPT_OSS_EXPERTS.match(k)
+            if g and not g.group(3):  # [experts, in, out]: each expert's projections
+                experts, k_in, n_out = info["shape"]
+                projs = ("gate_proj", "up_proj") if g.group(2) == "gate_up_proj" else ("down_proj",)
+                for e in range(experts):
+                    for proj in projs:
+                        out[f"{g.group(1)}.mlp.experts.{e}.{proj}"] = [n_out // len(projs), k_in]
     return out
 
 
@@ -187,9 +200,9 @@ def quantize_checkpoint(src: Path, out: Path, scheme: QuantScheme, shard_bytes: 
     if "quantization_config" in config:
         raise ValueError(f"{src} is already quantized ({config['quantization_config'].get('quant_method')}); "
                          "quantize the original checkpoint")
-    if "GptOssForCausalLM" in (config.get("architectures") or []):
-        raise ValueError(f"{src}: quantizing gpt-oss (its experts stacked in one tensor per layer) is not supported "
-                         "yet; run it as it is")
+    if "GptOssForCausalLM" in (config.get("architectures") or []) and scheme.method in CALIBRATED:
+        raise ValueError(f"{src}: calibrated quantization of gpt-oss ({scheme.method}) is not supported yet; "
+                         "use --scheme int4-rtn or int8-rtn")
     files = weight_files(src, allow_pickle=False)
     shapes = _linear_shapes(files)
     total = len(shapes)
