@@ -93,16 +93,16 @@ class SparseMoe(nn.Module):
         if not isinstance(ops, CpuNativeOps):
             self.unfit = f"the model's ops are {ops.name}, not the C kernels"
             return
-        if self.gate_bias is not None or self.experts[0].swiglu is not None:
-            self.unfit = "biased experts and the clamped SwiGLU (gpt-oss) are not in the C block yet"
-            return
         shared = self.shared_expert
         w = MoeWeights(self.gate.data.float().contiguous(),
                        [(getattr(e.gate_up_proj, "kernel_mm", None), getattr(e.down_proj, "kernel_mm", None))
                         for e in self.experts], self.top_k, self.norm_topk,
                        None if shared is None else (getattr(shared.gate_up_proj, "kernel_mm", None),
                                                     getattr(shared.down_proj, "kernel_mm", None)),
-                       None if self.shared_expert_gate is None else self.shared_expert_gate.data.float().reshape(-1))
+                       None if self.shared_expert_gate is None else self.shared_expert_gate.data.float().reshape(-1),
+                       None if self.gate_bias is None else self.gate_bias.data.float().contiguous(),
+                       [(_vector(e.gate_up_proj.bias), _vector(e.down_proj.bias)) for e in self.experts],
+                       self.experts[0].swiglu)
         why = weights_unfit_reason(w)  # type: ignore[arg-type]
         self.unfit = why or ""
         if why is None:
@@ -126,6 +126,10 @@ class SparseMoe(nn.Module):
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             out = out + torch.sigmoid(F.linear(x, self.shared_expert_gate)) * self.shared_expert.run(x, self.ops)
         return out
+
+
+def _vector(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.data.float().contiguous()
 
 
 def describe_experts(model: nn.Module) -> str:

@@ -4,8 +4,8 @@ and block tables passed each time.
 
 It fits a model (Llama family, Gemma, mixtures of experts on the C block) whose every
 projection runs on the block-format kernels (``PiecewiseMatmul``) with the C ops (fp32 on
-CPU), with a bias on qkv at most, and an
-engine whose attention is the C backend over plain fp32 caches: both decided once, at start
+CPU), biases on the attention's projections at most, and an engine whose attention is the C
+backend over plain fp32 caches: both decided once, at start
 (``build_decode_stack``, ``unfit_reason_for``). Then every step whose rows are all decodes
 runs fused. Anything else runs the Python path, which stays the reference.
 """
@@ -55,8 +55,8 @@ def build_decode_stack(model: Any) -> DecodeStack | None:
     try:
         if not isinstance(model.ops, CpuNativeOps):
             raise ValueError(f"the model's ops are {model.ops.name}, not the C kernels")
-        if c.o_bias or c.mlp_bias:
-            raise ValueError("biases beyond qkv")
+        if c.mlp_bias:
+            raise ValueError("biases on the dense MLP")
         layers = [_layer_weights(i, layer) for i, layer in enumerate(model.layers)]
     except ValueError as e:
         logger.debug("decode steps run layer by layer in Python: %s", e)
@@ -81,7 +81,8 @@ def _layer_weights(i: int, layer: Any) -> LayerWeights:
         before_attn.effective_weight(), before_mlp.effective_weight(),
         _matmul(attn.qkv_proj, f"layer {i} qkv"), attn.qkv_proj.bias,
         _matmul(attn.o_proj, f"layer {i} o_proj"), gate_up, down, weight(attn.q_norm), weight(attn.k_norm),
-        weight(attn_out), weight(mlp_out), layer.rope_index, attn.window, moe)
+        weight(attn_out), weight(mlp_out), layer.rope_index, attn.window, moe,
+        None if attn.sinks is None else attn.sinks.data, attn.o_proj.bias)
 
 
 def unfit_reason_for(backend: object, spec: KVCacheSpec) -> str | None:

@@ -150,12 +150,10 @@ def test_moe_gguf_matches_transformers(tmp_path: Path, default_model_dir: Path, 
     path = write_moe_gguf(arch, model, tmp_path, tmp_path / f"{arch}.{qtype}.gguf", gguf.GGMLQuantizationType[qtype])
     h = RunnerHarness(path, num_blocks=32, max_len=256)
     assert h.arch.architecture == type(model).__name__ and h.arch.num_experts == 8
-    if qtype == "Q8_0":  # gpt-oss's biased experts run on the torch path (not yet in the C block or step)
+    if qtype == "Q8_0":
         assert {m.kernel_path for m in h.model.quant_linears()} == {"cpu-blocks"}
-        c_block = arch != "gpt-oss"
-        assert {m.experts_path for m in h.model.modules() if hasattr(m, "experts_path")} == {
-            "cpu-native" if c_block else "torch"}
-        assert (h.model.decode_stack is not None) == c_block
+        assert {m.experts_path for m in h.model.modules() if hasattr(m, "experts_path")} == {"cpu-native"}
+        assert h.model.decode_stack is not None
     ids = torch.randint(0, VOCAB, (40,), generator=torch.Generator().manual_seed(1)).tolist()
     req = h.request("a", ids)
     got = [h.step([(req, len(ids))])["a"]]

@@ -16,11 +16,11 @@ from tests.helpers import RunnerHarness
 from tests.models.test_architectures import MOE_CASES, build
 
 
-@pytest.fixture(scope="module", params=["qwen2moe", "qwen3moe"])
+@pytest.fixture(scope="module", params=["qwen2moe", "qwen3moe", "gpt-oss"])
 def moe_gguf(request: pytest.FixtureRequest, default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
              ) -> Path:
     """A random MoE in Q8_0 as llama.cpp lays it out (``tests.formats.test_gguf_moe``; Qwen2-MoE
-    with its shared expert)."""
+    with its shared expert, gpt-oss with its biases, clamped SwiGLU and sinks)."""
     gguf = pytest.importorskip("gguf")
     from tests.formats.test_gguf_moe import moe, write_moe_gguf
 
@@ -152,7 +152,7 @@ def test_gptq_in_several_passes_writes_the_same_checkpoint(tmp_path: Path, monke
 
 def test_gpt_oss_quantized_by_qpage_runs_packed(tmp_path: Path) -> None:
     """gpt-oss's stacked experts are written one tensor per expert (GPTQ layout, RTN) and run
-    packed (its biased experts on the torch MoE path) within a mean KL of 0.01 of the float
+    packed (its experts on the C block) within a mean KL of 0.01 of the float
     model (measured 0.005); calibrated schemes are refused by name, leaving nothing behind."""
     from qpage.formats.scheme import QuantScheme
     from qpage.quantizers.pipeline import quantize_checkpoint
@@ -165,6 +165,7 @@ def test_gpt_oss_quantized_by_qpage_runs_packed(tmp_path: Path) -> None:
     assert report.linears == 3 * (4 + 3 * 8)
     h = RunnerHarness(tmp_path / "q", num_blocks=32)
     assert {m.kernel_path for m in h.model.quant_linears()} == {"cpu-blocks"}
+    assert {m.experts_path for m in h.model.modules() if hasattr(m, "experts_path")} == {"cpu-native"}
     ids = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(4)).tolist()
     got = h.step([(h.request("a", ids), len(ids))])["a"]
     with torch.no_grad():

@@ -122,7 +122,8 @@ def load() -> ctypes.CDLL | None:
         try:
             lib = ctypes.CDLL(str(_build(cc)))
             lib.qp_paged_decode_f32.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _ptr, _ptr,
-                                                _int, _int, _int, _int, _int, _float, _i64, _int, _i64, _float]
+                                                _int, _int, _int, _int, _int, _float, _i64, _int, _i64, _float,
+                                                _ptr]
             lib.qp_paged_decode_f32.restype = _int
             lib.qp_write_kv_f32.argtypes = [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _int, _i64, _i64]
             lib.qp_write_kv_f32.restype = _int
@@ -145,13 +146,13 @@ def load() -> ctypes.CDLL | None:
             lib.qp_write_kv_fp8.restype = _int
             lib.qp_paged_decode_fp8.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _float, _float, _ptr, _int, _ptr,
                                                 _i64, _i64, _ptr, _ptr, _int, _int, _int, _int, _int, _float, _i64,
-                                                _int, _i64, _float]
+                                                _int, _i64, _float, _ptr]
             lib.qp_paged_decode_fp8.restype = _int
             lib.qp_write_int.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _int, _int, _int, _i64, _int]
             lib.qp_write_int.restype = _int
             lib.qp_paged_decode_int.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _int, _int, _ptr, _i64, _i64,
                                                 _ptr, _ptr, _int, _int, _int, _int, _int, _float, _i64, _int,
-                                                _i64, _float]
+                                                _i64, _float, _ptr]
             lib.qp_paged_decode_int.restype = _int
             lib.qp_quantize_act.argtypes = [_ptr, _i64, _int, _int, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _int]
             lib.qp_quantize_act.restype = None
@@ -208,6 +209,16 @@ def build_status() -> str:
 def unavailable_reason() -> str | None:
     """Why ``load()`` returned None, or None when the kernels are loaded."""
     return None if load() is not None else (_why_not or "not loaded")
+
+
+def sink_pointer(sinks: torch.Tensor | None, heads: int) -> int | None:
+    """The address of attention sinks for a decode kernel: fp32 [heads] contiguous on the CPU, or
+    None (no sinks)."""
+    if sinks is None:
+        return None
+    if sinks.dtype != torch.float32 or tuple(sinks.shape) != (heads,) or not sinks.is_contiguous():
+        raise ValueError(f"attention sinks must be contiguous fp32 [{heads}], got {sinks.dtype} {tuple(sinks.shape)}")
+    return sinks.data_ptr()
 
 
 def check_decode(rc: int, name: str, num_blocks: int) -> None:

@@ -28,7 +28,7 @@ class _Layer(ctypes.Structure):
     _fields_ = [("in_norm", _p), ("post_norm", _p), ("qkv", CProj), ("o", CProj), ("gate_up", CProj),
                 ("down", CProj), ("k_cache", _p), ("v_cache", _p), ("q_norm", _p), ("k_norm", _p),
                 ("attn_out_norm", _p), ("mlp_out_norm", _p), ("rope", _i32), ("kv_group", _i32), ("window", _i64),
-                ("moe", ctypes.POINTER(CMoe))]
+                ("moe", ctypes.POINTER(CMoe)), ("sinks", _p)]
 
 
 class _Group(ctypes.Structure):
@@ -67,10 +67,13 @@ class LayerWeights:
     window: int | None = None
     moe: MoeKernel | None = None
     """The layer's mixture of experts in place of the dense MLP."""
+    sinks: torch.Tensor | None = None
+    """fp32 [heads]: attention sinks (gpt-oss)."""
+    o_bias: torch.Tensor | None = None
 
     def norms(self) -> list[torch.Tensor]:
         return [t for t in (self.in_norm, self.post_norm, self.q_norm, self.k_norm, self.attn_out_norm,
-                            self.mlp_out_norm) if t is not None]
+                            self.mlp_out_norm, self.sinks) if t is not None]
 
 
 class DecodeStack:
@@ -113,12 +116,13 @@ class DecodeStack:
         structs = (_Layer * len(self.layers))()
         for s, w, (k, v), g in zip(structs, self.layers, caches, kv_groups, strict=True):
             s.in_norm, s.post_norm = w.in_norm.data_ptr(), w.post_norm.data_ptr()
-            s.qkv, s.o = c_proj(w.qkv, w.qkv_bias, self._keep), c_proj(w.o, None, self._keep)
+            s.qkv, s.o = c_proj(w.qkv, w.qkv_bias, self._keep), c_proj(w.o, w.o_bias, self._keep)
             if w.gate_up is not None and w.down is not None:
                 s.gate_up, s.down = c_proj(w.gate_up, None, self._keep), c_proj(w.down, None, self._keep)
             if w.moe is not None:
                 s.moe = ctypes.pointer(w.moe.struct)
                 self._keep.append(s.moe)
+            s.sinks = w.sinks.data_ptr() if w.sinks is not None else None
             s.k_cache, s.v_cache = k.data_ptr(), v.data_ptr()
             s.q_norm, s.k_norm, s.attn_out_norm, s.mlp_out_norm = (
                 t.data_ptr() if t is not None else None for t in (w.q_norm, w.k_norm, w.attn_out_norm, w.mlp_out_norm))

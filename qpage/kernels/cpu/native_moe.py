@@ -24,9 +24,10 @@ class CMoe(ctypes.Structure):
     """``qp_moe`` (``csrc/qp_step.h``)."""
 
     _fields_ = [("num_experts", _i32), ("top_k", _i32), ("inter", _i32), ("norm_topk", _i32),
-                ("shared_inter", _i32), ("pad", _i32), ("router", _p), ("gate_up", ctypes.POINTER(CProj)),
+                ("shared_inter", _i32), ("act", _i32), ("router", _p), ("gate_up", ctypes.POINTER(CProj)),
                 ("down", ctypes.POINTER(CProj)), ("shared_gate_up", ctypes.POINTER(CProj)),
-                ("shared_down", ctypes.POINTER(CProj)), ("shared_gate", _p)]
+                ("shared_down", ctypes.POINTER(CProj)), ("shared_gate", _p), ("router_bias", _p),
+                ("limit", ctypes.c_float), ("alpha", ctypes.c_float)]
 
 
 @dataclass
@@ -41,6 +42,12 @@ class MoeWeights:
     norm_topk: bool
     shared: tuple[PiecewiseMatmul, PiecewiseMatmul] | None = None
     shared_gate: torch.Tensor | None = None
+    router_bias: torch.Tensor | None = None
+    """fp32 [experts] (gpt-oss)."""
+    biases: list[tuple[torch.Tensor | None, torch.Tensor | None]] | None = None
+    """Per expert, fp32 biases of gate_up [2 inter] and down [hidden] (gpt-oss), or None."""
+    swiglu: tuple[float, float] | None = None
+    """gpt-oss's clamped SwiGLU (limit, alpha); None: SiLU."""
 
 
 def weights_unfit_reason(w: MoeWeights) -> str | None:
@@ -59,6 +66,9 @@ def weights_unfit_reason(w: MoeWeights) -> str | None:
     if w.shared is not None and (w.shared_gate is None or w.shared_gate.dtype != torch.float32
                                  or not w.shared_gate.is_contiguous()):
         return "the shared expert's gate is not contiguous fp32"
+    vectors = [w.router_bias, *[b for pair in (w.biases or []) for b in pair]]
+    if any(t is not None and (t.dtype != torch.float32 or not t.is_contiguous()) for t in vectors):
+        return "a bias is not contiguous fp32"
     return None
 
 
@@ -77,8 +87,11 @@ class MoeKernel:
         self.hidden = w.router.shape[1]
         self.threads = w.experts[0][0].threads
         self._keep: list[object] = [w]
-        gate_up = (CProj * len(w.experts))(*[c_proj(g, None, self._keep) for g, _ in w.experts])
-        down = (CProj * len(w.experts))(*[c_proj(d, None, self._keep) for _, d in w.experts])
+        biases = w.biases or [(None, None)] * len(w.experts)
+        gate_up = (CProj * len(w.experts))(*[c_proj(g, b, self._keep) for (g, _), (b, _) in zip(w.experts, biases,
+                                                                                              strict=True)])
+        down = (CProj * len(w.experts))(*[c_proj(d, b, self._keep) for (_, d), (_, b) in zip(w.experts, biases,
+                                                                                            strict=True)])
         self._keep += [gate_up, down]
         shared_gu = shared_down = None
         shared_inter = 0
@@ -87,9 +100,11 @@ class MoeKernel:
             shared_down = ctypes.pointer(c_proj(w.shared[1], None, self._keep))
             shared_inter = w.shared[1].k
             self._keep += [shared_gu, shared_down]
-        self.struct = CMoe(len(w.experts), w.top_k, w.experts[0][1].k, int(w.norm_topk), shared_inter, 0,
-                           w.router.data_ptr(), gate_up, down, shared_gu, shared_down,
-                           None if w.shared_gate is None else w.shared_gate.data_ptr())
+        limit, alpha = w.swiglu or (0.0, 0.0)
+        self.struct = CMoe(len(w.experts), w.top_k, w.experts[0][1].k, int(w.norm_topk), shared_inter,
+                           int(w.swiglu is not None), w.router.data_ptr(), gate_up, down, shared_gu, shared_down,
+                           None if w.shared_gate is None else w.shared_gate.data_ptr(),
+                           None if w.router_bias is None else w.router_bias.data_ptr(), limit, alpha)
         """What ``qp_moe_f32`` reads (its arrays kept alive by this object)."""
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

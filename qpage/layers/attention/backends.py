@@ -190,8 +190,8 @@ class CpuNativePagedAttention(CpuBlasPagedAttention):
     def __init__(self, spec: KVCacheSpec) -> None:
         super().__init__(spec)
         self._rows: Callable[..., torch.Tensor]
-        """(q rows, cache, block table [rows or 1, blocks], context lengths, scale, window, soft cap)
-        -> attention."""
+        """(q rows, cache, block table [rows or 1, blocks], context lengths, scale, window, soft cap,
+        sinks) -> attention."""
         if spec.kv_bits is not None:
             self.write_cache = _write_int  # type: ignore[method-assign]
             self._rows = _rows_int
@@ -210,12 +210,13 @@ class CpuNativePagedAttention(CpuBlasPagedAttention):
         scale: float, window: int | None = None, softcap: float | None = None, sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """q: [T, H, D] (this step's K/V are already in the cache). Returns [T, H, D]."""
-        assert sinks is None, "the selector gives sinks to backends declaring them"
-        outs = [self._rows(q[d.start : d.end], cache, d.block_table, _seq_lens(d), scale, window, softcap)
+        sinks = None if sinks is None else sinks.float().contiguous()
+        outs = [self._rows(q[d.start : d.end], cache, d.block_table, _seq_lens(d), scale, window, softcap, sinks)
                 for d in meta.decode_groups]
         for p in meta.prefills:
             assert p.row_lens is not None, "build_torch_metadata sets each prompt row's context length"
-            outs.append(self._rows(q[p.start : p.end], cache, p.block_ids[None], p.row_lens, scale, window, softcap))
+            outs.append(self._rows(q[p.start : p.end], cache, p.block_ids[None], p.row_lens, scale, window, softcap,
+                                   sinks))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
 
 
@@ -278,8 +279,8 @@ def _write_plain(k: torch.Tensor, v: torch.Tensor, cache: LayerKV, slot_mapping:
 
 
 def _rows_plain(q: torch.Tensor, cache: LayerKV, table: torch.Tensor, lens: torch.Tensor, scale: float,
-                window: int | None, softcap: float | None) -> torch.Tensor:
-    return native_fp32.paged_decode(q, cache.k, cache.v, table, lens, scale, window, softcap)
+                window: int | None, softcap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
+    return native_fp32.paged_decode(q, cache.k, cache.v, table, lens, scale, window, softcap, sinks)
 
 
 def _write_fp8(k: torch.Tensor, v: torch.Tensor, cache: Fp8KV, slot_mapping: torch.Tensor) -> None:
@@ -287,9 +288,9 @@ def _write_fp8(k: torch.Tensor, v: torch.Tensor, cache: Fp8KV, slot_mapping: tor
 
 
 def _rows_fp8(q: torch.Tensor, cache: Fp8KV, table: torch.Tensor, lens: torch.Tensor, scale: float,
-              window: int | None, softcap: float | None) -> torch.Tensor:
+              window: int | None, softcap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
     return native_fp8.paged_decode_fp8(q, cache.k, cache.v, cache.k_scale, cache.v_scale, cache.fp8_format,
-                                       table, lens, scale, window, softcap)
+                                       table, lens, scale, window, softcap, sinks)
 
 
 def _write_int(k: torch.Tensor, v: torch.Tensor, cache: IntKV, slot_mapping: torch.Tensor) -> None:
@@ -298,6 +299,6 @@ def _write_int(k: torch.Tensor, v: torch.Tensor, cache: IntKV, slot_mapping: tor
 
 
 def _rows_int(q: torch.Tensor, cache: IntKV, table: torch.Tensor, lens: torch.Tensor, scale: float,
-              window: int | None, softcap: float | None) -> torch.Tensor:
+              window: int | None, softcap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
     return native_int.paged_decode_int(q, cache.k, cache.v, cache.k_scale, cache.v_scale, cache.k_bits,
-                                       cache.v_bits, table, lens, scale, window, softcap)
+                                       cache.v_bits, table, lens, scale, window, softcap, sinks)

@@ -75,7 +75,7 @@ ATTENTION_CAPABILITIES = (
                           needs_triton=True, auto=True, make=TritonPagedAttention),
     AttentionCapabilities("cpu-native", ("cpu",), (torch.float32,), ALL_KV, 1024, needs_triton=False, auto=True,
                           make=CpuNativePagedAttention, unavailable=native.unavailable_reason,
-                          features=frozenset({"sliding-window", "softcap"})),
+                          features=frozenset(FEATURES)),
     AttentionCapabilities("cpu-blas", ("cpu",), (torch.float32,), ALL_KV, 1024,
                           needs_triton=False, auto=True, make=CpuBlasPagedAttention),
     AttentionCapabilities("torch", ("cpu", "cuda", "mps"), (torch.float16, torch.bfloat16, torch.float32), ALL_KV,

@@ -5,16 +5,18 @@ from __future__ import annotations
 
 import torch
 
-from qpage.kernels.cpu.native import as_i64, check_decode, load, num_threads
+from qpage.kernels.cpu.native import as_i64, check_decode, load, num_threads, sink_pointer
 
 
 def paged_decode(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
     seq_lens: torch.Tensor, scale: float, window: int | None = None, softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention, as ``TorchPagedAttention._decode`` computes it (``window``: each row
     attends to its last ``window`` positions, the blocks before them unread; ``softcap``:
-    scores soft-capped, as ``backends.masked_attention``).
+    scores soft-capped; ``sinks`` fp32 [H]: one more logit per head in the softmax; as
+    ``backends.masked_attention``).
 
     q: fp32 [n, H, hd] (heads contiguous; sequences may be strided); k_cache/v_cache: fp32
     [num_blocks, block, kvh, hd] contiguous; block_table: int64 [n or 1, >= blocks used]
@@ -35,7 +37,7 @@ def paged_decode(
     out = torch.empty(n, h, hd, dtype=torch.float32)
     rc = lib.qp_paged_decode_f32(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), bt.data_ptr(),
                                  table_stride, bt.shape[1], lens.data_ptr(), out.data_ptr(), n, h, kvh, hd, bs, scale,
-                                 nb, num_threads(), window or 0, softcap or 0.0)
+                                 nb, num_threads(), window or 0, softcap or 0.0, sink_pointer(sinks, h))
     check_decode(rc, "paged_decode", nb)
     return out
 

@@ -13,7 +13,7 @@ import functools
 
 import torch
 
-from qpage.kernels.cpu.native import as_i64, check_decode, load, num_threads
+from qpage.kernels.cpu.native import as_i64, check_decode, load, num_threads, sink_pointer
 from qpage.kernels.fp8.codec import decode_fp8_ref
 from qpage.kernels.kv_quant import scale_multipliers
 
@@ -74,11 +74,11 @@ def write_kv_fp8(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cach
 def paged_decode_fp8(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor,
     fmt: str, block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float, window: int | None = None,
-    softcap: float | None = None,
+    softcap: float | None = None, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention over FP8 codes; q fp32 [n, H, hd] (heads contiguous), returns fp32 [n, H, hd];
     block_table int64 [n or 1, >= blocks used] (one row: one prompt chunk's queries share it);
-    ``window`` and ``softcap`` as ``native_fp32.paged_decode``."""
+    ``window``, ``softcap`` and ``sinks`` as ``native_fp32.paged_decode``."""
     lib = load()
     assert lib is not None, "paged_decode_fp8 needs the native kernels; check load() first"
     _check_codes(k_cache, v_cache, fmt)
@@ -95,6 +95,6 @@ def paged_decode_fp8(
     rc = lib.qp_paged_decode_fp8(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), kp, vp, k_mul,
                                  v_mul, code_values(fmt).data_ptr(), int(fmt == "e5m2"), bt.data_ptr(), table_stride,
                                  bt.shape[1], lens.data_ptr(), out.data_ptr(), n, h, kvh, hd, bs, scale, nb,
-                                 num_threads(), window or 0, softcap or 0.0)
+                                 num_threads(), window or 0, softcap or 0.0, sink_pointer(sinks, q.shape[1]))
     check_decode(rc, "paged_decode_fp8", nb)
     return out

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from qpage.kernels.cpu.native import as_i64, check_decode, load, num_threads
+from qpage.kernels.cpu.native import as_i64, check_decode, load, num_threads, sink_pointer
 from qpage.kernels.kv_int import PARAMS, code_width
 
 
@@ -43,11 +43,11 @@ def write_int(x: torch.Tensor, cache: torch.Tensor, params: torch.Tensor, slot_m
 def paged_decode_int(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_params: torch.Tensor, v_params: torch.Tensor,
     k_bits: int, v_bits: int, block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-    window: int | None = None, softcap: float | None = None,
+    window: int | None = None, softcap: float | None = None, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention over integer codes; q fp32 [n, H, hd] (heads contiguous) -> fp32 [n, H, hd];
     block_table int64 [n or 1, >= blocks used] (one row: one prompt chunk's queries share it);
-    ``window`` and ``softcap`` as ``native_fp32.paged_decode``."""
+    ``window``, ``softcap`` and ``sinks`` as ``native_fp32.paged_decode``."""
     lib = load()
     assert lib is not None, "paged_decode_int needs the native kernels; check load() first"
     n, h, hd = q.shape
@@ -64,6 +64,6 @@ def paged_decode_int(
     rc = lib.qp_paged_decode_int(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
                                  k_params.data_ptr(), v_params.data_ptr(), k_bits, v_bits, bt.data_ptr(),
                                  table_stride, bt.shape[1], lens.data_ptr(), out.data_ptr(), n, h, kvh, hd, bs, scale,
-                                 nb, num_threads(), window or 0, softcap or 0.0)
+                                 nb, num_threads(), window or 0, softcap or 0.0, sink_pointer(sinks, q.shape[1]))
     check_decode(rc, "paged_decode_int", nb)
     return out

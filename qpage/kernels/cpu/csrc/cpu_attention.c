@@ -39,6 +39,7 @@ static inline void prefetch_row(const float *p, int64_t n) {
 static inline __attribute__((always_inline)) void attend_seq(
     const float *q, const float *k_cache, const float *v_cache, const int64_t *blocks, int64_t seq_len,
     int num_heads, int num_kv_heads, int head_dim, int block_size, float scale, int64_t window, float softcap,
+    const float *sinks,
     float *scores, float *m, float *out) {
     const int group = num_heads / num_kv_heads;
     const int64_t tok_stride = (int64_t)num_kv_heads * head_dim, block_stride = block_size * tok_stride;
@@ -61,7 +62,7 @@ static inline __attribute__((always_inline)) void attend_seq(
         }
     }
     /* Softmax numerators in place; m[h] becomes 1 / denominator. */
-    qp_softmax_numerators(scores + start, seq_len, m, num_heads, seq_len - start);
+    qp_softmax_numerators(scores + start, seq_len, m, num_heads, seq_len - start, sinks);
     memset(out, 0, sizeof(float) * (size_t)num_heads * head_dim);
     /* Pass 2: weighted sum of V. */
     for (int64_t b0 = first; b0 < seq_len; b0 += block_size) {
@@ -82,13 +83,14 @@ static inline __attribute__((always_inline)) void attend_seq(
 static __attribute__((noinline)) void decode_row(const float *q, const float *k_cache, const float *v_cache,
                                                  const int64_t *blocks, int64_t seq_len, int num_heads,
                                                  int num_kv_heads, int head_dim, int block_size, float scale,
-                                                 int64_t window, float softcap, float *scores, float *m, float *out) {
+                                                 int64_t window, float softcap, const float *sinks, float *scores,
+                                                 float *m, float *out) {
     if (head_dim == 64)
         attend_seq(q, k_cache, v_cache, blocks, seq_len, num_heads, num_kv_heads, 64, block_size, scale, window,
-                   softcap, scores, m, out);
+                   softcap, sinks, scores, m, out);
     else
         attend_seq(q, k_cache, v_cache, blocks, seq_len, num_heads, num_kv_heads, head_dim, block_size, scale, window,
-                   softcap, scores, m, out);
+                   softcap, sinks, scores, m, out);
 }
 
 /* Rows of one prompt chunk attended together, a tile at a time, so each cache block is read
@@ -103,7 +105,7 @@ static __attribute__((noinline)) void decode_row(const float *q, const float *k_
 static inline __attribute__((always_inline)) void attend_rows(
     const float *q, int64_t q_stride, int rows, const float *k_cache, const float *v_cache, const int64_t *blocks,
     const int64_t *seq_lens, int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,
-    int64_t window, float softcap, float *scores, float *m, float *out) {
+    int64_t window, float softcap, const float *sinks, float *scores, float *m, float *out) {
     const int group = num_heads / num_kv_heads;
     const int64_t tok_stride = (int64_t)num_kv_heads * head_dim, block_stride = block_size * tok_stride;
     int64_t longest = 0, first = INT64_MAX;
@@ -140,7 +142,7 @@ static inline __attribute__((always_inline)) void attend_rows(
     for (int r = 0; r < rows; r++) {
         const int64_t start = qp_window_start(seq_lens[r], window);
         qp_softmax_numerators(scores + (int64_t)r * num_heads * longest + start, longest, m + (int64_t)r * num_heads,
-                              num_heads, seq_lens[r] - start);
+                              num_heads, seq_lens[r] - start, sinks);
     }
     memset(out, 0, sizeof(float) * (size_t)rows * num_heads * head_dim);
     /* Pass 2: weighted sum of V. */
@@ -169,6 +171,7 @@ typedef struct {
     int64_t q_seq_stride, table_stride, longest, window;
     int num_seqs, num_heads, num_kv_heads, head_dim, block_size, tile;
     float scale, softcap;
+    const float *sinks;
 } qp_attention_call;
 
 /* Tiles first, first + step, ... of a call (one thread's share), with their own scratch.
@@ -185,13 +188,14 @@ static int attend_tiles(const qp_attention_call *c, int first, int step) {
         /* A constant head_dim lets the compiler unroll the dot products fully. */
         if (c->table_stride != 0)
             decode_row(qs, c->k_cache, c->v_cache, bt, c->seq_lens[s], c->num_heads, c->num_kv_heads, c->head_dim,
-                       c->block_size, c->scale, c->window, c->softcap, scores, m, os);
+                       c->block_size, c->scale, c->window, c->softcap, c->sinks, scores, m, os);
         else if (c->head_dim == 64)
             attend_rows(qs, c->q_seq_stride, rows, c->k_cache, c->v_cache, bt, c->seq_lens + s, c->num_heads,
-                        c->num_kv_heads, 64, c->block_size, c->scale, c->window, c->softcap, scores, m, os);
+                        c->num_kv_heads, 64, c->block_size, c->scale, c->window, c->softcap, c->sinks, scores, m, os);
         else
             attend_rows(qs, c->q_seq_stride, rows, c->k_cache, c->v_cache, bt, c->seq_lens + s, c->num_heads,
-                        c->num_kv_heads, c->head_dim, c->block_size, c->scale, c->window, c->softcap, scores, m, os);
+                        c->num_kv_heads, c->head_dim, c->block_size, c->scale, c->window, c->softcap, c->sinks, scores,
+                        m, os);
     }
     free(scores);
     return 0;
@@ -204,20 +208,22 @@ static int attend_tiles(const qp_attention_call *c, int first, int step) {
  * seq_lens: int64 [num_seqs] (>= 1, this row's token included); out: [num_seqs, num_heads,
  * head_dim] contiguous; threads: the most to use (qp_attention_threads); window > 0: each row
  * attends to its last `window` positions only (the blocks before them are not read: their
- * ids may be any valid block); softcap > 0: scores are soft-capped (qp_softcap). Returns 0; -1 when the scratch
+ * ids may be any valid block); softcap > 0: scores are soft-capped (qp_softcap); sinks
+ * [num_heads] or NULL: each head's softmax has that one more logit (qp_softmax_numerators).
+ * Returns 0; -1 when the scratch
  * cannot be allocated; -2 when a seq_len is < 1 or a block id it reaches is outside
  * [0, num_blocks) (nothing is read then). */
 int qp_paged_decode_f32(const float *q, int64_t q_seq_stride, const float *k_cache, const float *v_cache,
                         const int64_t *block_table, int64_t table_stride, int64_t table_cols,
                         const int64_t *seq_lens, float *out, int num_seqs, int num_heads, int num_kv_heads,
                         int head_dim, int block_size, float scale, int64_t num_blocks, int threads, int64_t window,
-                        float softcap) {
+                        float softcap, const float *sinks) {
     const int64_t longest =
         qp_check_decode_tables(block_table, table_stride, table_cols, seq_lens, num_seqs, block_size, num_blocks);
     if (longest < 0) return -2;
     const qp_attention_call c = {q, k_cache, v_cache, block_table, seq_lens, out, q_seq_stride, table_stride,
                                  longest, window, num_seqs, num_heads, num_kv_heads, head_dim, block_size,
-                                 table_stride == 0 ? QP_TILE_ROWS : 1, scale, softcap};
+                                 table_stride == 0 ? QP_TILE_ROWS : 1, scale, softcap, sinks};
     const int n = qp_attention_threads(seq_lens, num_seqs, num_heads, head_dim, threads);
     if (n == 1) return attend_tiles(&c, 0, 1); /* no thread team for a decode step's few rows */
     int failed = 0;

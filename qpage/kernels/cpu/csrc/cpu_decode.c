@@ -37,7 +37,7 @@ int qp_paged_decode_f32(const float *q, int64_t q_seq_stride, const float *k_cac
                         const int64_t *block_table, int64_t table_stride, int64_t table_cols,
                         const int64_t *seq_lens, float *out, int num_seqs, int num_heads, int num_kv_heads,
                         int head_dim, int block_size, float scale, int64_t num_blocks, int threads, int64_t window,
-                        float softcap);
+                        float softcap, const float *sinks);
 int qp_write_kv_f32(const float *k, int64_t k_stride, const float *v, int64_t v_stride, float *k_cache,
                     float *v_cache, const int64_t *slots, int num_tokens, int64_t row, int64_t num_slots);
 
@@ -50,6 +50,7 @@ typedef struct {
     int32_t rope, kv_group; /* which rotary tables; which KV group's slots and block tables */
     int64_t window; /* 0: the whole context */
     const qp_moe *moe; /* the MLP is this mixture of experts (gate_up and down unused), or NULL */
+    const float *sinks; /* [heads] or NULL: attention sinks */
 } qp_layer;
 
 /* Decode rows [start, end) whose sequences share one block table layout. */
@@ -153,7 +154,7 @@ int qp_gguf_decode_layers(const qp_layer *layers, int num_layers, const qp_shape
             const int r = qp_paged_decode_f32(qkv + G->start * qkv_n, qkv_n, L->k_cache, L->v_cache, G->block_table,
                                               G->table_stride, G->table_cols, G->seq_lens, attn + G->start * q_n,
                                               G->end - G->start, sh->heads, sh->kv_heads, hd, sh->block_size,
-                                              sh->scale, sh->num_blocks, sh->threads, L->window, sh->softcap);
+                                              sh->scale, sh->num_blocks, sh->threads, L->window, sh->softcap, L->sinks);
             rc = r == -2 ? -2 : r != 0 ? -3 : 0; /* the attention's -1: its scratch allocation failed */
         }
         if (rc) break;

@@ -160,6 +160,7 @@ static inline __attribute__((always_inline)) void attend_seq_fp8(
     const float *q, const uint8_t *k_cache, const uint8_t *v_cache, const uint16_t *ks, const uint16_t *vs,
     float k_mul, float v_mul, const float *lut, int e5m2, const int64_t *blocks, int64_t seq_len,
     int num_heads, int num_kv_heads, int head_dim, int block_size, float scale, int64_t window, float softcap,
+    const float *sinks,
     float *scores, float *m, float *buf, float *w, float *out) {
     const int group = num_heads / num_kv_heads;
     const int64_t start = qp_window_start(seq_len, window), from = start - start % block_size;
@@ -183,7 +184,7 @@ static inline __attribute__((always_inline)) void attend_seq_fp8(
             }
         }
     }
-    qp_softmax_numerators(scores + start, seq_len, m, num_heads, seq_len - start);
+    qp_softmax_numerators(scores + start, seq_len, m, num_heads, seq_len - start, sinks);
     memset(out, 0, sizeof(float) * (size_t)num_heads * head_dim);
     float *pw = w + block_size;
     for (int64_t b0 = from; b0 < seq_len; b0 += block_size) {
@@ -212,7 +213,7 @@ int qp_paged_decode_fp8(const float *q, int64_t q_seq_stride, const uint8_t *k_c
                         int e5m2, const int64_t *block_table, int64_t table_stride, int64_t table_cols,
                         const int64_t *seq_lens, float *out, int num_seqs, int num_heads, int num_kv_heads,
                         int head_dim, int block_size, float scale, int64_t num_blocks, int threads, int64_t window,
-                        float softcap) {
+                        float softcap, const float *sinks) {
     if (head_dim > QP_MAX_HEAD_DIM) return -3;
     const int64_t longest =
         qp_check_decode_tables(block_table, table_stride, table_cols, seq_lens, num_seqs, block_size, num_blocks);
@@ -235,11 +236,11 @@ int qp_paged_decode_fp8(const float *q, int64_t q_seq_stride, const uint8_t *k_c
             if (head_dim == 64)
                 attend_seq_fp8(qs, k_cache, v_cache, k_scale, v_scale, k_mul, v_mul, lut, e5m2,
                                block_table + s * table_stride, seq_lens[s], num_heads, num_kv_heads, 64, block_size,
-                               scale, window, softcap, scores, m, buf, w, os);
+                               scale, window, softcap, sinks, scores, m, buf, w, os);
             else
                 attend_seq_fp8(qs, k_cache, v_cache, k_scale, v_scale, k_mul, v_mul, lut, e5m2,
                                block_table + s * table_stride, seq_lens[s], num_heads, num_kv_heads, head_dim,
-                               block_size, scale, window, softcap, scores, m, buf, w, os);
+                               block_size, scale, window, softcap, sinks, scores, m, buf, w, os);
         }
         free(buf);
         free(scores);

@@ -158,7 +158,8 @@ static inline __attribute__((always_inline)) void attend_seq_int(
     const float *q, const uint8_t *k_cache, const uint8_t *v_cache, const uint16_t *kp, const uint16_t *vp, int k_bits,
     int v_bits,
     const int64_t *blocks, int64_t seq_len, int num_heads, int num_kv_heads, int head_dim, int block_size,
-    float scale, int64_t window, float softcap, float *scores, float *m, float *buf, float *w, float *zs, float *out) {
+    float scale, int64_t window, float softcap, const float *sinks, float *scores, float *m, float *buf, float *w,
+    float *zs, float *out) {
     const int group = num_heads / num_kv_heads;
     const int64_t start = qp_window_start(seq_len, window), from = start - start % block_size;
     float *s = w, *z = w + block_size, *pw = w + 2 * block_size;
@@ -186,7 +187,7 @@ static inline __attribute__((always_inline)) void attend_seq_int(
             }
         }
     }
-    qp_softmax_numerators(scores + start, seq_len, m, num_heads, seq_len - start);
+    qp_softmax_numerators(scores + start, seq_len, m, num_heads, seq_len - start, sinks);
     memset(out, 0, sizeof(float) * (size_t)num_heads * head_dim);
     memset(zs, 0, sizeof(float) * (size_t)num_heads); /* now sum_t p_t z_t per head */
     for (int64_t b0 = from; b0 < seq_len; b0 += block_size) {
@@ -225,7 +226,7 @@ int qp_paged_decode_int(const float *q, int64_t q_seq_stride, const uint8_t *k_c
                         const int64_t *block_table,
                         int64_t table_stride, int64_t table_cols, const int64_t *seq_lens, float *out, int num_seqs,
                         int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,
-                        int64_t num_blocks, int threads, int64_t window, float softcap) {
+                        int64_t num_blocks, int threads, int64_t window, float softcap, const float *sinks) {
     if (head_dim % 2 && (k_bits == 4 || v_bits == 4)) return -3;
     const int64_t longest =
         qp_check_decode_tables(block_table, table_stride, table_cols, seq_lens, num_seqs, block_size, num_blocks);
@@ -248,10 +249,10 @@ int qp_paged_decode_int(const float *q, int64_t q_seq_stride, const uint8_t *k_c
             const int64_t *bt = block_table + sq * table_stride;
             if (head_dim == 64)
                 attend_seq_int(qs, k_cache, v_cache, k_params, v_params, k_bits, v_bits, bt, seq_lens[sq], num_heads,
-                               num_kv_heads, 64, block_size, scale, window, softcap, scores, m, buf, w, zs, os);
+                               num_kv_heads, 64, block_size, scale, window, softcap, sinks, scores, m, buf, w, zs, os);
             else
                 attend_seq_int(qs, k_cache, v_cache, k_params, v_params, k_bits, v_bits, bt, seq_lens[sq], num_heads,
-                               num_kv_heads, head_dim, block_size, scale, window, softcap, scores, m, buf, w, zs, os);
+                               num_kv_heads, head_dim, block_size, scale, window, softcap, sinks, scores, m, buf, w, zs, os);
         }
         free(buf);
         free(scores);

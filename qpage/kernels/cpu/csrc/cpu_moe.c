@@ -12,7 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "qp_math.h" /* dot */
+#include "qp_math.h" /* dot, exp_nonpos */
 #include "qp_step.h"
 
 void qp_silu_mul_f32(const float *gate_up, int64_t gu_stride, float *out, int rows, int inter); /* cpu_ops.c */
@@ -23,7 +23,25 @@ static void router_logits(const qp_moe *m, const float *x, int rows, int hidden,
     const int par = (int64_t)rows * ne * hidden > (1 << 18);
 #pragma omp parallel for num_threads(threads > 0 ? threads : 1) if (par) schedule(static)
     for (int r = 0; r < rows; r++)
-        for (int e = 0; e < ne; e++) logits[(int64_t)r * ne + e] = dot(x + (int64_t)r * hidden, m->router + (int64_t)e * hidden, hidden);
+        for (int e = 0; e < ne; e++)
+            logits[(int64_t)r * ne + e] = dot(x + (int64_t)r * hidden, m->router + (int64_t)e * hidden, hidden) +
+                                          (m->router_bias ? m->router_bias[e] : 0.0f);
+}
+
+/* gpt-oss's clamped SwiGLU, laid out as qp_silu_mul_f32: out[r] = (up + 1) gate sigmoid(alpha
+ * gate), gate = min(g, limit), up = clamp(u, -limit, limit). */
+static void swiglu_clamped(const float *gate_up, int64_t stride, float *out, int rows, int inter, float limit,
+                           float alpha) {
+    for (int r = 0; r < rows; r++) {
+        const float *g = gate_up + r * stride, *u = g + inter;
+        float *o = out + (int64_t)r * inter;
+        for (int i = 0; i < inter; i++) {
+            const float gate = g[i] < limit ? g[i] : limit;
+            const float up = u[i] < -limit ? -limit : u[i] > limit ? limit : u[i];
+            const float z = alpha * gate, e = exp_nonpos(z >= 0.0f ? -z : z);
+            o[i] = (up + 1.0f) * gate * (z >= 0.0f ? 1.0f : e) / (1.0f + e);
+        }
+    }
 }
 
 /* Row r's chosen experts ids[top_k] and weights w[top_k] from its logits (overwritten by the
@@ -49,18 +67,21 @@ static void route(const qp_moe *m, float *p, int32_t *ids, float *w) {
         for (int j = 0; j < k; j++) w[j] /= chosen;
 }
 
-/* out[rows, hidden] (+)= scale[r] * mlp(x[rows]) for one expert (gu and a: scratch). */
-static int run_mlp(const qp_proj *gate_up, const qp_proj *down, int inter, const float *x, int rows, int hidden,
-                   float *gu, float *a, float *y, const qp_act *act, int threads) {
+/* y[rows, hidden] = mlp(x[rows]) for one expert (gu and a: scratch), its activation the block's. */
+static int run_mlp(const qp_moe *m, const qp_proj *gate_up, const qp_proj *down, int inter, const float *x, int rows,
+                   int hidden, float *gu, float *a, float *y, const qp_act *act, int threads) {
     int rc = qp_project(gate_up, x, rows, hidden, gu, 2 * (int64_t)inter, act, threads);
     if (rc) return rc;
-    qp_silu_mul_f32(gu, 2 * (int64_t)inter, a, rows, inter);
+    if (m->act == 1)
+        swiglu_clamped(gu, 2 * (int64_t)inter, a, rows, inter, m->limit, m->alpha);
+    else
+        qp_silu_mul_f32(gu, 2 * (int64_t)inter, a, rows, inter);
     return qp_project(down, a, rows, inter, y, hidden, act, threads);
 }
 
 int qp_moe_f32(const qp_moe *m, const float *x, int rows, int hidden, float *out, int threads) {
     const int ne = m->num_experts, k = m->top_k;
-    if (ne < 1 || k < 1 || k > ne || rows < 0 || m->inter < 1) return -1;
+    if (ne < 1 || k < 1 || k > ne || rows < 0 || m->inter < 1 || m->act < 0 || m->act > 1) return -1;
     if (rows == 0) return 0;
     const int wide = m->inter > m->shared_inter ? m->inter : m->shared_inter;
     const int kmax = hidden > wide ? hidden : wide;
@@ -97,7 +118,7 @@ int qp_moe_f32(const qp_moe *m, const float *x, int rows, int hidden, float *out
         const int32_t *sel = order + start[e];
         for (int i = 0; i < n; i++)
             memcpy(xe + (int64_t)i * hidden, x + (int64_t)(sel[i] / k) * hidden, sizeof(float) * (size_t)hidden);
-        if ((rc = run_mlp(m->gate_up + e, m->down + e, m->inter, xe, n, hidden, gu, a, y, &act, threads))) break;
+        if ((rc = run_mlp(m, m->gate_up + e, m->down + e, m->inter, xe, n, hidden, gu, a, y, &act, threads))) break;
         for (int i = 0; i < n; i++) {
             float *o = out + (int64_t)(sel[i] / k) * hidden;
             const float *yi = y + (int64_t)i * hidden, s = w[sel[i]];
@@ -105,7 +126,7 @@ int qp_moe_f32(const qp_moe *m, const float *x, int rows, int hidden, float *out
         }
     }
     if (rc == 0 && m->shared_inter > 0) {
-        rc = run_mlp(m->shared_gate_up, m->shared_down, m->shared_inter, x, rows, hidden, gu, a, y, &act, threads);
+        rc = run_mlp(m, m->shared_gate_up, m->shared_down, m->shared_inter, x, rows, hidden, gu, a, y, &act, threads);
         for (int r = 0; r < rows && rc == 0; r++) {
             const float g = 1.0f / (1.0f + expf(-dot(x + (int64_t)r * hidden, m->shared_gate, hidden)));
             float *o = out + (int64_t)r * hidden;
@@ -113,6 +134,7 @@ int qp_moe_f32(const qp_moe *m, const float *x, int rows, int hidden, float *out
             for (int j = 0; j < hidden; j++) o[j] += g * yr[j];
         }
     }
-    free(logits), free(ids), free(start), free(order), free(w), free(xe), free(y), free(gu), free(a), free(aq), free(af);
+    free(logits), free(ids), free(start), free(order), free(w), free(xe);
+    free(y), free(gu), free(a), free(aq), free(af);
     return rc;
 }

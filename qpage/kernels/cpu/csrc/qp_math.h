@@ -142,12 +142,15 @@ static inline void weighted_rows(float *y, const float *p, const float *x, int64
 
 /* Row-wise softmax numerators in place over scores [num_rows, len] (rows stride floats apart)
  * with the rows' maxima in m; m[r] becomes 1 / the row's denominator (applied later by
- * qp_scale_rows). */
-static inline void qp_softmax_numerators(float *scores, int64_t stride, float *m, int num_rows, int64_t len) {
+ * qp_scale_rows). sinks [num_rows] or NULL: one more logit per row in the denominator, with no
+ * value (gpt-oss's attention sinks). */
+static inline void qp_softmax_numerators(float *scores, int64_t stride, float *m, int num_rows, int64_t len,
+                                         const float *sinks) {
     for (int r = 0; r < num_rows; r++) {
         float *row = scores + (int64_t)r * stride;
-        for (int64_t t = 0; t < len; t++) row[t] = exp_nonpos(row[t] - m[r]);
-        m[r] = 1.0f / sum(row, len);
+        const float mx = sinks && sinks[r] > m[r] ? sinks[r] : m[r];
+        for (int64_t t = 0; t < len; t++) row[t] = exp_nonpos(row[t] - mx);
+        m[r] = 1.0f / (sum(row, len) + (sinks ? exp_nonpos(sinks[r] - mx) : 0.0f));
     }
 }
 

@@ -31,18 +31,22 @@ typedef struct {
 int qp_project(const qp_proj *p, const float *x, int rows, int k, float *out, int64_t n, const qp_act *a,
                int threads);
 
-/* A sparse MLP: a router over num_experts experts (fp32 [num_experts, hidden], never quantized);
- * each row runs its top_k experts by softmax probability, weighted by those probabilities
- * (renormalised to sum 1 when norm_topk); each expert is act(x W_gate) * (x W_up) W_down with
- * gate_up [2 inter, hidden] and down [hidden, inter]; with a shared expert, every row also adds
- * sigmoid(x . shared_gate) times the shared MLP's output. */
+/* A sparse MLP: a router over num_experts experts (fp32 [num_experts, hidden], never quantized;
+ * an optional bias [num_experts]); each row runs its top_k experts by softmax probability,
+ * weighted by those probabilities (renormalised to sum 1 when norm_topk); each expert is
+ * act(x W_gate) * (x W_up) W_down with gate_up [2 inter, hidden] and down [hidden, inter] (their
+ * projections may carry biases); act SiLU, or (act 1) gpt-oss's clamped SwiGLU: gate clamped
+ * above at limit, up to [-limit, limit], (up + 1) gate sigmoid(alpha gate). With a shared
+ * expert, every row also adds sigmoid(x . shared_gate) times the shared MLP's output. */
 typedef struct {
     int32_t num_experts, top_k, inter, norm_topk;
-    int32_t shared_inter, pad; /* 0: no shared expert */
+    int32_t shared_inter, act; /* shared_inter 0: no shared expert */
     const float *router;
     const qp_proj *gate_up, *down; /* [num_experts] each */
     const qp_proj *shared_gate_up, *shared_down;
     const float *shared_gate; /* [hidden] */
+    const float *router_bias; /* [num_experts] or NULL */
+    float limit, alpha;
 } qp_moe;
 
 /* out[rows, hidden] = the block's output for x[rows, hidden] (out and x distinct). Rows are
