@@ -14,7 +14,8 @@ with its shared expert (width 512); gpt-oss with its 128-token window on every o
 
 ``--make-speed`` writes, in Q4_K_M: a random Qwen3-MoE of about 1B parameters with about 0.3B
 active per token (``SPEED_MOE``), and a dense Qwen3 of about the same total size
-(``SPEED_DENSE``), for ``benchmarks/vs_llamacpp.py --gguf``.
+(``SPEED_DENSE``); and a gpt-oss of the MoE's size in MXFP4_MOE (``SPEED_GPT_OSS``), for
+``benchmarks/vs_llamacpp.py --gguf`` (``--only NAME`` for some of them).
 """
 
 from __future__ import annotations
@@ -56,6 +57,12 @@ SPEED_DENSE = ("Qwen3Config", dict(hidden_size=1024, num_hidden_layers=18, num_a
                                    num_key_value_heads=4, head_dim=64, intermediate_size=16384,
                                    max_position_embeddings=4096, tie_word_embeddings=True))
 """A dense Qwen3 of the MoE's shape with one MLP as wide as all its experts: the same total size."""
+SPEED_GPT_OSS = ("GptOssConfig", dict(hidden_size=1024, num_hidden_layers=18, num_attention_heads=16,
+                                      num_key_value_heads=4, head_dim=64, num_local_experts=32, num_experts_per_tok=4,
+                                      intermediate_size=512, sliding_window=128, max_position_embeddings=4096,
+                                      tie_word_embeddings=False))
+"""gpt-oss's layout at the MoE's size (a 128-token window on every other layer, sinks, biases,
+YaRN, 4 experts of 32 per token), for its MXFP4_MOE file."""
 
 
 def build(cls_name: str, config: dict[str, Any], folder: Path, tokenizer_dir: Path) -> Path:
@@ -92,6 +99,7 @@ def main() -> None:
     p.add_argument("--chunk", type=int, default=128)
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "gguf_moe.json"))
     p.add_argument("--make-speed", type=Path, default=None, help="write the speed files into this folder")
+    p.add_argument("--only", nargs="*", default=None, help="with --make-speed: these files only (by name)")
     args = p.parse_args()
     sys.path.insert(0, str(ROOT))
     from qpage.engine.tokenizers import load_tokenizer
@@ -100,8 +108,12 @@ def main() -> None:
 
     tok_dir = default_model_dir()
     if args.make_speed:
-        for name, (cls_name, config) in (("qwen3moe-1b-a0.3b", SPEED_MOE), ("qwen3-dense-1b", SPEED_DENSE)):
-            for f in make_files(name, cls_name, config, args.make_speed, tok_dir, {"Q4_K_M": 15}, keep_f32=False):
+        for name, (cls_name, config), types in (("qwen3moe-1b-a0.3b", SPEED_MOE, {"Q4_K_M": 15}),
+                                                ("qwen3-dense-1b", SPEED_DENSE, {"Q4_K_M": 15}),
+                                                ("gpt-oss-1b", SPEED_GPT_OSS, {"MXFP4_MOE": 38})):
+            if args.only and name not in args.only:
+                continue
+            for f in make_files(name, cls_name, config, args.make_speed, tok_dir, types, keep_f32=False):
                 print(f)
         return
     tok = load_tokenizer(tok_dir)
