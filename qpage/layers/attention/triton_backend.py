@@ -119,7 +119,8 @@ def _write_fp8(k: torch.Tensor, v: torch.Tensor, cache: Fp8KV, slot_mapping: tor
 
 
 def _attend_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Fp8KV, meta: TritonMetadata,
-                scale: float, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+                scale: float, window: int | None = None, softcap: float | None = None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
     return _attend(q, cache, meta, scale, k_scale=cache.k_scale, v_scale=cache.v_scale, fp8_format=cache.fp8_format)
 
 
@@ -129,7 +130,8 @@ def _write_int(k: torch.Tensor, v: torch.Tensor, cache: IntKV, slot_mapping: tor
 
 
 def _attend_int(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: IntKV, meta: TritonMetadata,
-                scale: float, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+                scale: float, window: int | None = None, softcap: float | None = None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
     """An integer cache: decode reads the codes in place; prefill dequantizes the blocks its
     chunks use, each once, and runs the model-dtype prefill kernel on them."""
     kb, vb = cache.k_bits, cache.v_bits
