@@ -125,12 +125,11 @@ def check_parallel(arch: ArchConfig, world: int, source: str) -> None:
     if arch.fused_checkpoint:
         raise ValueError(f"{source}: tensor_parallel_size={world} does not split a {arch.architecture}'s fused "
                          "qkv_proj and gate_up_proj tensors yet; run it with tensor_parallel_size=1")
-    if arch.architecture in GEMMA_ARCHITECTURES or len({arch.layer_window(i) for i in range(arch.num_layers)}) > 1:
+    if (arch.architecture in GEMMA_ARCHITECTURES or arch.num_experts
+            or len({arch.layer_window(i) for i in range(arch.num_layers)}) > 1):
         raise ValueError(f"{source}: tensor_parallel_size={world} does not run {arch.architecture}'s layers (Gemma, "
-                         "or local layers beside global ones) yet; run it with tensor_parallel_size=1")
-    if arch.num_experts:
-        raise ValueError(f"{source}: tensor_parallel_size={world} does not split a mixture of experts "
-                         f"({arch.architecture}) yet; run it with tensor_parallel_size=1")
+                         "mixtures of experts, or local layers beside global ones) yet; run it with "
+                         "tensor_parallel_size=1")
     q = arch.quantization
     quant = linear_config(q, source) if q is not None else None
     if quant is not None and not isinstance(quant, (*SPLITS, GgufConfig)):

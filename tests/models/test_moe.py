@@ -123,6 +123,10 @@ def test_moe_config_fields_and_refusals() -> None:
     g = parse_arch_config({**base, "architectures": ["GptOssForCausalLM"], "num_local_experts": 8,
                            "attention_bias": True})
     assert g.attention_sinks and g.expert_bias and g.swiglu_limit == 7.0 and g.qkv_bias and g.o_bias
+    from qpage.models.sharding import check_parallel
+
+    with pytest.raises(ValueError, match="mixtures of experts"):
+        check_parallel(m, 2, "config.json")
     with pytest.raises(ValueError, match=r"DeepSeek-V3's latent attention is not supported"):
         parse_arch_config({**base, "architectures": ["DeepseekV3ForCausalLM"]})
 
