@@ -61,5 +61,8 @@ def test_runs_packed_like_the_dequantized_weights(checkpoints: dict[str, Path], 
     got, want = score_window(eng, ids, 64), score_window(ref.llm_engine, ids, 64)
     assert float(kl_rows(want, got).mean()) < 5e-3
     assert float((want.argmax(-1) == got.argmax(-1)).float().mean()) >= 0.95
-    out = packed.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
+    # Generation runs on the packed path (EOS ignored: whether this checkpoint ends its answer
+    # within 6 tokens depends on its calibration, not on the kernels).
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    out = packed.generate("The capital of France is", params, use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 6
