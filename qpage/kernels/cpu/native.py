@@ -7,7 +7,8 @@ write for an fp32 cache (``cpu_attention.c``; ``attention.native_fp32``), the FP
 (``cpu_gguf.c``; their layouts in ``cpu_gguf_layout.c``, Q4_K/Q5_K, Q6_K and IQ4 in
 ``cpu_gguf_q4k.c``, ``cpu_gguf_q6k.c``, ``cpu_gguf_iq4.c``; ``matmul.native_gguf``); and a
 whole decode step over them (``cpu_decode.c``; ``native_decode``); a mixture-of-experts
-block over them (``cpu_moe.c``; ``native_moe``); and dense fp32 matmuls on
+block over them (``cpu_moe.c``; ``native_moe``), both on one projection routine
+(``cpu_step.c``); and dense fp32 matmuls on
 weights packed in panels (``cpu_dense.c``; ``matmul.dense``).
 
 Why: at batch 1 the torch path spends most of its attention time gathering the sequence's
@@ -44,7 +45,7 @@ logger = logging.getLogger("qpage")
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = (CSRC / "cpu_attention.c", CSRC / "cpu_ops.c", CSRC / "cpu_fp8.c", CSRC / "cpu_int.c", CSRC / "cpu_gguf.c",
            CSRC / "cpu_gguf_layout.c", CSRC / "cpu_gguf_q4k.c", CSRC / "cpu_gguf_q6k.c", CSRC / "cpu_gguf_iq4.c",
-           CSRC / "cpu_decode.c", CSRC / "cpu_moe.c", CSRC / "cpu_dense.c")
+           CSRC / "cpu_step.c", CSRC / "cpu_decode.c", CSRC / "cpu_moe.c", CSRC / "cpu_dense.c")
 HEADERS = (CSRC / "qp_math.h", CSRC / "qp_half.h", CSRC / "qp_gguf.h", CSRC / "qp_step.h")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-std=c11", "-shared", "-fPIC")
 OPENMP = "-fopenmp"

@@ -21,7 +21,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "qp_gguf.h" /* qp_quantize_act, qp_gguf_matmul */
 #include "qp_step.h" /* qp_proj, qp_act, qp_moe */
 
 /* cpu_ops.c */
@@ -66,24 +65,6 @@ typedef struct {
     float eps, scale, softcap, pad; /* softcap 0: scores not capped */
     int64_t num_blocks;
 } qp_shape;
-
-int qp_project(const qp_proj *p, const float *x, int rows, int k, float *out, int64_t n, const qp_act *a,
-               int threads) {
-    int resid = 0;
-    for (int i = 0; i < p->num_pieces; i++) resid |= act_residual(p->pieces[i].type);
-    qp_quantize_act(x, k, rows, k, a->q, a->d, a->s, resid ? a->qr : NULL, resid ? a->dr : NULL,
-                    resid ? a->sr : NULL, threads);
-    for (int i = 0; i < p->num_pieces; i++) {
-        const qp_piece *c = p->pieces + i;
-        const int rc = qp_gguf_matmul(c->type, c->w, c->n, k, a->q, a->d, a->s, resid ? a->qr : NULL,
-                                      resid ? a->dr : NULL, resid ? a->sr : NULL, rows, out + c->col0, n, threads, 0);
-        if (rc != 0) return rc == -2 ? -3 : -1; /* -3: out of memory, as for the step's own scratch */
-    }
-    if (p->bias)
-        for (int r = 0; r < rows; r++)
-            for (int64_t j = 0; j < n; j++) out[r * n + j] += p->bias[j];
-    return 0;
-}
 
 /* The layer's MLP on the normed h [rows, hidden], its output left in h: gate_up into gu, the
  * activation into a (the step's scratch), down back into h; or the layer's mixture of experts
