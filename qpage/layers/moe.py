@@ -81,15 +81,13 @@ class SparseMoe(nn.Module):
                                    if shared_inter else None)
         self.ops: TorchOps = TORCH_OPS
         self.kernel: MoeKernel | None = None
-        self.experts_path = "torch"
-        """How the block runs: "cpu-native" (the C block) or "torch"."""
         self.unfit = "not prepared"
         """Why the C block does not run this layer ("" when it does)."""
 
     def prepare(self, ops: TorchOps) -> None:
         """Choose the path, once the experts' linears are prepared (``ops``: the model's)."""
         self.ops = ops
-        self.kernel, self.experts_path = None, "torch"
+        self.kernel = None
         if not isinstance(ops, CpuNativeOps):
             self.unfit = f"the model's ops are {ops.name}, not the C kernels"
             return
@@ -106,7 +104,12 @@ class SparseMoe(nn.Module):
         why = weights_unfit_reason(w)  # type: ignore[arg-type]
         self.unfit = why or ""
         if why is None:
-            self.kernel, self.experts_path = MoeKernel(w), "cpu-native"
+            self.kernel = MoeKernel(w)
+
+    @property
+    def experts_path(self) -> str:
+        """How the block runs: "cpu-native" (the C block) or "torch"."""
+        return "torch" if self.kernel is None else "cpu-native"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None:

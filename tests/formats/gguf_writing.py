@@ -78,3 +78,23 @@ def start_file(dest: Path, arch: str, c: Any, tokenizer_dir: Path, q8: bool, hea
     for key, value, vtype, sub in tokenizer_keys(tokenizer_dir, c.vocab_size):
         w.add_key_value(key, value, vtype, sub_type=sub)
     return w
+
+
+def assert_matches_reference(h: Any, model: Any, ids: list[int], qtype: str) -> None:
+    """The file ``h`` runs against ``model`` (transformers, the same weights) over a prefill of
+    ``ids`` and three decode steps: F32 within 2e-4 of its logits; a block format (Q8_0 weights,
+    int8 activations, as tests/formats/test_gguf_fixtures.py holds them) within a mean KL of 0.01."""
+    req = h.request("a", ids)
+    got = [h.step([(req, len(ids))])["a"]]
+    for t in (3, 5, 7):
+        req.append_token(t)
+        got.append(h.step([(req, 1)])["a"])
+    with torch.no_grad():
+        want = model(torch.tensor([req.all_token_ids])).logits[0]
+    got_all = torch.cat(got)
+    if qtype == "F32":
+        torch.testing.assert_close(got_all, want, atol=2e-4, rtol=0)
+        return
+    kl = torch.nn.functional.kl_div(got_all.log_softmax(-1), want.log_softmax(-1), log_target=True,
+                                    reduction="none").sum(-1)
+    assert float(kl.mean()) < 0.01

@@ -17,7 +17,7 @@ import pytest
 import torch
 import transformers
 
-from tests.formats.gguf_writing import random_model, start_file, write_tensors_and_close
+from tests.formats.gguf_writing import assert_matches_reference, random_model, start_file, write_tensors_and_close
 from tests.helpers import RunnerHarness
 
 gguf = pytest.importorskip("gguf")
@@ -74,17 +74,4 @@ def test_gemma_gguf_matches_transformers(tmp_path: Path, default_model_dir: Path
     if qtype == "Q8_0":
         assert {m.kernel_path for m in h.model.quant_linears()} == {"cpu-blocks"}
     ids = torch.randint(0, VOCAB, (5 * WINDOW,), generator=torch.Generator().manual_seed(1)).tolist()
-    req = h.request("a", ids)
-    got = [h.step([(req, len(ids))])["a"]]
-    for t in (3, 5, 7):
-        req.append_token(t)
-        got.append(h.step([(req, 1)])["a"])
-    with torch.no_grad():
-        want = model(torch.tensor([req.all_token_ids])).logits[0]
-    got_all = torch.cat(got)
-    if qtype == "F32":
-        torch.testing.assert_close(got_all, want, atol=2e-4, rtol=0)
-    else:  # Q8_0 weights and int8 activations, as tests/formats/test_gguf_fixtures.py holds them
-        kl = torch.nn.functional.kl_div(got_all.log_softmax(-1), want.log_softmax(-1), log_target=True,
-                                        reduction="none").sum(-1)
-        assert float(kl.mean()) < 0.01
+    assert_matches_reference(h, model, ids, qtype)

@@ -22,7 +22,7 @@ import torch
 import transformers
 
 from qpage.formats.gguf_model import permute_rows
-from tests.formats.gguf_writing import TOP, random_model, start_file
+from tests.formats.gguf_writing import TOP, assert_matches_reference, random_model, start_file
 from tests.helpers import RunnerHarness
 
 gguf = pytest.importorskip("gguf")
@@ -155,20 +155,7 @@ def test_moe_gguf_matches_transformers(tmp_path: Path, default_model_dir: Path, 
         assert {m.experts_path for m in h.model.modules() if hasattr(m, "experts_path")} == {"cpu-native"}
         assert h.model.decode_stack is not None
     ids = torch.randint(0, VOCAB, (40,), generator=torch.Generator().manual_seed(1)).tolist()
-    req = h.request("a", ids)
-    got = [h.step([(req, len(ids))])["a"]]
-    for t in (3, 5, 7):
-        req.append_token(t)
-        got.append(h.step([(req, 1)])["a"])
-    with torch.no_grad():
-        want = model(torch.tensor([req.all_token_ids])).logits[0]
-    got_all = torch.cat(got)
-    if qtype == "F32":
-        torch.testing.assert_close(got_all, want, atol=2e-4, rtol=0)
-    else:
-        kl = torch.nn.functional.kl_div(got_all.log_softmax(-1), want.log_softmax(-1), log_target=True,
-                                        reduction="none").sum(-1)
-        assert float(kl.mean()) < 0.01
+    assert_matches_reference(h, model, ids, qtype)
 
 
 def test_mxfp4_experts_run_packed(tmp_path: Path, default_model_dir: Path) -> None:
