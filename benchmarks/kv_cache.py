@@ -11,7 +11,10 @@ wikitext-2 ``test.txt``, teacher-forced, with chunked prefill of ``--chunk`` tok
 chunk after the first reads its context back from the (quantized) paged cache. Per
 window, every mode scores the same tokens; perplexity is exp(mean NLL) over all scored
 positions, and KL is the mean over positions of KL(auto || mode) of the full next-token
-distributions. Bytes per token count K and V of all layers plus the scales (and zeros), and are
+distributions. The top-2 gap shift says how far a mode moves greedy decisions: at each
+position, the gap between the logprobs of the ``auto`` cache's two best tokens, and how much
+the mode changes it (mean, 99th percentile, largest); greedy outputs can part wherever
+``auto``'s gap is smaller than that. Bytes per token count K and V of all layers plus the scales (and zeros), and are
 compared with an fp16 cache's (the usual GPU baseline) and the ``auto`` cache's.
 
     python benchmarks/kv_cache.py [--windows 16] [--window 512] [--chunk 128]
@@ -118,6 +121,12 @@ def speed(args: argparse.Namespace) -> None:
                Path(args.out or ROOT / "benchmarks" / "results" / "kv_cache_speed.json"))
 
 
+def top2_gap(logprobs: Any, top2: Any) -> Any:
+    """[positions]: logprob of the first of ``top2`` [positions, 2] minus that of the second."""
+    pair = logprobs.gather(1, top2)
+    return pair[:, 0] - pair[:, 1]
+
+
 def main() -> None:
     args = parse_args()
     if args.speed:
@@ -143,10 +152,12 @@ def main() -> None:
     nll = dict.fromkeys(engines, 0.0)
     kl = dict.fromkeys(engines, 0.0)
     kl_max = dict.fromkeys(engines, 0.0)
+    gap_shift: dict[str, list[torch.Tensor]] = {k: [] for k in engines}
     count = 0
     t0 = time.perf_counter()
     for w, ids in enumerate(windows):
         base = score_window(ref, ids, args.chunk)
+        top2 = base.topk(2, dim=-1).indices
         nll["auto"] += nll_sum(base, ids)
         for label, eng in engines.items():
             if label == "auto":
@@ -156,6 +167,7 @@ def main() -> None:
             rows = kl_rows(base, lp)
             kl[label] += float(rows.sum())
             kl_max[label] = max(kl_max[label], float(rows.max()))
+            gap_shift[label].append((top2_gap(lp, top2) - top2_gap(base, top2)).abs())
         count += len(ids) - 1
         print(f"window {w + 1}/{len(windows)} ({time.perf_counter() - t0:.0f} s): "
               + ", ".join(f"{k} ppl {math.exp(v / count):.4f}" for k, v in nll.items()), flush=True)
@@ -166,12 +178,14 @@ def main() -> None:
         spec = eng.kv_spec
         b = spec.bytes_per_token(arch.num_layers, arch.num_kv_heads, arch.head_dim)
         ppl = math.exp(nll[label] / count)
+        shift = torch.cat(gap_shift[label]) if gap_shift[label] else torch.zeros(1)
         rows_out.append(dict(mode=label, kv_cache=spec.describe(), bytes_per_token=b,
                              vs_fp16=b / fp16_bytes, vs_auto=b / ref.kv_spec.bytes_per_token(
                                  arch.num_layers, arch.num_kv_heads, arch.head_dim),
                              perplexity=ppl, ppl_delta_pct=100 * (ppl / ppl_auto - 1),
                              mean_kl=kl[label] / count if label != "auto" else 0.0,
-                             max_kl=kl_max[label]))
+                             max_kl=kl_max[label], gap_shift_mean=float(shift.mean()),
+                             gap_shift_p99=float(shift.quantile(0.99)), gap_shift_max=float(shift.max())))
     result = dict(model=ref.model_dir.name, model_dtype=str(ref.dtype), data=Path(args.data).name,
                   windows=len(windows), window=args.window,
                   chunk=args.chunk, tokens_scored=count, fp16_bytes_per_token=fp16_bytes, modes=rows_out)
@@ -180,10 +194,11 @@ def main() -> None:
     print(f"\n{result['model']} ({result['model_dtype']}), {len(windows)} windows x {args.window} tokens, "
           f"chunk {args.chunk}: {count} positions scored")
     print(f"{'mode':<24} {'B/token':>8} {'vs fp16':>8} {'vs auto':>8} {'perplexity':>11} {'d ppl %':>8} "
-          f"{'mean KL':>10} {'max KL':>8}")
+          f"{'mean KL':>10} {'max KL':>8} {'gap shift mean/p99/max':>23}")
     for r in rows_out:
         print(f"{r['mode']:<24} {r['bytes_per_token']:>8} {r['vs_fp16']:>8.4f} {r['vs_auto']:>8.4f} "
-              f"{r['perplexity']:>11.4f} {r['ppl_delta_pct']:>+8.3f} {r['mean_kl']:>10.2e} {r['max_kl']:>8.3f}")
+              f"{r['perplexity']:>11.4f} {r['ppl_delta_pct']:>+8.3f} {r['mean_kl']:>10.2e} {r['max_kl']:>8.3f} "
+              f"{r['gap_shift_mean']:>7.3f}/{r['gap_shift_p99']:.3f}/{r['gap_shift_max']:.3f}")
     print(f"wrote {out}")
 
 

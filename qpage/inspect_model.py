@@ -24,6 +24,7 @@ from qpage.formats.detect import linear_config
 from qpage.formats.fp8 import Fp8Config
 from qpage.formats.gguf import default_gguf_path
 from qpage.formats.gguf_reader import GgufFile
+from qpage.formats.mxfp4 import Mxfp4Config
 from qpage.layers.moe import SparseMoe
 from qpage.models.loader import load_model, read_arch_config, resolve_dtype, resolve_model_dir, weight_files
 
@@ -66,6 +67,9 @@ def quant_info(qc: dict[str, Any], in_features: int) -> dict[str, Any]:
     if isinstance(cfg, BnbConfig):  # the block size is per tensor (its quant_state), not in the config
         nested = ", double-quantized absmax" if cfg.nested else ""
         return {"format": "bitsandbytes (4-bit)", "scheme": f"{cfg.quant_type} per-block absmax{nested}"}
+    if isinstance(cfg, Mxfp4Config):
+        return {"format": "mxfp4 (gpt-oss)", "scheme": "experts in MXFP4 (E2M1, E8M0 scale per 32), the rest float",
+                "bits_per_weight": 4.25}
     g = cfg.group_size or in_features
     if isinstance(cfg, AwqConfig):
         fmt = "awq (gemm)"

@@ -10,10 +10,11 @@ from qpage.formats.compressed_tensors import CtIntConfig
 from qpage.formats.fp8 import Fp8Config
 from qpage.formats.gguf_model import GgufConfig
 from qpage.formats.gptq import GptqConfig
+from qpage.formats.mxfp4 import Mxfp4Config
 
-LinearConfig = GptqConfig | AwqConfig | CtIntConfig | Fp8Config | GgufConfig | BnbConfig
+LinearConfig = GptqConfig | AwqConfig | CtIntConfig | Fp8Config | GgufConfig | BnbConfig | Mxfp4Config
 SUPPORTED = ("gptq", "awq (GEMM)", "compressed-tensors (pack-quantized INT4/INT8, FP8)", "fp8",
-             "bitsandbytes (4-bit NF4/FP4)", "gguf (a .gguf file)")
+             "bitsandbytes (4-bit NF4/FP4)", "mxfp4 (gpt-oss)", "gguf (a .gguf file)")
 
 
 def linear_config(qc: dict[str, Any], where: str) -> LinearConfig:
@@ -21,6 +22,8 @@ def linear_config(qc: dict[str, Any], where: str) -> LinearConfig:
     method = qc.get("quant_method") if isinstance(qc, dict) else None
     if method == "gguf":
         return GgufConfig()
+    if method == "mxfp4":
+        return Mxfp4Config.from_json(qc, where)
     if method == "bitsandbytes":
         return BnbConfig.from_json(qc, where)
     if method == "gptq":

@@ -26,8 +26,11 @@ from qpage.models.sharding import WHOLE_MODEL, PartLoader
 
 _MIXTRAL = re.compile(r"\.block_sparse_moe\.(?:experts\.(\d+)\.(w[123])(?=\.|$))?")
 _MIXTRAL_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
-GPT_OSS_EXPERTS = re.compile(r"^(model\.layers\.\d+)\.mlp\.experts\.(gate_up_proj|down_proj)(_bias)?$")
-"""gpt-oss's stacked experts (layer prefix, projection, bias suffix): split by ``gpt_oss_experts``."""
+GPT_OSS_EXPERTS = re.compile(r"^(model\.layers\.\d+)\.mlp\.experts\.(gate_up_proj|down_proj)(_bias|_blocks|_scales)?$")
+"""gpt-oss's stacked experts (layer prefix, projection, suffix: none for a float weight, or
+``_bias``, or an MXFP4 checkpoint's ``_blocks`` / ``_scales``): split by ``gpt_oss_experts``."""
+_SPLIT_SUFFIX = {None: "weight", "_bias": "bias", "_blocks": "weight", "_scales": "weight_scale"}
+"""The name an expert's part takes (``formats.mxfp4`` reads ``weight`` codes with ``weight_scale``)."""
 
 
 def mixtral_name(name: str) -> str:
@@ -92,23 +95,26 @@ def _renamed(tensors: Iterable[tuple[str, str, torch.Tensor | LazyTensor | GgufT
             value = t.read() if isinstance(t, LazyTensor) else t
             if not isinstance(value, torch.Tensor):
                 raise ValueError(f"{file}: {name} is quantized; gpt-oss's experts load from float tensors")
-            for split_name, part in gpt_oss_experts(m.group(1), m.group(2), value):
+            for split_name, part in gpt_oss_experts(m.group(1), m.group(2), value, m.group(3)):
                 yield file, split_name, part
             continue
         yield file, mixtral_name(name).replace(".mlp.router.", ".mlp.gate."), t
 
 
-def gpt_oss_experts(layer: str, proj: str, t: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
-    """gpt-oss's stacked experts as one tensor per expert and projection: ``gate_up_proj``
-    [experts, hidden, 2 inter] holds x -> [gate, up] with gate and up interleaved (even, odd
-    columns); ``down_proj`` [experts, inter, hidden]; their biases [experts, 2 inter] and
-    [experts, hidden]. Weights come out [out, in], gate and up apart."""
-    bias = t.dim() == 2
+def gpt_oss_experts(layer: str, proj: str, t: torch.Tensor, suffix: str | None = None
+                    ) -> Iterator[tuple[str, torch.Tensor]]:
+    """gpt-oss's stacked experts as one tensor per expert and projection, with gate and up
+    apart. ``gate_up_proj`` [experts, hidden, 2 inter] holds x -> [gate, up] with gate and up
+    interleaved (even, odd columns); ``down_proj`` [experts, inter, hidden]; their biases
+    [experts, 2 inter] and [experts, hidden]. Weights come out [out, in]. MXFP4 ``_blocks``
+    [experts, out, in / 32, 16] and ``_scales`` [experts, out, in / 32] are rows already:
+    split the same way along their rows, kept as they are (``formats.mxfp4``)."""
+    rows_first = suffix in ("_bias", "_blocks", "_scales")
     for e in range(t.shape[0]):
-        w = t[e] if bias else t[e].t()
-        pre, suffix = f"{layer}.mlp.experts.{e}", "bias" if bias else "weight"
+        w = t[e] if rows_first else t[e].t()
+        pre, part = f"{layer}.mlp.experts.{e}", _SPLIT_SUFFIX[suffix]
         if proj == "gate_up_proj":
-            yield f"{pre}.gate_proj.{suffix}", w[0::2].contiguous()
-            yield f"{pre}.up_proj.{suffix}", w[1::2].contiguous()
+            yield f"{pre}.gate_proj.{part}", w[0::2].contiguous()
+            yield f"{pre}.up_proj.{part}", w[1::2].contiguous()
         else:
-            yield f"{pre}.down_proj.{suffix}", w.contiguous()
+            yield f"{pre}.down_proj.{part}", w.contiguous()

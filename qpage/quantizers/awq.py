@@ -55,7 +55,7 @@ def fake_quant(w: torch.Tensor, bits: int, group_size: int | None, sym: bool) ->
     return dequantize_rtn(q, s, z, group_size)
 
 
-def _group_mean_abs_w(w: torch.Tensor, group_size: int | None) -> torch.Tensor:
+def group_mean_abs_w(w: torch.Tensor, group_size: int | None) -> torch.Tensor:
     """Per-input-channel mean of |W| normalized by each group's max (AutoAWQ's w_mean)."""
     out_f, in_f = w.shape
     g = group_size or in_f
@@ -66,20 +66,36 @@ def _group_mean_abs_w(w: torch.Tensor, group_size: int | None) -> torch.Tensor:
     return wa.view(out_f, groups * g)[:, :in_f].mean(0)
 
 
+def scale_candidates(x_mean: torch.Tensor, w_mean: torch.Tensor, n_grid: int = 20
+                     ) -> list[tuple[float, torch.Tensor]]:
+    """(a, s) for a on the grid: s = mean|x|^a / mean|W~|^(1-a), normalized so that
+    sqrt(max s * min s) = 1."""
+    out = []
+    for i in range(n_grid):
+        a = i / n_grid
+        s = (x_mean.clamp_min(1e-8) ** a / w_mean.clamp_min(1e-8) ** (1 - a)).clamp_min(1e-4)
+        out.append((a, s / (s.max() * s.min()).sqrt()))
+    return out
+
+
+def scaled_error(w: torch.Tensor, s: torch.Tensor | None, h: torch.Tensor, bits: int, group_size: int | None,
+                 sym: bool) -> float:
+    """Output error of Q(w s) / s against w [out, in] (of plain Q(w) where s is None) over
+    inputs with H = E[x x^T]."""
+    q = fake_quant(w, bits, group_size, sym) if s is None else fake_quant(w * s, bits, group_size, sym) / s
+    return float(output_error(q - w, h).sum())
+
+
 @torch.no_grad()
 def search_scale(h: torch.Tensor, x_mean: torch.Tensor, w: torch.Tensor, bits: int, group_size: int | None,
                  sym: bool, n_grid: int = 20) -> tuple[torch.Tensor, float, float]:
     """Best per-input-channel scales for w [out, in] given the inputs' H = E[x x^T] [in, in] and
     mean |x| [in]. The output error of scales s is that of Q(w s) / s against w over every
     calibration token. Returns (scales [in], best ratio, error ratio best / plain RTN)."""
-    w_mean = _group_mean_abs_w(w, group_size)
-    plain = float(output_error(fake_quant(w, bits, group_size, sym) - w, h).sum())
+    plain = scaled_error(w, None, h, bits, group_size, sym)
     best = (plain, torch.ones_like(x_mean), -1.0)  # no scaling stays a candidate: never worse than RTN
-    for i in range(n_grid):
-        a = i / n_grid
-        s = (x_mean.clamp_min(1e-8) ** a / w_mean.clamp_min(1e-8) ** (1 - a)).clamp_min(1e-4)
-        s = s / (s.max() * s.min()).sqrt()
-        err = float(output_error(fake_quant(w * s, bits, group_size, sym) / s - w, h).sum())
+    for a, s in scale_candidates(x_mean, group_mean_abs_w(w, group_size), n_grid):
+        err = scaled_error(w, s, h, bits, group_size, sym)
         if err < best[0]:
             best = (err, s, a)
     return best[1], best[2], best[0] / max(plain, 1e-30)

@@ -6,8 +6,8 @@ before, as GPTQ does), accumulate the Hessian 2/n X X^T of each linear's inputs 
 diagonal for the importance-weighted RTN, ``imatrix``), quantize its weights
 (``gptq.gptq_quantize`` or ``rtn.quantize_rtn``), put the dequantized weights back so the
 next layer sees the quantized model's activations, and run the windows through once more.
-q/k/v share one Hessian (one input), as do gate/up. AWQ (``awq``) runs the same loop with
-its own searches.
+q/k/v share one Hessian (one input), as do gate/up. AWQ runs the same layers with its own
+searches (``awq_layers``).
 
 Memory stays bounded (``layer_source``): one decoder layer is read from the shards at a
 time, and each layer's results are spilled to the job's temporary folder, from where the
@@ -26,11 +26,9 @@ from qpage.formats.scheme import QuantScheme
 from qpage.layers.attention.backends import TorchPagedAttention
 from qpage.layers.attention.kv_format import KVCacheSpec, make_layer_kv
 from qpage.layers.attention.metadata import AttentionBatch, SeqSpan
-from qpage.models.arch import GEMMA_ARCHITECTURES
-from qpage.models.llama import projections
 from qpage.quantizers.gptq import gptq_quantize
 from qpage.quantizers.layer_source import LayerSource, Result, ResultStore
-from qpage.quantizers.rtn import dequantize_rtn, quantize_rtn
+from qpage.quantizers.rtn import quantize_rtn
 
 
 class _Hessian:
@@ -162,10 +160,11 @@ def _layer_by_layer(src: Path, windows: list[list[int]], store: ResultSink,
         linears = {fused: layer.get_submodule(fused) for fused in parts}
         pre = f"model.layers.{li}."
         new_weights = {}
-        for group in _passes(linears, diagonal_only):
+        sizes = {k: 8 * m.in_features * (1 if diagonal_only else m.in_features) for k, m in linears.items()}
+        for group in passes(sizes):
             # Every pass sees the layer as it was: the quantized weights go in after the last.
             hess = {k: _Hessian(linears[k].in_features, diagonal_only) for k in group}
-            _run_layer(source.shell(li), layer, hidden, backend, c, record=({k: linears[k] for k in group}, hess))
+            run_layer(source.shell(li), layer, hidden, backend, c, record=({k: linears[k] for k in group}, hess))
             for key in group:
                 # Rows are independent (GPTQ's share H): the fused weight is quantized in one
                 # pass and split into its projections by the quantizer.
@@ -178,19 +177,18 @@ def _layer_by_layer(src: Path, windows: list[list[int]], store: ResultSink,
         for key, w in new_weights.items():
             linears[key].weight.data.copy_(w)  # also updates the BLAS copy
         store.put_layer(li, out)
-        hidden = _run_layer(source.shell(li), layer, hidden, backend, c, record=None)
+        hidden = run_layer(source.shell(li), layer, hidden, backend, c, record=None)
         if on_layer is not None:
             on_layer(li + 1, c.num_layers)
     return fell_back
 
 
-def _passes(linears: dict[str, Any], diagonal_only: bool) -> list[list[str]]:
-    """The layer's linears in groups whose Hessians fit ``HESSIAN_BUDGET`` (one group for a
-    dense layer), in order."""
+def passes(sizes: dict[str, int]) -> list[list[str]]:
+    """Keys in order, grouped so that each group's statistics (``sizes``: bytes per key) fit
+    ``HESSIAN_BUDGET`` (a key larger than that alone); one group for a dense layer."""
     groups: list[list[str]] = [[]]
     used = 0
-    for key, mod in linears.items():
-        size = 8 * mod.in_features * (1 if diagonal_only else mod.in_features)
+    for key, size in sizes.items():
         if groups[-1] and used + size > HESSIAN_BUDGET:
             groups.append([])
             used = 0
@@ -199,7 +197,7 @@ def _passes(linears: dict[str, Any], diagonal_only: bool) -> list[list[str]]:
     return groups
 
 
-def _run_layer(model: Any, layer: Any, hidden: list[torch.Tensor], backend: Any, c: Any,
+def run_layer(model: Any, layer: Any, hidden: list[torch.Tensor], backend: Any, c: Any,
                record: tuple[dict[str, Any], dict[str, _Hessian]] | None) -> list[torch.Tensor]:
     """Each window through one decoder layer (a fresh prefill), recording linear inputs if asked;
     ``model``: the one-layer shell that holds ``layer`` (its rotary tables)."""
@@ -230,77 +228,3 @@ def _run_layer(model: Any, layer: Any, hidden: list[torch.Tensor], backend: Any,
         if record is not None:
             for key, mod in record[0].items():
                 mod.forward = saved[key]
-
-
-@torch.inference_mode()
-def awq_calibrate(src: Path, scheme: QuantScheme, windows: list[list[int]], store: ResultStore,
-                  clip: bool = True, on_layer: Callable[[int, int], None] | None = None,
-                  ) -> tuple[ResultStore, dict[str, torch.Tensor]]:
-    """AWQ every decoder linear of ``src``: (``store``: prefix -> (q, scales, zeros, None), and
-    the norm weights that absorbed the scales, by checkpoint name)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # see _sequential
-    try:
-        return _awq(src, scheme, windows, store, clip, on_layer)
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _awq(src: Path, scheme: QuantScheme, windows: list[list[int]], store: ResultStore, clip: bool,
-         on_layer: Callable[[int, int], None] | None) -> tuple[ResultStore, dict[str, torch.Tensor]]:
-    from qpage.quantizers.awq import InputRecorder, search_clip, search_scale
-
-    source = LayerSource(src, max(len(w) for w in windows) + 1)
-    c = source.arch
-    if c.architecture in GEMMA_ARCHITECTURES:
-        raise ValueError(f"{src}: AWQ folds its scales into the norm before each linear, and Gemma's norms scale "
-                         "by 1 + w after a post-norm; quantize Gemma with gptq or rtn")
-    if c.num_experts:
-        raise ValueError(f"{src}: AWQ of a mixture of experts ({c.architecture}: scales per expert folded into one "
-                         "shared norm) is not supported; quantize it with gptq or rtn")
-    backend = TorchPagedAttention(KVCacheSpec(torch.float32))
-    hidden = source.embed(windows)
-    parts: dict[str, list[tuple[str, int, int]]] = {}
-    for name, fused, off, rows in projections(c):
-        parts.setdefault(fused, []).append((name, off, rows))
-    norms: dict[str, torch.Tensor] = {}
-    bits, g, sym = scheme.bits, scheme.group_size, scheme.sym
-    for li in range(c.num_layers):
-        layer = source.layer(li)
-        out: dict[str, Result] = {}
-        linears = {fused: layer.get_submodule(fused) for fused in parts}
-        rec = {k: InputRecorder(m.in_features) for k, m in linears.items()}
-        _run_layer(source.shell(li), layer, hidden, backend, c, record=(linears, rec))  # type: ignore[arg-type]
-        inter, v0 = c.intermediate_size, c.q_size + c.kv_size
-        # (fused linear, what absorbs 1/s: a norm weight or rows of an earlier linear)
-        plan: list[tuple[str, torch.Tensor]] = [
-            ("self_attn.qkv_proj", layer.input_layernorm.weight.data),
-            ("mlp.gate_up_proj", layer.post_attention_layernorm.weight.data),
-            ("mlp.down_proj", linears["mlp.gate_up_proj"].weight.data[inter:]),
-        ]
-        if c.kv_size == c.q_size:  # o after v only without GQA (a v row feeds one o column)
-            plan.append(("self_attn.o_proj", linears["self_attn.qkv_proj"].weight.data[v0 : v0 + c.kv_size]))
-        hess = {k: r.hessian() for k, r in rec.items()}
-        for key, prev in plan:
-            w = linears[key].weight.data
-            s, _, _ = search_scale(hess[key], rec[key].mean_abs(), w, bits, g, sym)
-            prev.div_(s if prev.dim() == 1 else s[:, None])
-            w.mul_(s)
-            hess[key] = hess[key] / (s[:, None] * s[None, :])  # the inputs are now x / s
-        pre = f"model.layers.{li}."
-        for key, mod in linears.items():
-            w = mod.weight.data
-            if clip and key != "self_attn.qkv_proj":  # q/k feed a softmax: AWQ leaves them unclipped
-                w.copy_(search_clip(hess[key], w.clone(), bits, g, sym))
-            q, s, z = quantize_rtn(w, bits, g, sym, importance=torch.diagonal(hess[key]))
-            for name, off, rows in parts[key]:
-                out[pre + name] = (q[:, off : off + rows].contiguous(), s[:, off : off + rows].contiguous(),
-                                   z[:, off : off + rows].contiguous(), None)
-            w.copy_(dequantize_rtn(q, s, z, g))
-        norms[pre + "input_layernorm.weight"] = layer.input_layernorm.weight.data.clone()
-        norms[pre + "post_attention_layernorm.weight"] = layer.post_attention_layernorm.weight.data.clone()
-        store.put_layer(li, out)
-        hidden = _run_layer(source.shell(li), layer, hidden, backend, c, record=None)
-        if on_layer is not None:
-            on_layer(li + 1, c.num_layers)
-    return store, norms

@@ -73,7 +73,7 @@ def _tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
             if m is None:
                 yield name, t
             else:
-                yield from gpt_oss_experts(m.group(1), m.group(2), t)
+                yield from gpt_oss_experts(m.group(1), m.group(2), t, m.group(3))
 
 
 def _linear_shapes(files: list[Path]) -> dict[str, list[int]]:
@@ -269,13 +269,14 @@ def _quantization_config(scheme: QuantScheme, fmt: str) -> dict[str, Any]:
 def _calibrate(src: Path, scheme: QuantScheme, calib: list[list[int]] | None, progress: bool, spill: Path
                ) -> tuple[Any, dict[str, torch.Tensor]]:
     """Calibrated results by projection prefix (a ``ResultStore`` spilled under ``spill``; None
-    for RTN/FP8/NF4), and tensors AWQ rewrote (norms)."""
+    for RTN/FP8/NF4), and the float tensors AWQ rewrote (norms, routers, biases)."""
     if scheme.method not in CALIBRATED:
         return None, {}
     if not calib:
         raise ValueError(f"{scheme.method.upper()} needs calibration text: pass --calib FILE "
                          "(e.g. wikitext-2 valid.txt)")
     from qpage.quantizers import calibrate
+    from qpage.quantizers.awq_layers import awq_calibrate
     from qpage.quantizers.layer_source import ResultStore
     from qpage.quantizers.signround import signround_calibrate
 
@@ -288,7 +289,7 @@ def _calibrate(src: Path, scheme: QuantScheme, calib: list[list[int]] | None, pr
             return calibrate.imatrix_calibrate(src, scheme, calib, ResultStore(spill), on_layer=step), {}
         if scheme.method == "signround":
             return signround_calibrate(src, scheme, calib, ResultStore(spill), on_layer=step), {}
-        return calibrate.awq_calibrate(src, scheme, calib, ResultStore(spill), on_layer=step)
+        return awq_calibrate(src, scheme, calib, ResultStore(spill), on_layer=step)
     finally:
         if bar is not None:
             bar.close()

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from qpage.models.loader import read_arch_config
 from tests.helpers import RunnerHarness
@@ -68,9 +69,10 @@ def test_moe_batch_invariance_preemption_and_prefix_hits(moe_gguf: Path) -> None
 @pytest.mark.parametrize("case, scheme, fmt, max_kl", [
     ("qwen3-moe", "int4-gptq", "gptq", 0.01), ("mixtral", "int4-gptq", "gptq", 0.01),
     ("qwen2-moe", "int8-rtn", "gptq", 0.001), ("qwen3-moe-step", "int4-rtn", "compressed-tensors", 0.01),
-    ("mixtral", "int4-rtn", "awq", 0.01)])
+    ("mixtral", "int4-rtn", "awq", 0.01), ("mixtral", "int4-awq", "awq", 0.01),
+    ("qwen2-moe", "int8-awq", "gptq", 0.001)])
 def test_moe_quantized_by_qpage_runs_packed(tmp_path: Path, case: str, scheme: str, fmt: str, max_kl: float) -> None:
-    """``qpage quantize`` on an MoE checkpoint: every expert quantized (GPTQ on the rows routed to
+    """``qpage quantize`` on an MoE checkpoint: every expert quantized (GPTQ or AWQ on the rows routed to
     it, RTN for those few rows reached), the routers left in full precision; the checkpoint runs
     its experts on the C block from each integer format (per-expert tensors, as the ecosystem's
     MoE checkpoints store them) within a mean KL of ``max_kl`` of the float model's predictions
@@ -88,8 +90,10 @@ def test_moe_quantized_by_qpage_runs_packed(tmp_path: Path, case: str, scheme: s
     a = read_arch_config(src)
     assert report.linears == sum(4 + (3 * (a.num_experts + bool(a.shared_expert_intermediate_size)) if a.is_sparse(i)
                                       else 3) for i in range(a.num_layers))
-    if scheme.endswith("gptq"):
+    if scheme.endswith(("gptq", "awq")):
         assert 0 < report.rtn_fallbacks < report.linears  # some experts saw few of the 256 rows, most did not
+    if scheme.endswith("awq"):
+        assert_router_absorbed_the_scale(src, tmp_path / "q")
     h = RunnerHarness(tmp_path / "q", num_blocks=32)
     assert {m.kernel_path for m in h.model.quant_linears()} == {"cpu-blocks"}
     assert {m.experts_path for m in h.model.modules() if hasattr(m, "experts_path")} == {"cpu-native"}
@@ -99,6 +103,24 @@ def test_moe_quantized_by_qpage_runs_packed(tmp_path: Path, case: str, scheme: s
         want = ref(torch.tensor([ids])).logits[0]
     kl = torch.nn.functional.kl_div(got.log_softmax(-1), want.log_softmax(-1), log_target=True, reduction="none")
     assert float(kl.sum(-1).mean()) < max_kl
+
+
+def assert_router_absorbed_the_scale(src: Path, out: Path) -> None:
+    """AWQ divides a sparse layer's post-attention norm by the experts' shared input scale: the
+    router (and the shared expert's gate) must take it back exactly, column by column, so the
+    routing is the float model's. At least one layer was scaled."""
+    def tensors(folder: Path) -> dict[str, torch.Tensor]:
+        return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+    a, b = tensors(src), tensors(out)
+    scaled = 0
+    for name in a:
+        if not name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight", "shared_expert_gate.weight")):
+            continue
+        norm = name.split(".mlp.")[0].split(".block_sparse_moe.")[0] + ".post_attention_layernorm.weight"
+        torch.testing.assert_close(b[name] * b[norm], a[name] * a[norm], rtol=1e-5, atol=1e-7)
+        scaled += not torch.equal(a[norm], b[norm])
+    assert scaled > 0
 
 
 def test_moe_config_fields_and_refusals() -> None:

@@ -1,6 +1,6 @@
 """Layers whose weights are in a block format of the CPU kernels: a linear (possibly fused
-from several projections, each in its own format) from a GGUF file or a bitsandbytes 4-bit
-checkpoint (a GGUF file's token embedding: ``layers.linear.embedding``).
+from several projections, each in its own format) from a GGUF file, a bitsandbytes 4-bit or
+an MXFP4 (gpt-oss) checkpoint (a GGUF file's token embedding: ``layers.linear.embedding``).
 
 The parts are kept as loaded (``formats.gguf_model.GgufTensor``, ``formats.bnb.Bnb4Tensor``,
 or fp32 for float tensors); ``prepare`` hands them to the kernel selector (``linear_kernels``), which
@@ -15,6 +15,7 @@ import torch
 from qpage.formats import bnb
 from qpage.formats.gguf_model import GgufConfig, GgufTensor
 from qpage.formats.gguf_reader import F32
+from qpage.formats.mxfp4 import Mxfp4Config
 from qpage.layers.linear.kernel_spec import LinearSpec
 from qpage.layers.linear.quant_base import QuantLinearBase, Splitter
 
@@ -38,7 +39,8 @@ def dequantized(value: Part) -> torch.Tensor:
 
 
 class BlockLinear(QuantLinearBase):
-    def __init__(self, in_features: int, out_features: int, bias: bool, cfg: GgufConfig | bnb.BnbConfig) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool,
+                 cfg: GgufConfig | bnb.BnbConfig | Mxfp4Config) -> None:
         super().__init__(in_features, out_features, bias)
         self.cfg = cfg
         self.parts: list[tuple[int, Part]] = []

@@ -13,6 +13,7 @@ from qpage.formats.bnb import BnbConfig
 from qpage.formats.detect import LinearConfig
 from qpage.formats.fp8 import Fp8Config
 from qpage.formats.gguf_model import GgufConfig
+from qpage.formats.mxfp4 import Mxfp4Config
 from qpage.layers.linear.block_linear import BlockLinear
 from qpage.layers.linear.fp8_linear import Fp8Linear
 from qpage.layers.linear.kernel_spec import LinearSpec, Matmul
@@ -60,6 +61,6 @@ def make_linear(in_features: int, out_features: int, bias: bool, quant: LinearCo
         return Linear(in_features, out_features, bias)
     if isinstance(quant, Fp8Config):
         return Fp8Linear(in_features, out_features, bias, quant)
-    if isinstance(quant, (GgufConfig, BnbConfig)):
+    if isinstance(quant, (GgufConfig, BnbConfig, Mxfp4Config)):
         return BlockLinear(in_features, out_features, bias, quant)
     return IntLinear(in_features, out_features, bias, quant)

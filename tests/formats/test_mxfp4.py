@@ -1,0 +1,109 @@
+"""gpt-oss's MXFP4 safetensors: a tiny random gpt-oss whose experts are written as the
+published checkpoints store them (``*_blocks`` / ``*_scales``, ``quant_method: mxfp4``), against
+transformers' own loader of that checkpoint (it dequantizes MXFP4 on CPU).
+
+Dequantized, qpage's logits are within 2e-4 of transformers' (the same weights; summation order
+only); packed (the experts on the C block, int8 activations as every block format) within a
+mean KL of 0.01.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+
+from qpage.formats.mxfp4 import ggml_rows
+from qpage.inspect_model import quant_info
+from tests.helpers import RunnerHarness
+from tests.models.test_architectures import MOE_CASES, build
+
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+NOT_CONVERTED = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]
+
+
+def to_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [..., rows, in] -> (codes uint8 [..., rows, in / 32, 16], exponents uint8 [..., rows, in / 32]):
+    per block the smallest power of two that puts the largest weight within E2M1's 6, each
+    weight rounded to the nearest code (the OCP MX layout gpt-oss's checkpoints use)."""
+    g = w.reshape(*w.shape[:-1], -1, 32)
+    amax = g.abs().amax(-1).clamp_min(2.0**-120)
+    e = torch.ceil(torch.log2(amax / 6.0))
+    codes = ((g / torch.exp2(e)[..., None])[..., None] - E2M1).abs().argmin(-1).to(torch.uint8)
+    return codes[..., 0::2] | (codes[..., 1::2] << 4), (e + 127).to(torch.uint8)
+
+
+def write_mxfp4(src: Path, dst: Path) -> None:
+    """``src``'s gpt-oss checkpoint with its stacked experts in MXFP4 blocks."""
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.safetensors"))
+    tensors = {k: v for f in sorted(src.glob("*.safetensors")) for k, v in load_file(f).items()}
+    out = {}
+    for name, t in tensors.items():
+        if name.endswith((".experts.gate_up_proj", ".experts.down_proj")):  # [experts, in, out]
+            out[f"{name}_blocks"], out[f"{name}_scales"] = to_mxfp4(t.transpose(1, 2).contiguous())
+        else:
+            out[name] = t
+    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": NOT_CONVERTED}
+    (dst / "config.json").write_text(json.dumps(cfg))
+
+
+@pytest.fixture(scope="module")
+def mxfp4_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.nn.Module]:
+    base = tmp_path_factory.mktemp("gpt_oss_mxfp4")
+    build(base / "float", *MOE_CASES["gpt-oss"])
+    write_mxfp4(base / "float", base / "mxfp4")
+    ref = transformers.AutoModelForCausalLM.from_pretrained(
+        base / "mxfp4", quantization_config=transformers.Mxfp4Config(dequantize=True), dtype=torch.float32).eval()
+    return base / "mxfp4", ref
+
+
+@pytest.mark.parametrize("dequantize", [True, False])
+def test_mxfp4_checkpoint_matches_transformers(mxfp4_model: tuple[Path, torch.nn.Module], dequantize: bool) -> None:
+    path, ref = mxfp4_model
+    h = RunnerHarness(path, num_blocks=32, dequantize_weights=dequantize)
+    paths = {m.experts_path for m in h.model.modules() if hasattr(m, "experts_path")}
+    assert paths == ({"torch"} if dequantize else {"cpu-native"})
+    ids = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(4)).tolist()
+    got = h.step([(h.request("a", ids), len(ids))])["a"]
+    with torch.no_grad():
+        want = ref(torch.tensor([ids])).logits[0]
+    if dequantize:
+        torch.testing.assert_close(got, want, atol=2e-4, rtol=0)
+        return
+    kl = torch.nn.functional.kl_div(got.log_softmax(-1), want.log_softmax(-1), log_target=True, reduction="none")
+    assert float(kl.sum(-1).mean()) < 0.01
+
+
+def test_ggml_rows_reorder_the_nibbles_only() -> None:
+    """A block's 32 codes, given in pairs (2j, 2j + 1), come out as ggml's (j, j + 16)."""
+    codes = torch.arange(32, dtype=torch.uint8) % 16
+    packed = (codes[0::2] | (codes[1::2] << 4)).reshape(1, 1, 16)
+    row = ggml_rows(packed.numpy(), torch.tensor([[131]], dtype=torch.uint8).numpy())[0]
+    assert row[0] == 131
+    assert [b & 15 for b in row[1:]] == list(range(16)) and [b >> 4 for b in row[1:]] == list(range(16))
+
+
+def test_incomplete_or_odd_mxfp4_checkpoints_are_refused(mxfp4_model: tuple[Path, torch.nn.Module],
+                                                         tmp_path: Path) -> None:
+    path, _ = mxfp4_model
+    assert quant_info(json.loads((path / "config.json").read_text())["quantization_config"], 64)["format"] == \
+        "mxfp4 (gpt-oss)"
+    broken = tmp_path / "broken"
+    shutil.copytree(path, broken)
+    tensors = load_file(broken / "model.safetensors")
+    del tensors["model.layers.1.mlp.experts.down_proj_scales"]
+    save_file(tensors, str(broken / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"layers\.1\.mlp\.experts\.0\.down_proj has MXFP4 codes but no exponents"):
+        RunnerHarness(broken, num_blocks=8)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantization_config"]["block_size"] = 16
+    (broken / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="block_size=16; MXFP4 checkpoints have blocks of 32"):
+        RunnerHarness(broken, num_blocks=8)
