@@ -6,7 +6,7 @@ Modes: ``auto`` (the model dtype: fp32 on CPU), ``fp8_e4m3`` with per-token scal
 ``fp8_e5m2`` per-tensor, ``int8`` / ``int4`` with and without the Hadamard rotation, and
 ``k8v4`` (int8 keys, int4 values).
 
-Method: the default model scores non-overlapping windows of ``--window`` tokens from
+Method: the default model (its fp32 folder) scores non-overlapping windows of ``--window`` tokens from
 wikitext-2 ``test.txt``, teacher-forced, with chunked prefill of ``--chunk`` tokens: every
 chunk after the first reads its context back from the (quantized) paged cache. Per
 window, every mode scores the same tokens; perplexity is exp(mean NLL) over all scored
@@ -58,7 +58,8 @@ SPEED_MODES = ("auto", "fp8_e4m3 per-token", "int8 rotated", "k8v4 rotated", "in
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None, help="model folder (default: the default model)")
+    p.add_argument("--model", default=None,
+                   help="model folder (default: quality on the default model's fp32 folder, speed on its GGUF)")
     p.add_argument("--data", default=str(DATA))
     p.add_argument("--windows", type=int, default=16, help="number of windows scored (from the start of the file)")
     p.add_argument("--window", type=int, default=512)
@@ -138,11 +139,16 @@ def main() -> None:
 
     from qpage import LLM
     from qpage.eval.perplexity import kl_rows, nll_sum, score_window, token_windows
+    from qpage.formats.gguf import default_model_dir
     from qpage.layers.attention.kv_format import KVCacheSpec
 
+    # The fp32 weights, not the packed GGUF: its matmuls round activations to int8, and any
+    # change to a layer's input re-rounds them (between two caches that alone is a mean KL of
+    # about 4e-3 on this model), which would hide the caches' own differences.
+    model = args.model or str(default_model_dir())
     engines = {}
     for label, kwargs in MODES:
-        llm = LLM(model=args.model, kv_cache_memory="64MiB", enable_prefix_caching=False,
+        llm = LLM(model=model, kv_cache_memory="64MiB", enable_prefix_caching=False,
                   max_model_len=max(args.window, 16), log_stats=False, **kwargs)
         engines[label] = llm.llm_engine
     ref = engines["auto"]

@@ -87,18 +87,32 @@ class MoeForCausalLM(LlamaForCausalLM):
 
 def _renamed(tensors: Iterable[tuple[str, str, torch.Tensor | LazyTensor | GgufTensor]]
              ) -> Iterator[tuple[str, str, torch.Tensor | LazyTensor | GgufTensor]]:
-    """Every tensor under Qwen's MoE names: Mixtral's renamed, gpt-oss's router renamed and its
-    stacked experts split (``gpt_oss_experts``)."""
+    """Every tensor under Qwen's MoE names (``split_stacked``)."""
     for file, name, t in tensors:
-        m = GPT_OSS_EXPERTS.match(name)
-        if m is not None:
-            value = t.read() if isinstance(t, LazyTensor) else t
-            if not isinstance(value, torch.Tensor):
-                raise ValueError(f"{file}: {name} is quantized; gpt-oss's experts load from float tensors")
-            for split_name, part in gpt_oss_experts(m.group(1), m.group(2), value, m.group(3)):
-                yield file, split_name, part
+        if GPT_OSS_EXPERTS.match(name) is None:
+            yield file, qwen_name(name), t
             continue
-        yield file, mixtral_name(name).replace(".mlp.router.", ".mlp.gate."), t
+        value = t.read() if isinstance(t, LazyTensor) else t
+        if not isinstance(value, torch.Tensor):
+            raise ValueError(f"{file}: {name} is quantized; gpt-oss's experts load from float tensors")
+        for split_name, part in split_stacked(name, value):
+            yield file, split_name, part
+
+
+def qwen_name(name: str) -> str:
+    """A tensor name as the MoE layers name it: Mixtral's renamed, gpt-oss's router as ``mlp.gate``
+    (other names unchanged)."""
+    return mixtral_name(name).replace(".mlp.router.", ".mlp.gate.")
+
+
+def split_stacked(name: str, t: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    """One checkpoint tensor under the MoE layers' names: gpt-oss's stacked experts split one
+    tensor per expert and projection (``gpt_oss_experts``), any other renamed (``qwen_name``)."""
+    m = GPT_OSS_EXPERTS.match(name)
+    if m is None:
+        yield qwen_name(name), t
+    else:
+        yield from gpt_oss_experts(m.group(1), m.group(2), t, m.group(3))
 
 
 def gpt_oss_experts(layer: str, proj: str, t: torch.Tensor, suffix: str | None = None

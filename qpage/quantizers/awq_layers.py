@@ -219,8 +219,10 @@ def _expert(lay: _Layer, e: str, gate_up: InputRecorder, down: InputRecorder) ->
         return
     inter = lay.linears[dn].in_features
     h_down = down.hessian()
-    s = search_scale(h_down, down.mean_abs(), lay.linears[dn].weight.data, sc.bits, sc.group_size, sc.sym)[0]
-    _fold(lay, dn, s, *_rows(lay.linears[gu], inter, 2 * inter, f"{e}.up_proj.bias"))
+    if lay.layer.get_submodule(e).swiglu is None:  # gpt-oss's clamped (up + 1) does not commute with 1/s
+        s = search_scale(h_down, down.mean_abs(), lay.linears[dn].weight.data, sc.bits, sc.group_size, sc.sym)[0]
+        _fold(lay, dn, s, *_rows(lay.linears[gu], inter, 2 * inter, f"{e}.up_proj.bias"))
+        h_down = h_down / (s[:, None] * s[None, :])
     lay.quantize(gu, gate_up.hessian(), lay.clip)
-    lay.quantize(dn, h_down / (s[:, None] * s[None, :]), lay.clip)
+    lay.quantize(dn, h_down, lay.clip)
 

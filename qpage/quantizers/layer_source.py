@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from qpage.formats.safetensors_io import iter_tensors, read_header, write_file
 from qpage.layers.linear.factory import Linear
 from qpage.models.loader import read_arch_config, weight_files
-from qpage.models.moe import mixtral_name
+from qpage.models.moe import qwen_name, split_stacked
 from qpage.models.registry import model_class
 
 Result = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]
@@ -34,11 +34,11 @@ class LayerSource:
         self.arch = read_arch_config(src)
         self.where: dict[str, Path] = {}
         self.stored: dict[str, str] = {}
-        """A tensor's name in the model (Mixtral's experts as Qwen's) -> its name in the checkpoint."""
+        """A tensor's name in the model (``models.moe.qwen_name``) -> its name in the checkpoint."""
         for f in weight_files(src, allow_pickle=False):
             for name in read_header(f)[0]:
                 self.where[name] = f
-                self.stored[mixtral_name(name)] = name
+                self.stored[qwen_name(name)] = name
         a = self.arch
         kinds = [(a.layer_types[i] if a.layer_types else "all", a.is_sparse(i)) for i in range(a.num_layers)]
         self._kinds = kinds
@@ -76,19 +76,22 @@ class LayerSource:
     def layer(self, i: int) -> Any:
         """The shell's decoder layer, holding layer ``i`` of the checkpoint (fp32)."""
         pre = f"model.layers.{i}."
-        tensors = self.read([n for n in self.where if n.startswith(pre)])
+        tensors = {}  # under the model's names, gpt-oss's stacked experts split
+        for name, t in self.read([n for n in self.where if n.startswith(pre)]).items():
+            tensors.update(split_stacked(name, t))
         shell, kind = self.shell(i), self._kinds[i]
         targets = {n: t for n, t in shell.weight_targets().items() if n.startswith("model.layers.0.")}
         for name, (dest, off, rows) in targets.items():
-            src_name = self.stored.get(pre + name[len("model.layers.0."):], pre + name[len("model.layers.0."):])
-            t = tensors.get(src_name)
+            model_name = pre + name[len("model.layers.0."):]
+            t = tensors.get(model_name)
+            src_name = self.stored.get(model_name, model_name)
             if t is None:
                 raise ValueError(f"checkpoint is missing {src_name}; it is incomplete or not a "
                                  f"{self.arch.architecture}")
             want = (rows, *dest.shape[1:])
             if tuple(t.shape) != want:
-                raise ValueError(f"{self.where[src_name]}: tensor {src_name!r} has shape {tuple(t.shape)}, "
-                                 f"expected {want} from config.json")
+                raise ValueError(f"{self.where.get(src_name, 'checkpoint')}: tensor {src_name!r} has shape "
+                                 f"{tuple(t.shape)}, expected {want} from config.json")
             dest[off : off + rows].copy_(t)
         layer = shell.layers[0]
         if kind not in self._prepared:  # the BLAS copies share storage with the weights: refills reach them

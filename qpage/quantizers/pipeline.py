@@ -200,9 +200,6 @@ def quantize_checkpoint(src: Path, out: Path, scheme: QuantScheme, shard_bytes: 
     if "quantization_config" in config:
         raise ValueError(f"{src} is already quantized ({config['quantization_config'].get('quant_method')}); "
                          "quantize the original checkpoint")
-    if "GptOssForCausalLM" in (config.get("architectures") or []) and scheme.method in CALIBRATED:
-        raise ValueError(f"{src}: calibrated quantization of gpt-oss ({scheme.method}) is not supported yet; "
-                         "use --scheme int4-rtn or int8-rtn")
     files = weight_files(src, allow_pickle=False)
     shapes = _linear_shapes(files)
     total = len(shapes)

@@ -115,7 +115,8 @@ def assert_router_absorbed_the_scale(src: Path, out: Path) -> None:
     a, b = tensors(src), tensors(out)
     scaled = 0
     for name in a:
-        if not name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight", "shared_expert_gate.weight")):
+        if not name.endswith(("mlp.gate.weight", "mlp.router.weight", "block_sparse_moe.gate.weight",
+                              "shared_expert_gate.weight")):
             continue
         norm = name.split(".mlp.")[0].split(".block_sparse_moe.")[0] + ".post_attention_layernorm.weight"
         torch.testing.assert_close(b[name] * b[norm], a[name] * a[norm], rtol=1e-5, atol=1e-7)
@@ -176,19 +177,23 @@ def test_gptq_in_several_passes_writes_the_same_checkpoint(tmp_path: Path, monke
     assert one and one.keys() == many.keys() and all(torch.equal(one[k], many[k]) for k in one)
 
 
-def test_gpt_oss_quantized_by_qpage_runs_packed(tmp_path: Path) -> None:
-    """gpt-oss's stacked experts are written one tensor per expert (GPTQ layout, RTN) and run
-    packed (its experts on the C block) within a mean KL of 0.01 of the float
-    model (measured 0.005); calibrated schemes are refused by name, leaving nothing behind."""
+@pytest.mark.parametrize("scheme", ["int4-rtn", "int4-gptq", "int4-awq"])
+def test_gpt_oss_quantized_by_qpage_runs_packed(tmp_path: Path, scheme: str) -> None:
+    """gpt-oss's stacked experts are written one tensor per expert (GPTQ layout) and run packed
+    (its experts on the C block) within a mean KL of 0.01 of the float model; calibrated
+    schemes calibrate each expert on the rows routed to it (the calibration layer splits the
+    stacked experts as the loader does)."""
     from qpage.formats.scheme import QuantScheme
     from qpage.quantizers.pipeline import quantize_checkpoint
 
     src, ref = build(tmp_path / "f", *MOE_CASES["gpt-oss"])
-    with pytest.raises(ValueError, match=r"calibrated quantization of gpt-oss \(gptq\) is not supported yet"):
-        quantize_checkpoint(src, tmp_path / "g", QuantScheme.parse("int4-gptq"), progress=False, calib=[[1, 2, 3]])
-    assert not (tmp_path / "g").exists()
-    report = quantize_checkpoint(src, tmp_path / "q", QuantScheme.parse("int4-rtn", group_size=32), progress=False)
+    g = torch.Generator().manual_seed(3)
+    calib = [torch.randint(0, 256, (64,), generator=g).tolist() for _ in range(4)]
+    report = quantize_checkpoint(src, tmp_path / "q", QuantScheme.parse(scheme, group_size=32), progress=False,
+                                 calib=calib, fmt="gptq")
     assert report.linears == 3 * (4 + 3 * 8)
+    if scheme.endswith("awq"):
+        assert_router_absorbed_the_scale(src, tmp_path / "q")
     h = RunnerHarness(tmp_path / "q", num_blocks=32)
     assert {m.kernel_path for m in h.model.quant_linears()} == {"cpu-blocks"}
     assert {m.experts_path for m in h.model.modules() if hasattr(m, "experts_path")} == {"cpu-native"}
@@ -197,4 +202,5 @@ def test_gpt_oss_quantized_by_qpage_runs_packed(tmp_path: Path) -> None:
     with torch.no_grad():
         want = ref(torch.tensor([ids])).logits[0]
     kl = torch.nn.functional.kl_div(got.log_softmax(-1), want.log_softmax(-1), log_target=True, reduction="none")
+    print(f"{scheme}: mean KL {float(kl.sum(-1).mean()):.2e}")
     assert float(kl.sum(-1).mean()) < 0.01
