@@ -140,7 +140,6 @@ def main() -> None:
     from qpage import LLM
     from qpage.eval.perplexity import kl_rows, nll_sum, score_window, token_windows
     from qpage.formats.gguf import default_model_dir
-    from qpage.layers.attention.kv_format import KVCacheSpec
 
     # The fp32 weights, not the packed GGUF: its matmuls round activations to int8, and any
     # change to a layer's input re-rounds them (between two caches that alone is a mean KL of
@@ -152,7 +151,6 @@ def main() -> None:
                   max_model_len=max(args.window, 16), log_stats=False, **kwargs)
         engines[label] = llm.llm_engine
     ref = engines["auto"]
-    arch = ref.arch
     windows = token_windows(ref.tokenizer, Path(args.data), args.window, args.windows,
                             max_chars=200 * args.window * args.windows)
     nll = dict.fromkeys(engines, 0.0)
@@ -177,36 +175,46 @@ def main() -> None:
         count += len(ids) - 1
         print(f"window {w + 1}/{len(windows)} ({time.perf_counter() - t0:.0f} s): "
               + ", ".join(f"{k} ppl {math.exp(v / count):.4f}" for k, v in nll.items()), flush=True)
-    fp16_bytes = KVCacheSpec(torch.float16).bytes_per_token(arch.num_layers, arch.num_kv_heads, arch.head_dim)
-    rows_out: list[dict[str, Any]] = []
-    ppl_auto = math.exp(nll["auto"] / count)
-    for label, eng in engines.items():
-        spec = eng.kv_spec
-        b = spec.bytes_per_token(arch.num_layers, arch.num_kv_heads, arch.head_dim)
-        ppl = math.exp(nll[label] / count)
-        shift = torch.cat(gap_shift[label]) if gap_shift[label] else torch.zeros(1)
-        rows_out.append(dict(mode=label, kv_cache=spec.describe(), bytes_per_token=b,
-                             vs_fp16=b / fp16_bytes, vs_auto=b / ref.kv_spec.bytes_per_token(
-                                 arch.num_layers, arch.num_kv_heads, arch.head_dim),
-                             perplexity=ppl, ppl_delta_pct=100 * (ppl / ppl_auto - 1),
-                             mean_kl=kl[label] / count if label != "auto" else 0.0,
-                             max_kl=kl_max[label], gap_shift_mean=float(shift.mean()),
-                             gap_shift_p99=float(shift.quantile(0.99)), gap_shift_max=float(shift.max())))
     result = dict(model=ref.model_dir.name, model_dtype=str(ref.dtype), data=Path(args.data).name,
-                  windows=len(windows), window=args.window,
-                  chunk=args.chunk, tokens_scored=count, fp16_bytes_per_token=fp16_bytes, modes=rows_out)
+                  windows=len(windows), window=args.window, chunk=args.chunk, tokens_scored=count,
+                  modes=mode_rows(engines, nll, kl, kl_max, gap_shift, count))
     out = Path(args.out or ROOT / "benchmarks" / "results" / "kv_cache.json")
     write_json(result, out)
     print(f"\n{result['model']} ({result['model_dtype']}), {len(windows)} windows x {args.window} tokens, "
           f"chunk {args.chunk}: {count} positions scored")
     print(f"{'mode':<24} {'B/token':>8} {'vs fp16':>8} {'vs auto':>8} {'perplexity':>11} {'d ppl %':>8} "
           f"{'mean KL':>10} {'max KL':>8} {'gap shift mean/p99/max':>23}")
-    for r in rows_out:
+    for r in result["modes"]:
         print(f"{r['mode']:<24} {r['bytes_per_token']:>8} {r['vs_fp16']:>8.4f} {r['vs_auto']:>8.4f} "
               f"{r['perplexity']:>11.4f} {r['ppl_delta_pct']:>+8.3f} {r['mean_kl']:>10.2e} {r['max_kl']:>8.3f} "
               f"{r['gap_shift_mean']:>7.3f}/{r['gap_shift_p99']:.3f}/{r['gap_shift_max']:.3f}")
     print(f"wrote {out}")
 
+
+def mode_rows(engines: dict[str, Any], nll: dict[str, float], kl: dict[str, float], kl_max: dict[str, float],
+              gap_shift: dict[str, list[Any]], count: int) -> list[dict[str, Any]]:
+    """One row per mode: bytes per token (against fp16 and ``auto``), perplexity and its change,
+    KL and the top-2 gap shift's mean, 99th percentile and maximum."""
+    import torch
+
+    from qpage.layers.attention.kv_format import KVCacheSpec
+
+    ref = engines["auto"]
+    a = ref.arch
+    fp16_bytes = KVCacheSpec(torch.float16).bytes_per_token(a.num_layers, a.num_kv_heads, a.head_dim)
+    auto_bytes = ref.kv_spec.bytes_per_token(a.num_layers, a.num_kv_heads, a.head_dim)
+    ppl_auto = math.exp(nll["auto"] / count)
+    rows = []
+    for label, eng in engines.items():
+        b = eng.kv_spec.bytes_per_token(a.num_layers, a.num_kv_heads, a.head_dim)
+        ppl = math.exp(nll[label] / count)
+        shift = torch.cat(gap_shift[label]) if gap_shift[label] else torch.zeros(1)
+        rows.append(dict(mode=label, kv_cache=eng.kv_spec.describe(), bytes_per_token=b, vs_fp16=b / fp16_bytes,
+                         vs_auto=b / auto_bytes, perplexity=ppl, ppl_delta_pct=100 * (ppl / ppl_auto - 1),
+                         mean_kl=kl[label] / count if label != "auto" else 0.0, max_kl=kl_max[label],
+                         gap_shift_mean=float(shift.mean()), gap_shift_p99=float(shift.quantile(0.99)),
+                         gap_shift_max=float(shift.max()), fp16_bytes_per_token=fp16_bytes))
+    return rows
 
 if __name__ == "__main__":
     main()

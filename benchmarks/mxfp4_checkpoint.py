@@ -92,6 +92,8 @@ def main() -> None:
         raise SystemExit("pass --make DIR, or --folder and --gguf")
     diff = same_logits(args.folder, args.gguf)
     print(f"max |logit difference| between the two sources: {diff:.3g}")
+    if diff != 0:
+        raise SystemExit("the two sources hold the same weights, so qpage's logits must be equal")
     runs: dict[str, list[dict[str, float]]] = {"safetensors (MXFP4)": [], "gguf (llama.cpp's conversion)": []}
     for r in range(args.rounds):
         for label, path in zip(runs, (args.folder, args.gguf), strict=True):

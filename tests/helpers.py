@@ -66,7 +66,8 @@ tokens, the scores that decided must hold the two picks within this of each othe
 noise moves the gap between two tokens' logprobs by under 0.1 at the 99th percentile (an
 int8 cache: 0.088 over 8176 positions, docs/kv-cache.md#quality), so such runs flip only
 near-ties, while a fault moves tokens by far more. An FP8 cache moves gaps by several times
-that (99th percentile 0.39): FP8 runs are compared by KL instead."""
+that (99th percentile 0.39): FP8 runs are compared with fp32 runs by KL instead (two paths
+over one FP8 cache may still be compared by this rule)."""
 
 
 def first_parting(a: Sequence[int], b: Sequence[int]) -> int | None:

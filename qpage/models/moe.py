@@ -94,7 +94,8 @@ def _renamed(tensors: Iterable[tuple[str, str, torch.Tensor | LazyTensor | GgufT
             continue
         value = t.read() if isinstance(t, LazyTensor) else t
         if not isinstance(value, torch.Tensor):
-            raise ValueError(f"{file}: {name} is quantized; gpt-oss's experts load from float tensors")
+            raise ValueError(f"{file}: {name} is a GGUF-typed stacked tensor; gpt-oss's stacked experts load from "
+                             "safetensors (float or MXFP4 blocks)")
         for split_name, part in split_stacked(name, value):
             yield file, split_name, part
 
@@ -115,7 +116,7 @@ def split_stacked(name: str, t: torch.Tensor) -> Iterator[tuple[str, torch.Tenso
         yield from gpt_oss_experts(m.group(1), m.group(2), t, m.group(3))
 
 
-def gpt_oss_experts(layer: str, proj: str, t: torch.Tensor, suffix: str | None = None
+def gpt_oss_experts(layer: str, proj: str, t: torch.Tensor, suffix: str | None
                     ) -> Iterator[tuple[str, torch.Tensor]]:
     """gpt-oss's stacked experts as one tensor per expert and projection, with gate and up
     apart. ``gate_up_proj`` [experts, hidden, 2 inter] holds x -> [gate, up] with gate and up

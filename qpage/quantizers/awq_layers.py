@@ -13,7 +13,8 @@ it; they stay float). It is searched on the summed output error of all experts, 
 the rows routed to it. Each expert's down then gets its own scale (folded into its up rows)
 from its routed rows. Experts' statistics are recorded in passes within
 ``calibrate.HESSIAN_BUDGET``; an expert that saw fewer than ``calibrate.MIN_ROWS`` rows is
-rounded (RTN) and counted.
+rounded (RTN) and counted. The shared scale is judged at gate/up's output, as AWQ judges every
+linear, not at the block's output after routing weights, activation and down.
 """
 
 from __future__ import annotations
@@ -118,7 +119,8 @@ def _awq(src: Path, scheme: QuantScheme, windows: list[list[int]], store: Result
                                              scheme.bits, scheme.group_size, scheme.sym)[0], *prev)
             hess[key] = hess[key] / (s[:, None] * s[None, :])  # the inputs are now x / s
         if moe is not None:
-            _experts(lay, moe, rec["mlp"].mean_abs(), hidden, backend)
+            x_mean = rec.pop("mlp").mean_abs()  # its H is not needed: free it before the experts' passes
+            _experts(lay, moe, x_mean, hidden, backend)
         for key in dense:
             lay.quantize(key, hess[key], clip and key != "self_attn.qkv_proj")  # q/k feed a softmax: unclipped
         lay.keep("input_layernorm.weight", lay.layer.input_layernorm.weight.data)
@@ -225,4 +227,3 @@ def _expert(lay: _Layer, e: str, gate_up: InputRecorder, down: InputRecorder) ->
         h_down = h_down / (s[:, None] * s[None, :])
     lay.quantize(gu, gate_up.hessian(), lay.clip)
     lay.quantize(dn, h_down, lay.clip)
-

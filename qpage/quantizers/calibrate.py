@@ -198,7 +198,7 @@ def passes(sizes: dict[str, int]) -> list[list[str]]:
 
 
 def run_layer(model: Any, layer: Any, hidden: list[torch.Tensor], backend: Any, c: Any,
-               record: tuple[dict[str, Any], dict[str, _Hessian]] | None) -> list[torch.Tensor]:
+              record: tuple[dict[str, Any], dict[str, _Hessian]] | None) -> list[torch.Tensor]:
     """Each window through one decoder layer (a fresh prefill), recording linear inputs if asked;
     ``model``: the one-layer shell that holds ``layer`` (its rotary tables)."""
     saved = {}

@@ -220,10 +220,12 @@ def quantize_checkpoint(src: Path, out: Path, scheme: QuantScheme, shard_bytes: 
         calibrated, overrides = _calibrate(src, scheme, calib, progress, tmp / ".calibration")
         bar = progress_bar(total, progress)
         done = 0
+        unused = set(overrides)
         for name, t in _tensors(files):
             m = LINEAR.match(name)
             if m is None:
                 writer.add(name, overrides[name].to(t.dtype) if name in overrides else t)
+                unused.discard(name)
                 continue
             for key, packed in _quantize_linear(m.group(1), t, scheme, calibrated, fmt).items():
                 writer.add(key, packed)
@@ -232,6 +234,9 @@ def quantize_checkpoint(src: Path, out: Path, scheme: QuantScheme, shard_bytes: 
                 bar.update(1)
         if bar is not None:
             bar.close()
+        if unused:  # a rewritten float tensor the checkpoint names otherwise: the model would change
+            raise ValueError(f"{src}: {scheme.method} rewrote {sorted(unused)[:3]}, which the checkpoint does not "
+                             "hold under those names (fused projections?); quantize it with gptq or rtn")
         writer.finish()
         shutil.rmtree(tmp / ".calibration", ignore_errors=True)
         config["quantization_config"] = _quantization_config(scheme, fmt)

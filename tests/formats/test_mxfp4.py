@@ -2,9 +2,11 @@
 published checkpoints store them (``*_blocks`` / ``*_scales``, ``quant_method: mxfp4``), against
 transformers' own loader of that checkpoint (it dequantizes MXFP4 on CPU).
 
-Dequantized, qpage's logits are within 2e-4 of transformers' (the same weights; summation order
-only); packed (the experts on the C block, int8 activations as every block format) within a
-mean KL of 0.01.
+Dequantized, qpage's logits are within 2e-4 of transformers' (the same weights: summation order
+only, the architecture tests' bound; measured 4.8e-7); packed (the experts on the C block,
+int8 activations as every block format) within a mean KL of 0.01, the GGUF tests' bound
+(measured 8e-7). ``benchmarks/mxfp4_checkpoint.py`` compares the packed path with llama.cpp's
+conversion of a larger such checkpoint: equal logits.
 """
 
 from __future__ import annotations
@@ -54,11 +56,11 @@ def test_mxfp4_checkpoint_matches_transformers(mxfp4_model: tuple[Path, torch.nn
 
 def test_ggml_rows_reorder_the_nibbles_only() -> None:
     """A block's 32 codes, given in pairs (2j, 2j + 1), come out as ggml's (j, j + 16)."""
-    codes = torch.arange(32, dtype=torch.uint8) % 16
+    codes = torch.tensor(list(range(16)) + list(range(15, -1, -1)), dtype=torch.uint8)  # j + 16 holds 15 - j
     packed = (codes[0::2] | (codes[1::2] << 4)).reshape(1, 1, 16)
     row = ggml_rows(packed.numpy(), torch.tensor([[131]], dtype=torch.uint8).numpy())[0]
     assert row[0] == 131
-    assert [b & 15 for b in row[1:]] == list(range(16)) and [b >> 4 for b in row[1:]] == list(range(16))
+    assert [b & 15 for b in row[1:]] == list(range(16)) and [b >> 4 for b in row[1:]] == list(range(15, -1, -1))
 
 
 def test_incomplete_or_odd_mxfp4_checkpoints_are_refused(mxfp4_model: tuple[Path, torch.nn.Module],

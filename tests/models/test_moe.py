@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from qpage.models.loader import read_arch_config
 from tests.helpers import RunnerHarness
@@ -154,11 +154,11 @@ def test_moe_config_fields_and_refusals() -> None:
         parse_arch_config({**base, "architectures": ["DeepseekV3ForCausalLM"]})
 
 
-def test_gptq_in_several_passes_writes_the_same_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A layer whose Hessians exceed the budget is recorded in several passes over the
+@pytest.mark.parametrize("scheme", ["int4-gptq", "int4-awq"])
+def test_calibration_in_several_passes_writes_the_same_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                  scheme: str) -> None:
+    """A layer whose statistics exceed the budget is recorded in several passes over the
     calibration windows, each seeing the layer as it was: the checkpoint is the same bytes."""
-    from safetensors.torch import load_file
-
     from qpage.formats.scheme import QuantScheme
     from qpage.quantizers import calibrate
     from qpage.quantizers.pipeline import quantize_checkpoint
@@ -166,15 +166,51 @@ def test_gptq_in_several_passes_writes_the_same_checkpoint(tmp_path: Path, monke
     cls_name, extra = MOE_CASES["qwen2-moe"]
     src, _ = build(tmp_path / "f", cls_name, extra)
     calib = [torch.randint(0, 256, (64,), generator=torch.Generator().manual_seed(3)).tolist() for _ in range(2)]
-    scheme = QuantScheme.parse("int4-gptq", group_size=32)
-    quantize_checkpoint(src, tmp_path / "one", scheme, progress=False, calib=calib)
+    parsed = QuantScheme.parse(scheme, group_size=32)
+    quantize_checkpoint(src, tmp_path / "one", parsed, progress=False, calib=calib)
     monkeypatch.setattr(calibrate, "HESSIAN_BUDGET", 8 * 64 * 64)  # one 64-wide linear a pass
-    quantize_checkpoint(src, tmp_path / "many", scheme, progress=False, calib=calib)
+    quantize_checkpoint(src, tmp_path / "many", parsed, progress=False, calib=calib)
+
     def tensors(folder: Path) -> dict[str, torch.Tensor]:
         return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
 
     one, many = tensors(tmp_path / "one"), tensors(tmp_path / "many")
     assert one and one.keys() == many.keys() and all(torch.equal(one[k], many[k]) for k in one)
+
+
+def test_awq_folds_keep_the_float_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """AWQ's scales alone, with its rounding and clipping left out, keep the float model: a
+    Qwen2-MoE without GQA (o's scale folds into v's rows and their bias), with its shared
+    expert, whose folded weights, norms, router, shared-expert gate and biases are written back
+    as a float checkpoint, gives transformers' logits within 2e-4 (summation order only)."""
+    from types import SimpleNamespace
+
+    from qpage.formats.scheme import QuantScheme
+    from qpage.quantizers import awq_layers
+
+    cls_name, extra = MOE_CASES["qwen2-moe"]
+    src, ref = build(tmp_path / "f", cls_name, {**extra, "num_key_value_heads": 4})
+    monkeypatch.setattr(awq_layers, "quantize_rtn", lambda w, *a, **k: (w.t().clone(), w[:1], w[:1]))
+    monkeypatch.setattr(awq_layers, "dequantize_rtn", lambda q, s, z, g: q.t())  # the weight as it is
+    results: dict[str, torch.Tensor] = {}
+    sink = SimpleNamespace(rtn_fallbacks=[], put_layer=lambda i, out: results.update(
+        {f"{p}.weight": r[0].t().contiguous() for p, r in out.items()}))
+    calib = [torch.randint(0, 256, (64,), generator=torch.Generator().manual_seed(3)).tolist() for _ in range(4)]
+    _, rewritten = awq_layers.awq_calibrate(src, QuantScheme.parse("int4-awq", group_size=32), calib,
+                                            sink, clip=False)  # type: ignore[arg-type]
+    folded = {**load_file(src / "model.safetensors"), **results, **rewritten}
+    assert results.keys() <= load_file(src / "model.safetensors").keys()
+    assert any("v_proj.bias" in k for k in rewritten) and any("shared_expert_gate" in k for k in rewritten)
+    out = tmp_path / "folded"
+    out.mkdir()
+    (out / "config.json").write_bytes((src / "config.json").read_bytes())
+    save_file({k: v.contiguous() for k, v in folded.items()}, str(out / "model.safetensors"))
+    h = RunnerHarness(out, num_blocks=32)
+    ids = calib[0][:40]
+    got = h.step([(h.request("a", ids), len(ids))])["a"]
+    with torch.no_grad():
+        want = ref(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(got, want, atol=2e-4, rtol=0)
 
 
 @pytest.mark.parametrize("scheme", ["int4-rtn", "int4-gptq", "int4-awq"])
@@ -202,5 +238,4 @@ def test_gpt_oss_quantized_by_qpage_runs_packed(tmp_path: Path, scheme: str) -> 
     with torch.no_grad():
         want = ref(torch.tensor([ids])).logits[0]
     kl = torch.nn.functional.kl_div(got.log_softmax(-1), want.log_softmax(-1), log_target=True, reduction="none")
-    print(f"{scheme}: mean KL {float(kl.sum(-1).mean()):.2e}")
     assert float(kl.sum(-1).mean()) < 0.01
