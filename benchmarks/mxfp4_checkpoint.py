@@ -52,7 +52,7 @@ def make(out: Path) -> tuple[Path, Path]:
     from llamacpp_convert import convert
 
     from qpage.formats.gguf import default_model_dir
-    from tests.formats.gguf_writing import write_mxfp4
+    from tests.formats.mxfp4_writing import write_mxfp4
 
     folder, gguf = out / "gpt-oss-1b-mxfp4", out / "gpt-oss-1b-mxfp4.gguf"
     float_dir = build(*SPEED_GPT_OSS, out / "gpt-oss-1b-float", default_model_dir())

@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 
 from qpage.formats.mxfp4 import ggml_rows
 from qpage.inspect_model import quant_info
-from tests.formats.gguf_writing import write_mxfp4
+from tests.formats.mxfp4_writing import write_mxfp4
 from tests.helpers import RunnerHarness
 from tests.models.test_architectures import MOE_CASES, build
 
